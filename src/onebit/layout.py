@@ -1,0 +1,52 @@
+"""Flat buffers for optimizer state, with per-parameter views and communication buckets.
+
+Parameters are laid out in ``param_groups`` order and parameter order in one flat fp32 buffer
+(SPEC section 3). Buckets are consecutive slices of it. The bucket length is a multiple of
+``8 * world_size``, so only the last bucket needs padding, and a padded scratch buffer of
+:attr:`FlatLayout.padded_numel` elements holds every bucket as a contiguous, ready-to-send slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .compress import padded_numel
+
+
+class FlatLayout:
+    """Where each parameter lives in the flat buffers, and how they split into buckets."""
+
+    def __init__(self, params: list[Tensor], bucket_size: int, world_size: int) -> None:
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.offsets = []
+        offset = 0
+        for n in self.numels:
+            self.offsets.append(offset)
+            offset += n
+        self.numel = offset
+        quantum = 8 * world_size
+        self.bucket_size = max(quantum, bucket_size // quantum * quantum)
+        starts = range(0, max(self.numel, 1), self.bucket_size)
+        self.buckets = [(s, min(s + self.bucket_size, self.numel)) for s in starts]
+        self.padded_numel = self.buckets[-1][0] + padded_numel(
+            self.buckets[-1][1] - self.buckets[-1][0], world_size
+        )
+
+    def zeros(self, padded: bool = False, device: torch.device | None = None) -> Tensor:
+        """A new zero fp32 flat buffer; ``padded`` gives the bucket-padded length."""
+        return torch.zeros(self.padded_numel if padded else self.numel, device=device)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views of ``flat``, shaped like the parameters."""
+        return [
+            flat[o : o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)
+        ]
+
+    def bucket_views(self, flat: Tensor, padded: bool = False) -> list[Tensor]:
+        """Per-bucket slices of ``flat``; with ``padded`` the last one includes its padding."""
+        ends = [e for _, e in self.buckets]
+        if padded:
+            ends[-1] = self.padded_numel
+        return [flat[s:e] for (s, _), e in zip(self.buckets, ends)]

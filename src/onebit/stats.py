@@ -1,0 +1,46 @@
+"""Communication accounting: what each optimizer step handed to collectives."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent, per step and in total, split by stage.
+
+    Stages are named by the optimizer (``"warmup"``, ``"compression"``, ``"local"``...).
+    ``rounds_skipped`` counts steps that needed no communication at all (0/1 Adam's local steps).
+    """
+
+    last_step_bytes: int = 0
+    last_step_stage: str = ""
+    total_bytes: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    rounds_skipped: int = 0
+    freeze_step: int | None = None
+
+    def record(self, stage: str, nbytes: int, round_skipped: bool = False) -> None:
+        """Account one step of ``stage`` that sent ``nbytes``; ``round_skipped`` if it sent nothing
+        where a synchronous optimizer would have communicated."""
+        self.last_step_bytes = nbytes
+        self.last_step_stage = stage
+        self.total_bytes[stage] = self.total_bytes.get(stage, 0) + nbytes
+        self.steps[stage] = self.steps.get(stage, 0) + 1
+        self.rounds_skipped += round_skipped
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.total_bytes.values())
+
+    def mean_bytes_per_step(self, stage: str) -> float:
+        """Average bytes per step of ``stage`` so far (0 if none)."""
+        steps = self.steps.get(stage, 0)
+        return self.total_bytes.get(stage, 0) / steps if steps else 0.0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, dict(value) if isinstance(value, dict) else value)

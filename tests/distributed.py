@@ -1,0 +1,58 @@
+"""Run a function on several gloo ranks in fresh processes, and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, args: tuple, workdir: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(workdir) / f"result{rank}.pt")
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` must be a module-level function. An exception on any rank fails the caller with that
+    rank's traceback; a hang fails it after ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory() as workdir:
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, args, workdir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks ran past {timeout}s")
+        return [
+            torch.load(Path(workdir) / f"result{r}.pt", weights_only=False)
+            for r in range(world_size)
+        ]
