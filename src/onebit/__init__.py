@@ -4,12 +4,23 @@ Layers, each depending only on those before it:
 
 * :mod:`onebit.compress`: sign, scale and 8-per-byte packing;
 * :mod:`onebit.comm`: :class:`CompressedAllreduce`, the error-compensated 1-bit allreduce;
-* the optimizers: :class:`OnebitAdam`.
+* the optimizers: :class:`OnebitAdam`, :class:`ZeroOneAdam`, :class:`OnebitLamb`
+  (``freeze_step="auto"``: :class:`AutoFreeze`).
 """
 
 from .adam import OnebitAdam
 from .comm import CompressedAllreduce
+from .freeze import AutoFreeze
+from .lamb import OnebitLamb
 from .stats import CommStats
+from .zero_one_adam import ZeroOneAdam
 
-__all__ = ["CommStats", "CompressedAllreduce", "OnebitAdam"]
+__all__ = [
+    "AutoFreeze",
+    "CommStats",
+    "CompressedAllreduce",
+    "OnebitAdam",
+    "OnebitLamb",
+    "ZeroOneAdam",
+]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -13,12 +13,12 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
-    check_step_count,
 )
+from .freeze import AutoFreeze, VarianceFreezeMixin
 from .functional import adam_denominator, adam_moments_, adamw_update_, bias_correction
 
 
-class OnebitAdam(CompressedOptimizer):
+class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     """AdamW whose gradient communication drops to 1 bit per element after a warmup.
 
     A drop-in replacement for ``torch.optim.AdamW`` plus ``DistributedDataParallel``: do not
@@ -34,6 +34,8 @@ class OnebitAdam(CompressedOptimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         freeze_step: warmup length T. Choose it where Adam's variance has stopped moving;
             the paper uses 15-25% of training. Longer is safer and sends more bytes.
+            ``"auto"`` freezes once the variance is stable (:class:`~onebit.freeze.AutoFreeze`
+            says how); the step it chose is then ``freeze_step`` and ``comm_stats.freeze_step``.
         bias_correction: Adam's bias correction (the reference implementation had none).
         process_group: the data-parallel group; ``None`` is the default group, or a single
             process if ``torch.distributed`` is not initialised.
@@ -42,6 +44,7 @@ class OnebitAdam(CompressedOptimizer):
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter.
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
             (unused embedding rows, say) at zero in the compression stage.
+        auto_freeze: knobs of ``freeze_step="auto"``.
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
@@ -60,17 +63,19 @@ class OnebitAdam(CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: int,
+        freeze_step: int | Literal["auto"],
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
+        auto_freeze: AutoFreeze | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        self.freeze_step = check_step_count("freeze_step", freeze_step)
+        self._init_freeze_step(freeze_step, auto_freeze)
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")
         self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
         self._masks = [
@@ -81,7 +86,7 @@ class OnebitAdam(CompressedOptimizer):
     @property
     def stage(self) -> str:
         """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
-        return "warmup" if self.num_steps < self.freeze_step else "compression"
+        return "warmup" if self.in_warmup else "compression"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -105,14 +110,22 @@ class OnebitAdam(CompressedOptimizer):
                 view.mul_(mask)
         if applied:
             t = self.num_steps + 1
-            frozen_t = min(t, self.freeze_step)
+            frozen_t = self._variance_step(t)
             bc2 = bias_correction(beta2, frozen_t, self.bias_correction)
             denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            if stage == "warmup":
+                self._observe_variance(t, denom)
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
         self._end_step(stage, nbytes, applied)
         return loss
+
+    def _extra_state(self) -> dict[str, Any]:
+        return self._freeze_state()
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._load_freeze_state(state)
 
 
 def _check_masks(

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .compress import (
+    average_signs_,
     check_scale,
-    compute_scale,
-    pack_signs,
+    compress_,
+    decompress_,
     padded_numel,
     subtract_compressed_,
-    unpack_signs,
 )
 
 _SCALE_BYTES = 4
@@ -142,13 +142,14 @@ class CompressedAllreduce:
         The worker error is not yet updated: :meth:`serve` commits it once every rank's scale is
         known to be finite.
         """
-        y = buffer.add_(self.worker_error)
-        scale = compute_scale(y, self.scale)
+        buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
+        y = buffer
+        packed, scale = compress_(y, self.worker_error, self.scale)
         n, chunk = self.world_size, self._chunk_bytes
         message = torch.empty(n, chunk + _SCALE_BYTES, dtype=torch.uint8, device=y.device)
         if self.numel:
-            message[:, :chunk] = pack_signs(y).view(n, chunk)
-            message[:, chunk:] = scale.reshape(1).view(torch.uint8)
+            message[:, :chunk] = packed.view(n, chunk)
+            message[:, chunk:] = scale.reshape(1).to(y.device).view(torch.uint8)
         if n == 1 or not self.numel:
             return _Call(y, scale, message, None)
         received = torch.empty_like(message)
@@ -169,14 +170,13 @@ class CompressedAllreduce:
             call.gathered = call.received
             return
         chunk = self._chunk_bytes
-        signs = unpack_signs(call.received[:, :chunk])
-        z = (signs * _scales(call.received, chunk)[:, None]).sum(0).div_(self.world_size)
-        z.add_(self.server_error)
-        sigma = compute_scale(z, self.scale)
+        z = torch.empty(self.chunk_numel, device=self.server_error.device)
+        average_signs_(call.received[:, :chunk], _scales(call.received, chunk), out=z)
+        packed, sigma = compress_(z, self.server_error, self.scale)
         subtract_compressed_(z, sigma, out=self.server_error)
         message = torch.empty(chunk + _SCALE_BYTES, dtype=torch.uint8, device=z.device)
-        message[:chunk] = pack_signs(z)
-        message[chunk:] = sigma.reshape(1).view(torch.uint8)
+        message[:chunk] = packed
+        message[chunk:] = sigma.reshape(1).to(z.device).view(torch.uint8)
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
@@ -192,8 +192,11 @@ class CompressedAllreduce:
         if not self.numel:
             return
         chunk = self._chunk_bytes
-        result = unpack_signs(call.gathered[:, :chunk]).mul_(_scales(call.gathered, chunk)[:, None])
-        out.copy_(result.view(-1)[: self.numel].view_as(out))
+        scales = _scales(call.gathered, chunk)
+        if out.is_contiguous():
+            decompress_(call.gathered[:, :chunk], scales, out)
+        else:
+            out.copy_(decompress_(call.gathered[:, :chunk], scales, torch.empty_like(out)))
 
     def state_dict(self) -> dict:
         """The error buffers and the geometry they belong to."""
@@ -227,7 +230,7 @@ class CompressedAllreduce:
 
 
 def _scales(messages: Tensor, chunk_bytes: int) -> Tensor:
-    return messages[:, chunk_bytes:].contiguous().view(torch.float32).view(-1)
+    return messages[:, chunk_bytes:].reshape(-1).clone().view(torch.float32)
 
 
 def reduce_compressed_(

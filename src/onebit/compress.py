@@ -5,8 +5,22 @@ The communicator (:mod:`onebit.comm`) builds the error-feedback allreduce on it.
 
 Conventions shared with the SPEC:
 
-* ``sign(x)`` is ``+1`` where ``x >= 0`` and ``-1`` elsewhere, so zero maps to ``+1``.
+* ``sign(x)`` is ``+1`` where ``x >= 0`` and ``-1`` elsewhere, so zero (and ``-0.0``) maps to
+  ``+1`` and NaN to ``-1``.
 * Bit ``i`` of byte ``k`` holds the sign of element ``8 * k + i`` (1 means ``+1``).
+
+Two implementations sit behind one interface, chosen per call by :func:`fast_path`:
+
+* contiguous fp32 CPU tensors go through numpy (zero-copy views) in cache-sized chunks of
+  :data:`CHUNK` elements: the error is added, the partial scale taken and the signs packed while a
+  chunk is in L2, so the buffer crosses memory about once per pass. Measured on a 2-core EPYC VM,
+  this is 5-10x faster than the plain torch formulation (``benchmarks/kernels.py``);
+* everything else (CUDA, other dtypes, no numpy) runs a few whole-tensor torch ops, the
+  straightforward formulation with the fewest passes.
+
+Both give the same bits: the same signs and packed bytes, the same error update and decompressed
+values for a given scale; scales differ only by fp32 rounding, since they are reduced in another
+order (per chunk in fp32, then across chunks in fp64). NaN payloads are not preserved.
 """
 
 from __future__ import annotations
@@ -16,11 +30,22 @@ import math
 import torch
 from torch import Tensor
 
+try:  # numpy is optional: without it every device takes the torch path.
+    import numpy as np
+except ImportError:  # pragma: no cover - torch wheels normally come with numpy
+    np = None
+
 SCALES = ("rms", "mean_abs")
 """Scale rules: ``"rms"`` keeps the norm (the reference's choice); ``"mean_abs"`` minimises
 the L2 error."""
 
+CHUNK = 1 << 16
+"""Elements per chunk on the CPU path: 256 KiB of fp32, so a chunk and its scratch stay in L2."""
+
+_SIGN_BIT = -(1 << 31)
 _SHIFTS: dict[torch.device, Tensor] = {}
+_WEIGHTS: dict[torch.device, Tensor] = {}
+_SIGN_TABLE = None  # numpy int32 [256, 8]: 0 where bit i of the byte is set, else the sign bit
 
 
 def _shifts(device: torch.device) -> Tensor:
@@ -30,11 +55,54 @@ def _shifts(device: torch.device) -> Tensor:
     return shifts
 
 
+def _weights(device: torch.device) -> Tensor:
+    weights = _WEIGHTS.get(device)
+    if weights is None:
+        weights = _WEIGHTS[device] = torch.tensor(
+            [1 << i for i in range(8)], dtype=torch.uint8, device=device
+        )
+    return weights
+
+
+def _sign_table():
+    global _SIGN_TABLE
+    if _SIGN_TABLE is None:
+        bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+        _SIGN_TABLE = np.where(bits == 1, 0, _SIGN_BIT).astype(np.int32)
+    return _SIGN_TABLE
+
+
+def fast_path(*tensors: Tensor) -> bool:
+    """Whether the numpy CPU kernels apply: numpy present, every tensor on the CPU, contiguous,
+    fp32 (or uint8 for packed signs). Otherwise the torch formulation runs."""
+    if np is None:
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        if t.dtype not in (torch.float32, torch.uint8):
+            return False
+    return True
+
+
+def _np(t: Tensor):
+    """Zero-copy numpy view of a CPU tensor (autograd detached)."""
+    return t.detach().numpy()
+
+
+def _f32_bits(s: float) -> int:
+    """The int32 bit pattern of the fp32 value ``s``."""
+    return int(np.array(s, dtype=np.float32).view(np.int32))
+
+
 def check_scale(scale: str) -> str:
     """Return ``scale`` if it names a known scale rule, else raise ``ValueError``."""
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     return scale
+
+
+# Building blocks, as in SPEC section 1.
 
 
 def compute_scale(x: Tensor, scale: str = "rms") -> Tensor:
@@ -43,13 +111,16 @@ def compute_scale(x: Tensor, scale: str = "rms") -> Tensor:
     ``"rms"`` is ``||x||_2 / sqrt(d)``; ``"mean_abs"`` is ``||x||_1 / d``. A non-finite ``x``
     gives a non-finite scale, which is how callers detect overflow without another pass.
     """
+    check_scale(scale)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.dtype == torch.float32 and fast_path(x):
+        flat = _np(x).reshape(-1)
+        total = sum(_partial_scale(flat[i : i + CHUNK], scale) for i in range(0, flat.size, CHUNK))
+        return _finish_scale(total, flat.size, scale)
     if scale == "rms":
         return torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
-    if scale == "mean_abs":
-        return torch.linalg.vector_norm(x, 1, dtype=torch.float32) / x.numel()
-    raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    return torch.linalg.vector_norm(x, 1, dtype=torch.float32) / x.numel()
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -59,22 +130,207 @@ def pack_signs(x: Tensor) -> Tensor:
     """
     if x.numel() % 8:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {x.numel()}")
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
-    return (bits << _shifts(x.device)).sum(dim=1, dtype=torch.uint8)
+    if x.dtype == torch.float32 and fast_path(x):
+        out = torch.empty(x.numel() // 8, dtype=torch.uint8)
+        flat, packed = _np(x).reshape(-1), _np(out)
+        mask = np.empty(min(CHUNK, flat.size), dtype=bool)
+        for i in range(0, flat.size, CHUNK):
+            _pack_chunk(flat[i : i + CHUNK], packed[i // 8 : (i + CHUNK) // 8], mask)
+        return out
+    return _torch_pack(x >= 0)
 
 
 def unpack_signs(packed: Tensor) -> Tensor:
     """Inverse of :func:`pack_signs`: ``uint8 [..., k]`` to fp32 ``±1`` of shape ``[..., 8k]``."""
+    if fast_path(packed) and packed.dtype == torch.uint8:
+        bits = torch.from_numpy(np.unpackbits(_np(packed), axis=-1, bitorder="little"))
+        return bits.to(torch.float32).mul_(2).sub_(1)
     bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
     return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8).to(torch.float32).mul_(2).sub_(1)
 
 
 def subtract_compressed_(y: Tensor, s: Tensor, out: Tensor) -> Tensor:
-    """``out = y - s * sign(y)``: what compression lost, i.e. the new error-feedback buffer."""
-    return torch.where(y >= 0, y - s, y + s, out=out)
+    """``out = y - s * sign(y)``: what compression lost, i.e. the new error-feedback buffer.
+
+    ``out`` may be ``y`` itself.
+    """
+    if fast_path(y, out) and y.dtype == out.dtype == torch.float32 and y.shape == out.shape:
+        src, dst = _np(y).reshape(-1), _np(out).reshape(-1)
+        s_bits = _f32_bits(float(s))
+        scratch = np.empty(min(CHUNK, src.size), dtype=np.float32)
+        with np.errstate(all="ignore"):
+            for i in range(0, src.size, CHUNK):
+                _error_chunk(src[i : i + CHUNK], s_bits, dst[i : i + CHUNK], scratch)
+        return out
+    # y - (±s): the same rounding as torch.where(y >= 0, y - s, y + s), in two passes fewer.
+    s = s.to(device=y.device, dtype=torch.float32)
+    return torch.sub(y, torch.where(y >= 0, s, s * -1), out=out)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``8 * world_size``, so every chunk is whole bytes."""
     quantum = 8 * world_size
     return -(-numel // quantum) * quantum
+
+
+# Fused kernels used by the communicator.
+
+
+def compress_(buffer: Tensor, error: Tensor, scale: str = "rms") -> tuple[Tensor, Tensor]:
+    """Worker compression in one pass: ``buffer += error``, then return the packed signs and the
+    scale of the result ``y`` (now in ``buffer``).
+
+    ``buffer`` and ``error`` are 1-D fp32 of the same length, a multiple of 8. ``error`` is not
+    touched: commit it with ``subtract_compressed_(buffer, s, out=error)`` once it is known that
+    the step goes ahead (every rank's scale finite). Same result as :func:`compute_scale` and
+    :func:`pack_signs` of ``buffer.add_(error)``, with one read of each buffer instead of four.
+    """
+    check_scale(scale)
+    numel = buffer.numel()
+    if numel % 8:
+        raise ValueError(f"compress_ needs a multiple of 8 elements, got {numel}")
+    if error.numel() != numel:
+        raise ValueError(f"buffer has {numel} elements, error {error.numel()}")
+    if not (fast_path(buffer, error) and buffer.dtype == error.dtype == torch.float32):
+        y = buffer.add_(error)
+        return _torch_pack(y >= 0), compute_scale(y, scale)
+    packed = torch.empty(numel // 8, dtype=torch.uint8)
+    if numel == 0:
+        return packed, torch.zeros(())
+    b, e, p = _np(buffer), _np(error), _np(packed)
+    mask = np.empty(min(CHUNK, numel), dtype=bool)
+    total = 0.0
+    with np.errstate(all="ignore"):
+        for i in range(0, numel, CHUNK):
+            y = b[i : i + CHUNK]
+            np.add(y, e[i : i + CHUNK], out=y)
+            total += _partial_scale(y, scale)
+            _pack_chunk(y, p[i // 8 : (i + CHUNK) // 8], mask)
+    return packed, _finish_scale(total, numel, scale)
+
+
+def decompress_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
+    """``out = concat_j(scales[j] * sign_j)[:out.numel()]``: rebuild ``k`` compressed chunks.
+
+    ``packed`` is ``uint8 [k, m]`` (rows may be strided, as in a received message), ``scales``
+    fp32 ``[k]``, ``out`` a contiguous fp32 tensor of at most ``8 * k * m`` elements; the padding
+    past its end is dropped. Equal to ``unpack_signs(packed) * scales[:, None]`` bit for bit.
+    """
+    k, m = packed.shape
+    numel = out.numel()
+    if numel > 8 * k * m:
+        raise ValueError(f"out has {numel} elements, more than the {8 * k * m} packed")
+    if numel == 0:
+        return out
+    if not (fast_path(out) and out.dtype == torch.float32 and packed.device.type == "cpu"):
+        flat = _torch_unpack_scaled(packed, scales.to(out.device)).view(-1)[:numel]
+        out.view(-1).copy_(flat)
+        return out
+    p = _np(packed)
+    dst = _np(out).reshape(-1).view(np.int32)
+    bits = [_f32_bits(s) for s in scales.tolist()]
+    for j in range(k):
+        start = 8 * m * j
+        if start >= numel:
+            break
+        _decompress_row(p[j], bits[j], dst[start : min(start + 8 * m, numel)])
+    return out
+
+
+def average_signs_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
+    """Server average: ``out = (sum_r scales[r] * sign_r) / k`` for ``packed`` ``uint8 [k, m]``
+    (rows may be strided) and ``out`` fp32 of ``8 * m`` elements.
+
+    Terms are added one by one in rank order, then divided by ``k``: a fixed order, the same on
+    every device (``Tensor.sum(0)`` may reorder it, which changes the last bit).
+    """
+    k, m = packed.shape
+    if out.numel() != 8 * m:
+        raise ValueError(f"out has {out.numel()} elements, expected {8 * m}")
+    if not (fast_path(out) and out.dtype == torch.float32 and packed.device.type == "cpu"):
+        signs = _torch_unpack_scaled(packed, scales.to(out.device))
+        flat = out.view(-1)
+        flat.copy_(signs[0])
+        for r in range(1, k):
+            flat.add_(signs[r])
+        return flat.div_(k).view_as(out) if k != 1 else out
+    p = _np(packed)
+    dst = _np(out).reshape(-1)
+    bits = [_f32_bits(s) for s in scales.tolist()]
+    scratch = np.empty(min(CHUNK, dst.size), dtype=np.float32)
+    with np.errstate(all="ignore"):
+        for i in range(0, dst.size, CHUNK):
+            z = dst[i : i + CHUNK]
+            rows = slice(i // 8, (i + CHUNK) // 8)
+            _decompress_row(p[0, rows], bits[0], z.view(np.int32))
+            t = scratch[: z.size]
+            for r in range(1, k):
+                _decompress_row(p[r, rows], bits[r], t.view(np.int32))
+                np.add(z, t, out=z)
+            if k != 1:
+                np.divide(z, np.float32(k), out=z)
+    return out
+
+
+# numpy chunk kernels (CPU path).
+
+
+def _partial_scale(y, scale: str) -> float:
+    """Sum of squares (rms) or of absolute values (mean_abs) of one chunk, fp32 accumulation."""
+    if scale == "rms":
+        t = torch.from_numpy(y)
+        return float(torch.dot(t, t))
+    return float(np.abs(y).sum())
+
+
+def _finish_scale(total: float, numel: int, scale: str) -> Tensor:
+    if scale == "rms":
+        value = math.sqrt(total) / math.sqrt(numel)
+    else:
+        value = total / numel
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _pack_chunk(y, out, mask) -> None:
+    m = mask[: y.size]
+    np.greater_equal(y, 0, out=m)
+    out[:] = np.packbits(m, bitorder="little")
+
+
+def _error_chunk(y, s_bits: int, out, scratch) -> None:
+    """``out = y - (±s)``, the sign of ``s`` taken from ``y + 0.0`` (so ``-0.0`` counts as
+    positive). Integer ops on the sign bit: about 3x cheaper than ``copysign`` or ``where``."""
+    t = scratch[: y.size]
+    np.add(y, np.float32(0), out=t)
+    ti = t.view(np.int32)
+    np.bitwise_and(ti, np.int32(_SIGN_BIT), out=ti)
+    np.bitwise_or(ti, np.int32(s_bits), out=ti)
+    np.subtract(y, t, out=out)
+
+
+def _decompress_row(packed, s_bits: int, out) -> None:
+    """``out`` (int32 view of fp32) ``= ±s`` for the signs in ``packed``; ``out`` may end early."""
+    whole = out.size // 8
+    table = _sign_table()
+    if whole:
+        np.take(table, packed[:whole], axis=0, out=out[: 8 * whole].reshape(whole, 8), mode="clip")
+    if out.size % 8:
+        out[8 * whole :] = table[packed[whole]][: out.size % 8]
+    np.bitwise_or(out, np.int32(s_bits), out=out)
+
+
+# torch formulation (CUDA and everything the CPU path does not take).
+
+
+def _torch_pack(mask: Tensor) -> Tensor:
+    """Pack a bool tensor, 8 per byte, bit ``i`` = element ``8k + i``."""
+    bits = mask.reshape(-1, 8).view(torch.uint8) * _weights(mask.device)
+    return bits.sum(dim=1, dtype=torch.uint8)
+
+
+def _torch_unpack_scaled(packed: Tensor, scales: Tensor) -> Tensor:
+    """``[k, m]`` packed rows to ``[k, 8m]`` fp32 ``±scales[j]``."""
+    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
+    bits = bits.reshape(packed.shape[0], -1).bool()
+    scales = scales.to(torch.float32)[:, None]
+    return torch.where(bits, scales, scales * -1)

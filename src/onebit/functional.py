@@ -47,3 +47,102 @@ def adamw_update_(
     if weight_decay:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_addcdiv_(params, numerators, denominators, value=-lr * step_scale)
+
+
+def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
+    """Each tensor's ``ord``-norm (accumulated in fp32) as one fp32 vector, one entry per layer.
+
+    Empty tensors have norm 0. Used for LAMB's trust ratios and the ``"auto"`` freeze statistic.
+    """
+    if not tensors:
+        return torch.zeros(0)
+    present = [t for t in tensors if t.numel()]
+    if all(t.dtype == torch.float32 for t in present):
+        norms = list(torch._foreach_norm(present, ord)) if present else []
+    else:
+        norms = [torch.linalg.vector_norm(t, ord, dtype=torch.float32) for t in present]
+    if len(present) < len(tensors):
+        zero = torch.zeros((), device=tensors[0].device)
+        it = iter(norms)
+        norms = [next(it) if t.numel() else zero for t in tensors]
+    return torch.stack(norms)
+
+
+def all_finite(tensors: list[Tensor | None]) -> bool:
+    """Whether every element of every tensor is finite (``None`` counts as finite).
+
+    Uses the max-norm, which cannot overflow the way a sum of finite fp16 values can.
+    """
+    present = [t for t in tensors if t is not None]
+    return not present or bool(torch.isfinite(layer_norms(present, ord=math.inf)).all())
+
+
+def momentum_from_grads_(exp_avgs: list[Tensor], grads: list[Tensor | None], beta1: float) -> None:
+    """``m = β1·m + (1-β1)·g`` per parameter, reading ``.grad`` as it is.
+
+    ``grads`` may be any floating dtype (promoted to fp32); ``None`` is a zero gradient.
+    """
+    zero = None
+    same = [(m, g) for m, g in zip(exp_avgs, grads) if g is not None and g.dtype == m.dtype]
+    if same:
+        torch._foreach_lerp_([m for m, _ in same], [g for _, g in same], 1 - beta1)
+    for m, g in zip(exp_avgs, grads):
+        if g is None:
+            if zero is None:
+                zero = torch.zeros((), dtype=m.dtype, device=m.device)
+            m.lerp_(zero, 1 - beta1)
+        elif g.dtype != m.dtype:
+            m.lerp_(g.to(m.dtype), 1 - beta1)
+
+
+def trust_ratio(
+    weight_norms: Tensor, update_norms: Tensor, min_coeff: float, max_coeff: float
+) -> Tensor:
+    """LAMB's per-layer ``clip(||p|| / ||update||, min_coeff, max_coeff)``; 1 where a norm is 0."""
+    valid = (weight_norms > 0) & (update_norms > 0)
+    ratio = (weight_norms / torch.where(valid, update_norms, 1.0)).clamp_(min_coeff, max_coeff)
+    return torch.where(valid, ratio, torch.ones_like(ratio))
+
+
+def momentum_scaling(exp_avgs: list[Tensor]) -> Tensor:
+    """1-bit LAMB's per-layer momentum scaling ``mean(s) / s_l`` with ``s_l = ||m_l|| / sqrt(d_l)``.
+
+    Scaling every layer's momentum to a common RMS lets one 1-bit scale fit the whole model.
+    Layers with zero momentum (or no elements) get 1 and do not enter the mean.
+    """
+    numels = torch.tensor([float(m.numel()) for m in exp_avgs])
+    rms = layer_norms(exp_avgs).cpu() / numels.clamp(min=1).sqrt()
+    valid = rms > 0
+    if not bool(valid.any()):
+        return torch.ones(len(exp_avgs))
+    mean = rms[valid].mean()
+    return torch.where(valid, mean / torch.where(valid, rms, 1.0), torch.ones_like(rms))
+
+
+def lamb_factor(
+    raw: Tensor,
+    last: Tensor,
+    factor_min: float,
+    factor_max: float,
+    threshold: float,
+    update_ratio: Tensor | None = None,
+) -> Tensor:
+    """1-bit LAMB's per-layer correction of the frozen trust ratio.
+
+    ``raw`` is ``max((sqrt(v_T)+eps) / (sqrt(v_fresh)+eps))`` over each layer. With weight decay,
+    ``update_ratio = min(1, ||adaptive part|| / ||update||)`` blends it towards 1 in proportion to
+    the part of the update that does not depend on the variance (as the reference does). The
+    result is clipped to ``[factor_min, factor_max]``, then to within ``last·(1 ± threshold)``.
+    """
+    factor = raw
+    if update_ratio is not None:
+        factor = factor * update_ratio + (1 - update_ratio)
+    factor = factor.clamp(factor_min, factor_max)
+    return torch.minimum(torch.maximum(factor, last * (1 - threshold)), last * (1 + threshold))
+
+
+def scaled_sub_(params: list[Tensor], updates: list[Tensor], step_sizes: list[float]) -> None:
+    """``p = p - step_size·update`` per parameter, scaling ``updates`` in place."""
+    if params:
+        torch._foreach_mul_(updates, step_sizes)
+        torch._foreach_sub_(params, updates)

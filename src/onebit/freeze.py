@@ -1,0 +1,225 @@
+"""When to freeze Adam's variance: a fixed ``freeze_step`` or ``freeze_step="auto"``.
+
+1-bit Adam and 1-bit LAMB rest on one observation (Tang et al., 2021): after a warmup, Adam's
+variance ``v`` barely moves, so it can be frozen and the momentum sent with 1-bit compression.
+A fixed ``freeze_step`` must be guessed before training; ``"auto"`` watches ``v`` and freezes once
+it has stopped moving. The rule, with the knobs of :class:`AutoFreeze`:
+
+* every ``window`` warmup steps, measure for each parameter ("layer") the mean of Adam's
+  denominator ``sqrt(v̂) + eps``, the quantity that will be frozen;
+* its relative change since the previous measurement, maximised over all layers, is the
+  statistic; the ranks agree on it with one scalar ``MAX`` allreduce (``v`` comes from averaged
+  gradients, so it is the same everywhere anyway; the allreduce makes the agreement a guarantee);
+* freeze at the end of the first measuring step at or after ``min_step`` where the statistic has
+  been below ``tolerance`` for ``patience`` measurements in a row, and at ``max_step`` at the
+  latest.
+
+The chosen step is recorded in the optimizer's ``freeze_step``, in ``comm_stats.freeze_step`` and
+in the state dict, so a resumed run keeps it (and an unfinished decision continues exactly).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .functional import layer_norms
+
+
+@dataclass(frozen=True)
+class AutoFreeze:
+    """Knobs of ``freeze_step="auto"``; the defaults suit runs of a few thousand steps or more.
+
+    Args:
+        window: steps between two measurements of the variance. Longer windows see slow drifts
+            that short ones miss; keep it well below the warmup you expect (default 50).
+        tolerance: largest relative change, over one window, of any layer's mean Adam
+            denominator that still counts as stable (default 0.02, i.e. 2%). Lower it to freeze
+            later and more safely; raise it to compress sooner.
+        patience: consecutive stable measurements needed (default 3), so that one quiet window
+            in a noisy warmup does not freeze early.
+        min_step: never freeze before this step (default 100). The variance of the first steps
+            is an average of few gradients; freezing it makes a noisy preconditioner.
+        max_step: freeze at this step at the latest, stable or not (default ``None``: no limit).
+            Set it to cap the full-precision traffic, e.g. at 25% of the run.
+    """
+
+    window: int = 50
+    tolerance: float = 0.02
+    patience: int = 3
+    min_step: int = 100
+    max_step: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("window", "patience"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AutoFreeze.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.min_step, bool) or not isinstance(self.min_step, int):
+            raise ValueError(f"AutoFreeze.min_step must be an int, got {self.min_step!r}")
+        if not (isinstance(self.tolerance, (int, float)) and 0 < self.tolerance < math.inf):
+            raise ValueError(f"AutoFreeze.tolerance must be > 0, got {self.tolerance!r}")
+        if self.max_step is not None and (
+            isinstance(self.max_step, bool)
+            or not isinstance(self.max_step, int)
+            or self.max_step < max(1, self.min_step)
+        ):
+            raise ValueError(
+                f"AutoFreeze.max_step must be None or an int >= max(1, min_step), "
+                f"got {self.max_step!r}"
+            )
+
+
+class VarianceMonitor:
+    """The state of the ``"auto"`` rule: the last measurement and the run of stable ones."""
+
+    def __init__(
+        self, config: AutoFreeze, numels: list[int], process_group: dist.ProcessGroup | None
+    ) -> None:
+        self.config = config
+        self.process_group = process_group
+        self.numels = torch.tensor(numels, dtype=torch.float32).clamp_(min=1)
+        self.reference: Tensor | None = None
+        self.stable_windows = 0
+        self.last_change = math.inf
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` measures (every ``window`` steps, and at ``max_step``)."""
+        return step % self.config.window == 0 or step == self.config.max_step
+
+    def observe(self, step: int, denominators: list[Tensor]) -> bool:
+        """Measure at the end of warmup step ``step``; return whether to freeze now.
+
+        ``denominators`` are each layer's ``sqrt(v̂) + eps``. A collective on measuring steps:
+        call it on every rank.
+        """
+        if not self.due(step):
+            return False
+        config = self.config
+        means = layer_norms(denominators, ord=1).cpu() / self.numels
+        change = _relative_change(means, self.reference)
+        if dist.is_available() and dist.is_initialized():
+            device = denominators[0].device if denominators else torch.device("cpu")
+            agreed = torch.tensor([change], dtype=torch.float64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+            change = float(agreed.item())
+        self.reference = means
+        self.last_change = change
+        self.stable_windows = self.stable_windows + 1 if change < config.tolerance else 0
+        stable = step >= config.min_step and self.stable_windows >= config.patience
+        return stable or (config.max_step is not None and step >= config.max_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "reference": None if self.reference is None else self.reference.clone(),
+            "stable_windows": self.stable_windows,
+            "last_change": self.last_change,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        reference = state["reference"]
+        self.reference = None if reference is None else reference.clone()
+        self.stable_windows = state["stable_windows"]
+        self.last_change = state["last_change"]
+
+
+def _relative_change(now: Tensor, before: Tensor | None) -> float:
+    """``max |now - before| / before`` over layers; 0 for layers that stay exactly zero."""
+    if before is None:
+        return math.inf
+    if now.numel() == 0:
+        return 0.0
+    diff = (now - before).abs()
+    rel = torch.where(diff == 0, 0.0, diff / before)
+    return float(rel.max())
+
+
+class VarianceFreezeMixin:
+    """``freeze_step`` as an int or ``"auto"``, for optimizers whose warmup ends by freezing ``v``.
+
+    The optimizer calls :meth:`_init_freeze_step` before ``CompressedOptimizer.__init__``,
+    :meth:`_start_freeze_monitor` after it, and :meth:`_observe_variance` on each applied warmup
+    step with the flat denominators ``sqrt(v̂) + eps``. ``freeze_step`` is ``None`` while an
+    ``"auto"`` decision is pending.
+    """
+
+    freeze_step: int | None
+    _auto_freeze: AutoFreeze | None
+    _freeze_monitor: VarianceMonitor | None
+
+    def _init_freeze_step(
+        self, freeze_step: int | Literal["auto"], auto_freeze: AutoFreeze | None
+    ) -> None:
+        if freeze_step == "auto":
+            self.freeze_step = None
+            self._auto_freeze = AutoFreeze() if auto_freeze is None else auto_freeze
+            if not isinstance(self._auto_freeze, AutoFreeze):
+                raise ValueError(f"auto_freeze must be an AutoFreeze, got {auto_freeze!r}")
+        else:
+            if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+                raise ValueError(f'freeze_step must be an int >= 1 or "auto", got {freeze_step!r}')
+            if auto_freeze is not None:
+                raise ValueError('auto_freeze needs freeze_step="auto"')
+            self.freeze_step = freeze_step
+            self._auto_freeze = None
+        self._freeze_monitor = None
+
+    def _start_freeze_monitor(self) -> None:
+        if self._auto_freeze is not None:
+            self._freeze_monitor = VarianceMonitor(
+                self._auto_freeze, self.layout.numels, self.process_group
+            )
+        self.comm_stats.freeze_step = self.freeze_step
+
+    @property
+    def in_warmup(self) -> bool:
+        """True until ``freeze_step`` steps have been applied (or while ``"auto"`` waits)."""
+        return self.freeze_step is None or self.num_steps < self.freeze_step
+
+    def _variance_step(self, step: int) -> int:
+        """The step whose variance is in use at ``step``: ``step``, or ``freeze_step`` after it."""
+        return step if self.freeze_step is None else min(step, self.freeze_step)
+
+    def _observe_variance(self, step: int, denominators: Tensor) -> None:
+        """Feed the ``"auto"`` rule at the end of applied warmup step ``step``."""
+        monitor = self._freeze_monitor
+        if monitor is None or self.freeze_step is not None or not monitor.due(step):
+            return
+        if monitor.observe(step, self.layout.views(denominators)):
+            self.freeze_step = step
+            self.comm_stats.freeze_step = step
+
+    def _freeze_state(self) -> dict[str, Any]:
+        monitor = self._freeze_monitor
+        return {
+            "freeze_step": self.freeze_step,
+            "auto_freeze": None if monitor is None else monitor.state_dict(),
+        }
+
+    def _load_freeze_state(self, state: dict[str, Any]) -> None:
+        """Restore an ``"auto"`` decision; a fixed ``freeze_step`` stays the constructor's."""
+        if self._freeze_monitor is not None:
+            self.freeze_step = state["freeze_step"]
+            if state["auto_freeze"] is not None:
+                self._freeze_monitor.load_state_dict(state["auto_freeze"])
+        self.comm_stats.freeze_step = self.freeze_step
+
+
+def set_state_views(optimizer: Any, name: str, flat: Tensor | None) -> None:
+    """Expose the flat buffer ``flat`` per parameter as ``optimizer.state[p][name]``.
+
+    ``None`` removes the entry. Optimizers whose state changes at the freeze (the variance turns
+    into a frozen denominator, say) use it so that ``state_dict`` names what each buffer holds.
+    """
+    layout = optimizer.layout
+    views = layout.views(flat) if flat is not None else [None] * len(layout.params)
+    for p, view in zip(layout.params, views):
+        if view is None:
+            optimizer.state[p].pop(name, None)
+        else:
+            optimizer.state[p][name] = view

@@ -1,0 +1,293 @@
+"""1-bit LAMB (Li et al., 2021; SPEC section 5)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_adam_hyperparameters
+from .freeze import AutoFreeze, VarianceFreezeMixin, set_state_views
+from .functional import (
+    adam_denominator,
+    adam_moments_,
+    bias_correction,
+    lamb_factor,
+    layer_norms,
+    momentum_scaling,
+    scaled_sub_,
+    trust_ratio,
+)
+
+
+class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
+    """LAMB whose gradient communication drops to 1 bit per element after a warmup.
+
+    LAMB (You et al., 2020) is Adam with a per-layer trust ratio: each parameter ("layer")
+    moves by ``lr · coeff · update`` with ``update = m̂ / (sqrt(v̂) + eps) + weight_decay · p``
+    and ``coeff = clip(||p|| / ||update||, min_coeff, max_coeff)``, which keeps large-batch
+    training stable. As with :class:`~onebit.OnebitAdam`, do not wrap the model in DDP: this
+    optimizer owns the communication and broadcasts the parameters from rank 0 at construction.
+
+    Warmup, steps ``1..freeze_step``: exactly LAMB on gradients averaged by an fp32 allreduce,
+    keeping an exponential moving average of each layer's trust ratio.
+
+    Compression stage: the variance ``v_T`` is frozen, and so are each layer's trust ratio
+    (its moving average) and a momentum scaling coefficient ``mean(s) / s_l`` with
+    ``s_l = ||m_l|| / sqrt(numel_l)``, which brings every layer's momentum to a common scale so that
+    one 1-bit scale fits the whole model. Each step updates the momentum with the local
+    gradient, scales it, averages it with one compressed allreduce and scales it back. From the
+    change of momentum it rebuilds the averaged gradient and keeps a fresh variance; the trust
+    ratio is the frozen one times ``factor = max((sqrt(v_T)+eps) / (sqrt(v_fresh)+eps))`` over
+    the layer, which corrects for the variance having moved since the freeze.
+
+    Args:
+        params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
+            ``betas`` and ``eps`` may not.
+        lr, betas, eps, weight_decay: as LAMB (decoupled weight decay inside the update).
+        freeze_step: warmup length, or ``"auto"`` to freeze once the variance is stable (see
+            :class:`~onebit.freeze.AutoFreeze`). The paper warms up for about 15% of the run.
+        max_coeff, min_coeff: bounds of the trust ratio (defaults 10 and 0.01). BERT recipes
+            lower ``max_coeff`` (e.g. 0.3) when early steps are too large.
+        coeff_beta: decay of the trust ratios' moving average (default 0.9). Closer to 1 gives
+            a smoother frozen ratio that reflects more of the warmup.
+        factor_max, factor_min: bounds of the fresh-variance factor (defaults 4.0 and 0.5).
+        factor_threshold: the factor may move by at most this fraction of its previous value per
+            step (default 0.1), so that one noisy gradient does not jolt the step size.
+        bias_correction: Adam's bias correction of ``m`` and ``v``, and of the trust ratios'
+            moving average. ``False`` gives the reference implementation's numbers.
+        process_group: the data-parallel group; ``None`` is the default group, or a single
+            process if ``torch.distributed`` is not initialised.
+        bucket_size: elements per communication bucket, rounded down to a multiple of
+            ``8 * world_size``.
+        auto_freeze: knobs of ``freeze_step="auto"``.
+
+    With weight decay the factor is blended towards 1 by the share of the update that does not
+    depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
+    implementation does (SPEC section 5 leaves this out).
+
+    A parameter whose ``.grad`` is ``None`` counts as a zero gradient. All state is fp32. If any
+    rank has a non-finite gradient, every rank skips the step and changes nothing
+    (``skipped_steps``). Parameters are identical on every rank after every step.
+
+    State per parameter: ``exp_avg`` and ``exp_avg_sq``; at the freeze ``exp_avg_sq`` becomes
+    ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
+    (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
+    compression stage: five model-sized fp32 buffers (momentum, frozen denominator, fresh
+    variance, gradient scratch, worker error) plus the server error.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        freeze_step: int | Literal["auto"],
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        bias_correction: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        auto_freeze: AutoFreeze | None = None,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if not 0.0 < min_coeff <= max_coeff < math.inf:
+            raise ValueError(
+                f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}"
+            )
+        if not 0.0 <= coeff_beta < 1.0:
+            raise ValueError(f"Invalid coeff_beta: {coeff_beta}")
+        if not 0.0 < factor_min <= factor_max < math.inf:
+            raise ValueError(
+                f"need 0 < factor_min <= factor_max, got factor_min={factor_min}, "
+                f"factor_max={factor_max}"
+            )
+        if not 0.0 <= factor_threshold < 1.0:
+            raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
+        self._init_freeze_step(freeze_step, auto_freeze)
+        self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
+        self.factor_max, self.factor_min = factor_max, factor_min
+        self.factor_threshold = factor_threshold
+        self.bias_correction = bias_correction
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        self._start_freeze_monitor()
+        self._exp_avg = self._new_state_buffer("exp_avg")
+        self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
+        self._exp_avg_sq_fresh: Tensor | None = None
+        layers = len(self.layout.params)
+        self._frozen = False
+        self._coeff_ema = torch.zeros(layers)
+        self._coeff_updates = torch.zeros(layers)
+        self._frozen_coeffs = torch.ones(layers)
+        self._scaling = torch.ones(layers)
+        self._last_factors = torch.ones(layers)
+        self._coeffs = torch.ones(layers)
+
+    @property
+    def stage(self) -> str:
+        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
+        return "warmup" if self.in_warmup else "compression"
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """Each parameter's trust ratio in the last step, in parameter order (a copy)."""
+        return self._coeffs.tolist()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step on every rank. Call it on all ranks of the group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.in_warmup:
+            self._warmup_step()
+        else:
+            self._compression_step()
+        return loss
+
+    def _warmup_step(self) -> None:
+        beta1, beta2 = self.defaults["betas"]
+        m, v = self._exp_avg, self._exp_avg_sq
+        g = self._gather_grads()
+        applied, nbytes = self._allreduce_grads()
+        if applied:
+            t = self.num_steps + 1
+            adam_moments_(m, v, g, beta1, beta2)
+            bc2 = bias_correction(beta2, t, self.bias_correction)
+            denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            self._observe_variance(t, denom)
+            update = torch.div(m, denom, out=g).div_(
+                bias_correction(beta1, t, self.bias_correction)
+            )
+            self._add_weight_decay(update)
+            weight_norms = layer_norms(self.layout.params).cpu()
+            update_norms = layer_norms(self.layout.views(update)).cpu()
+            coeffs = trust_ratio(weight_norms, update_norms, self.min_coeff, self.max_coeff)
+            # Only defined ratios (no zero norm) enter the average that will be frozen.
+            defined = (weight_norms > 0) & (update_norms > 0)
+            ema = self._coeff_ema * self.coeff_beta + coeffs * (1 - self.coeff_beta)
+            self._coeff_ema = torch.where(defined, ema, self._coeff_ema)
+            self._coeff_updates += defined
+            self._apply(update, coeffs)
+        self._end_step("warmup", nbytes, applied)
+
+    def _compression_step(self) -> None:
+        if not self._frozen:
+            self._freeze()
+        beta1, beta2 = self.defaults["betas"]
+        eps = self.defaults["eps"]
+        m, frozen_denom, v_fresh = self._exp_avg, self._exp_avg_sq, self._exp_avg_sq_fresh
+        assert v_fresh is not None
+        g = self._gather_grads()
+        views = self.layout.views(g)
+        scaling = self._scaling.tolist()
+        torch.lerp(m, g, 1 - beta1, out=g)
+        torch._foreach_mul_(views, scaling)
+        applied, nbytes = self._compressed_allreduce(g)  # in place: g is the averaged momentum
+        if applied:
+            t = self.num_steps + 1
+            torch._foreach_div_(views, scaling)
+            m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
+            v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
+            m.copy_(g)
+            bc2 = bias_correction(beta2, t, self.bias_correction)
+            fresh = adam_denominator(v_fresh, bc2, eps, out=g)
+            torch.div(frozen_denom, fresh, out=g)
+            raw = layer_norms(views, ord=math.inf).cpu()  # each layer's largest ratio
+            raw = torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
+            update = torch.div(m, frozen_denom, out=g).div_(
+                bias_correction(beta1, t, self.bias_correction)
+            )
+            update_ratio = None
+            if any(group["weight_decay"] for group in self.param_groups):
+                adaptive = layer_norms(views).cpu()
+                self._add_weight_decay(update)
+                total = layer_norms(views).cpu()
+                update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
+            factors = lamb_factor(
+                raw,
+                self._last_factors,
+                self.factor_min,
+                self.factor_max,
+                self.factor_threshold,
+                update_ratio,
+            )
+            self._last_factors = factors
+            self._apply(update, self._frozen_coeffs * factors)
+        self._end_step("compression", nbytes, applied)
+
+    def _add_weight_decay(self, update: Tensor) -> None:
+        for group, params, updates in self._per_group(update):
+            if group["weight_decay"] and params:
+                torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+
+    def _apply(self, update: Tensor, coeffs: Tensor) -> None:
+        """``p = p - lr·coeff·update`` per layer; ``update`` is used as scratch."""
+        self._coeffs = coeffs.clone()
+        per_layer = coeffs.tolist()
+        start = 0
+        for group, params, updates in self._per_group(update):
+            sizes = [group["lr"] * c for c in per_layer[start : start + len(params)]]
+            scaled_sub_(params, updates, sizes)
+            start += len(params)
+
+    def _freeze(self) -> None:
+        """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
+        beta2, eps = self.defaults["betas"][1], self.defaults["eps"]
+        self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
+        bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
+        adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
+        self._scaling = momentum_scaling(self.layout.views(self._exp_avg))
+        ema = self._coeff_ema
+        if self.bias_correction:
+            ema = ema / (1 - self.coeff_beta**self._coeff_updates)
+        self._frozen_coeffs = torch.where(self._coeff_updates > 0, ema, 1.0)
+        self._set_frozen(True)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self._frozen = frozen
+        if frozen and self._exp_avg_sq_fresh is None:
+            self._exp_avg_sq_fresh = self.layout.zeros(device=self.device)
+        if not frozen:
+            self._exp_avg_sq_fresh = None
+        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
+        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
+        set_state_views(self, "exp_avg_sq_fresh", self._exp_avg_sq_fresh)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            **self._freeze_state(),
+            "frozen": self._frozen,
+            "coeff_ema": self._coeff_ema.clone(),
+            "coeff_updates": self._coeff_updates.clone(),
+            "frozen_coeffs": self._frozen_coeffs.clone(),
+            "scaling_coeffs": self._scaling.clone(),
+            "last_factors": self._last_factors.clone(),
+            "coeffs": self._coeffs.clone(),
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._load_freeze_state(state)
+        self._coeff_ema = state["coeff_ema"].clone()
+        self._coeff_updates = state["coeff_updates"].clone()
+        self._frozen_coeffs = state["frozen_coeffs"].clone()
+        self._scaling = state["scaling_coeffs"].clone()
+        self._last_factors = state["last_factors"].clone()
+        self._coeffs = state["coeffs"].clone()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of this rank, frozen coefficients included."""
+        self._set_frozen(bool(state_dict["onebit"]["frozen"]))
+        super().load_state_dict(state_dict)

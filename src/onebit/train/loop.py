@@ -1,0 +1,384 @@
+"""The worker's training loop: one data-parallel rank of ``onebit train``.
+
+Every rank builds the same model from the same seed, draws its own random batches, and calls the
+optimizer's ``step()``; the optimizer (or DDP, for ``adamw``) does all the communication. Rank 0
+writes ``metrics.jsonl`` as it goes, and ``summary.json`` and the plot at the end. A checkpoint
+holds each rank's model, optimizer state (error buffers included) and data generator, so a
+resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import onebit
+
+from . import optim, report
+from .data import get_batch, read_split, val_starts, windows
+from .model import ModelConfig, Transformer
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines one training run; saved as ``config.json`` in its folder."""
+
+    out: str
+    data: str
+    data_digest: str
+    label: str = "onebit-adam"
+    optimizer: str = "onebit-adam"
+    model: str = "gpt"
+    steps: int = 300
+    batch_size: int = 16
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    lr: float = 2e-3
+    warmup_steps: int = 15
+    weight_decay: float = 0.1
+    freeze_step: int | str | None = None
+    error_feedback: bool = True
+    eval_every: int = 25
+    eval_windows: int = 256
+    seed: int = 0
+    save_every: int = 0
+    progress: bool = True
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.model, self.block_size, self.n_layer, self.n_head, self.n_embd)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def lr_at(step: int, config: RunConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to a tenth of ``lr``."""
+    if step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# Process groups.
+
+
+def spawn_worker(
+    rank: int, world_size: int, store: str, configs: list[RunConfig], resume: str | None
+) -> None:
+    """Entry point of a local worker started by ``torch.multiprocessing``: gloo over loopback."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := _loopback_interface()):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        run_all(configs, torch.device("cpu"), resume)
+    finally:
+        dist.destroy_process_group()
+
+
+def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
+    """Entry point under ``torchrun``: rank and world from the environment, NCCL if on GPUs."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        run_all(configs, device, resume)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loopback_interface() -> str | None:
+    try:
+        return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+    except OSError:
+        return None
+
+
+def run_all(configs: list[RunConfig], device: torch.device, resume: str | None = None) -> None:
+    """Train each configuration in turn; with several, rank 0 then writes the comparison."""
+    summaries = [train(c, device, resume if i == 0 else None) for i, c in enumerate(configs)]
+    if len(configs) > 1 and dist.get_rank() == 0:
+        out = Path(configs[0].out).parent
+        runs = {c.label: report.read_metrics(Path(c.out)) for c in configs}
+        print(report.write_comparison(out, summaries, runs))
+
+
+# One run.
+
+
+def train(config: RunConfig, device: torch.device, resume: str | None = None) -> dict[str, Any]:
+    """Run ``config`` on this rank (from checkpoint folder ``resume`` if given); return the
+    summary."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = Path(config.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1) + "\n")
+    train_data = read_split(Path(config.data), "train")
+    val_data = read_split(Path(config.data), "val")
+    eval_x, eval_y = _eval_set(val_data, config)
+
+    torch.manual_seed(config.seed)
+    model = Transformer(config.model_config()).to(device)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
+    start_step, elapsed, sent = 0, 0.0, {}
+    if resume is not None:
+        state = torch.load(Path(resume) / f"rank{rank}.pt", map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+    trainer = optim.build(
+        config.optimizer,
+        model,
+        model.param_groups(config.weight_decay),
+        lr=config.lr,
+        freeze_step=config.freeze_step,
+        steps=config.steps,
+    )
+    opt = trainer.optimizer
+    if resume is not None:
+        opt.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        start_step, elapsed, sent = state["step"], state["elapsed"], state["bytes_sent"]
+    metrics = _open_metrics(out, resume, start_step) if rank == 0 else None
+
+    numel = sum(p.numel() for p in model.parameters())
+    samples_per_step = config.batch_size * world_size
+    bar = _progress(config, start_step) if rank == 0 else None
+    dist.barrier()
+    t0 = time.perf_counter() - elapsed
+    for step in range(start_step + 1, config.steps + 1):
+        lr = lr_at(step, config)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(train_data, config.batch_size, config.block_size, config.model, generator)
+        _, loss = trainer.model(x.to(device), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if not config.error_feedback:
+            optim.drop_error_feedback(opt)
+        stage, nbytes = trainer.stage(), trainer.last_step_bytes()
+        sent[stage] = sent.get(stage, 0) + nbytes
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        record = {
+            "step": step,
+            "samples": step * samples_per_step,
+            "loss": loss.item() / world_size,
+            "lr": lr,
+            "stage": stage,
+            "bytes": nbytes,
+            "bytes_sent": sum(sent.values()),
+        }
+        if step % config.eval_every == 0 or step == config.steps:
+            record["val_loss"] = evaluate(model, eval_x, eval_y, config.batch_size, device)
+        record["time"] = time.perf_counter() - t0
+        record["samples_per_s"] = (
+            (step - start_step) * samples_per_step / (record["time"] - elapsed)
+        )
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if bar is not None:
+            bar.set_postfix(_postfix(record), refresh=False)
+            bar.update()
+        if config.save_every and (step % config.save_every == 0 or step == config.steps):
+            save_checkpoint(out, step, model, opt, generator, sent, time.perf_counter() - t0)
+    if bar is not None:
+        bar.close()
+    wall_time = time.perf_counter() - t0
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, sum(sent.values()))
+    if rank != 0:
+        return {}
+    metrics.close()
+    torch.save(model.state_dict(), out / "model.pt")
+    summary = _summary(config, trainer, numel, world_size, per_rank, sent, wall_time, device)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    records = report.read_metrics(out)
+    report.plot_runs({config.label: records}, out / "loss.png", summary["model"])
+    print(report.describe(summary))
+    return summary
+
+
+def _eval_set(val_data: torch.Tensor, config: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the fixed validation windows (BERT masks drawn from the seed)."""
+    starts = val_starts(val_data, config.eval_windows, config.block_size)
+    generator = torch.Generator().manual_seed(config.seed)
+    x, y = windows(val_data, starts, config.block_size, config.model, generator)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return x[rank::world_size], y[rank::world_size]
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device
+) -> float:
+    """Mean validation cross-entropy (nats per predicted byte) over every rank's windows."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, len(x), batch_size):
+        logits, _ = model(x[i : i + batch_size].to(device))
+        targets = y[i : i + batch_size].to(device)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
+        total += torch.stack([loss.double(), (targets != -100).sum().double()])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+# Files.
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:06d}"
+
+
+def save_checkpoint(
+    out: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    generator: torch.Generator,
+    sent: dict[str, int],
+    elapsed: float,
+) -> None:
+    """Every rank saves its own state; rank 0 marks the checkpoint complete once all have."""
+    folder = checkpoint_dir(out, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "generator": generator.get_state(),
+        "bytes_sent": dict(sent),
+        "elapsed": elapsed,
+    }
+    torch.save(state, folder / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (folder / "complete").write_text(f"{dist.get_world_size()}\n")
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The newest complete checkpoint folder of run folder ``run``, if any."""
+    done = sorted((run / "checkpoints").glob("step_*/complete"))
+    return done[-1].parent if done else None
+
+
+def _open_metrics(out: Path, resume: str | None, start_step: int):
+    """Open ``metrics.jsonl`` for writing; on resume keep the source run's lines up to the
+    checkpoint."""
+    kept = []
+    if resume is not None:
+        source = Path(resume).parent.parent
+        if (source / "metrics.jsonl").exists():
+            kept = [r for r in report.read_metrics(source) if r["step"] <= start_step]
+    for old in (out / "checkpoints").glob("step_*"):
+        same_run = resume is not None and out.resolve() == Path(resume).parent.parent.resolve()
+        if not same_run or int(old.name.removeprefix("step_")) > start_step:
+            shutil.rmtree(old)
+    metrics = (out / "metrics.jsonl").open("w")
+    for record in kept:
+        metrics.write(json.dumps(record) + "\n")
+    return metrics
+
+
+def _progress(config: RunConfig, start_step: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=config.steps,
+        initial=start_step,
+        desc=config.label,
+        unit="step",
+        mininterval=0.5,
+        dynamic_ncols=True,
+        disable=not config.progress,
+    )
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    postfix = {
+        "loss": f"{record['loss']:.3f}",
+        "stage": record["stage"],
+        "sent": report.human_bytes(record["bytes_sent"]),
+    }
+    if "val_loss" in record:
+        postfix["val"] = f"{record['val_loss']:.3f}"
+    return postfix
+
+
+def _summary(
+    config: RunConfig,
+    trainer: optim.Trainer,
+    numel: int,
+    world_size: int,
+    per_rank: list[int],
+    sent: dict[str, int],
+    wall_time: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    records = report.read_metrics(Path(config.out))
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    losses = [r["loss"] for r in records][-20:]
+    fp32 = config.steps * onebit.comm.allreduce_bytes(4 * numel, world_size)
+    total = per_rank[0]
+    return {
+        "label": config.label,
+        "optimizer": config.optimizer,
+        "model": config.model,
+        "parameters": numel,
+        "workers": world_size,
+        "steps": config.steps,
+        "batch_size": config.batch_size,
+        "block_size": config.block_size,
+        "samples": config.steps * config.batch_size * world_size,
+        "lr": config.lr,
+        "freeze_step": trainer.freeze_step,
+        "error_feedback": config.error_feedback,
+        "final_val_loss": vals[-1],
+        "best_val_loss": min(vals),
+        "final_train_loss": sum(losses) / len(losses),
+        "bytes_sent": total,
+        "bytes_sent_per_rank": per_rank,
+        "bytes_by_stage": sent,
+        "fp32_allreduce_bytes": fp32,
+        "compression": fp32 / total if total else None,
+        "wall_time_s": wall_time,
+        "samples_per_s": records[-1]["samples_per_s"],
+        "backend": dist.get_backend(),
+        "device": str(device),
+        "torch": torch.__version__,
+        "onebit": onebit.__version__,
+        "seed": config.seed,
+        "data_digest": config.data_digest,
+    }

@@ -1,0 +1,326 @@
+"""0/1 Adam (Lu et al., 2022; SPEC section 4): adaptive variance freezing and local steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    DEFAULT_BUCKET_SIZE,
+    CompressedOptimizer,
+    check_adam_hyperparameters,
+    check_step_count,
+)
+from .comm import reduce_compressed_
+from .freeze import set_state_views
+from .functional import (
+    adam_denominator,
+    adam_moments_,
+    adamw_update_,
+    all_finite,
+    bias_correction,
+    momentum_from_grads_,
+)
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    """AdamW that needs no full-precision warmup and skips whole communication rounds.
+
+    Like :class:`~onebit.OnebitAdam` it replaces ``torch.optim.AdamW`` plus
+    ``DistributedDataParallel`` (do not wrap the model in DDP) and broadcasts the parameters from
+    rank 0 at construction. Training runs in two phases.
+
+    Phase A, steps ``1..var_freeze_step``: Adam's variance is updated only on steps ``t`` with
+    ``t % var_interval == 0``; those steps average the gradients with an fp32 allreduce. Every
+    other step averages them with the 1-bit compressed allreduce (error feedback included) and
+    updates only the momentum. ``var_interval`` starts at 1 and doubles after every
+    ``var_update_scaler`` variance updates, so full-precision steps become exponentially rare.
+
+    Phase B, after ``var_freeze_step``: the variance is frozen and each rank takes *local* steps
+    with its own gradient and momentum, sending nothing. Every ``local_step_interval`` steps a
+    sync step averages, through the compressed allreduce, how far each rank moved since the last
+    sync (preconditioned back by the frozen denominator), moves every rank to the same place and
+    rebuilds the momentum from that average. ``local_step_interval`` starts at 1 and doubles every
+    ``local_step_scaler`` phase-B steps, up to ``local_step_clipper``.
+
+    **Between sync steps the parameters differ across ranks**: that is the point of local steps.
+    Right after each sync step they are identical, bit for bit, on every rank. To evaluate or
+    export a consistent model mid-phase-B, call :meth:`synchronize` on every rank. To resume
+    exactly, save the model as well as the optimizer on every rank.
+
+    Args:
+        params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
+            ``betas`` and ``eps`` may not.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        var_freeze_step: last step of phase A. Like 1-bit Adam's ``freeze_step`` but much less
+            critical, since phase A already compresses most steps; the paper freezes after
+            10-20% of training (e.g. 23k of 118k steps for BERT-Base).
+        var_update_scaler: variance updates between two doublings of ``var_interval``
+            (default 16). Larger keeps ``v`` fresher at the cost of more fp32 allreduces.
+        local_step_scaler: phase-B steps between two doublings of ``local_step_interval``
+            (default 32768, so runs shorter than that sync every step). Lower it to skip rounds
+            sooner when gradients are not very noisy.
+        local_step_clipper: the largest ``local_step_interval`` (default 16). At most one step
+            in this many communicates; larger intervals save more rounds but let replicas drift
+            further apart.
+        bias_correction: Adam's bias correction. The variance's correction counts variance
+            updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
+        process_group: the data-parallel group; ``None`` is the default group, or a single
+            process if ``torch.distributed`` is not initialised.
+        bucket_size: elements per communication bucket, rounded down to a multiple of
+            ``8 * world_size``.
+
+    Weight decay in phase B is applied to the parameters every local step exactly as AdamW does
+    and is kept out of the momentum that a sync rebuilds (the reference folded
+    ``wd·p·(sqrt(v)+eps)`` into the momentum, which compounds into up to ``1/(1-β1)`` times the
+    asked-for decay).
+
+    Non-finite gradients: in phase A, if any rank has one, every rank skips the step and changes
+    nothing (``skipped_steps``). In phase B a rank with a non-finite gradient drops it: that
+    rank's parameters and momentum stay as they were for the step, while the step count and both
+    schedules advance on every rank (``local_skipped_steps`` counts these per rank). Because a
+    sync computes the new parameters only from values every rank shares, replicas are identical
+    again after it. Should a sync itself see a non-finite value, every rank returns to the
+    parameters of the previous sync and restarts its momentum (``skipped_steps`` counts it).
+
+    Memory: four model-sized fp32 buffers (momentum, variance or frozen denominator, a scratch
+    buffer that holds the averaged gradient in phase A and the last synced parameters in phase
+    B, and the worker error) plus the server error, ``1/world_size`` of the model.
+
+    State per parameter: ``exp_avg`` and ``exp_avg_sq``; in phase B ``exp_avg`` is the rank's
+    local momentum, ``exp_avg_sq`` is replaced by ``frozen_denom`` (``sqrt(v̂) + eps``), and
+    ``sync_params`` holds the parameters of the last sync. ``comm_stats`` counts bytes per stage
+    (``"variance"``, ``"compression"``, ``"sync"``, ``"local"``) and ``rounds_skipped``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        var_freeze_step: int,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32768,
+        local_step_clipper: int = 16,
+        bias_correction: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
+        self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
+        self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler)
+        self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
+        self.bias_correction = bias_correction
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
+        self._exp_avg = self.layout.zeros(padded=True, device=self.device)
+        set_state_views(self, "exp_avg", self._exp_avg)
+        self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
+        self._ranges = _group_ranges(self.param_groups)
+        self.var_interval = 1
+        self._var_counter = 0
+        self._var_updates = 0
+        self.local_step_interval = 1
+        self._local_step_counter = 0
+        self._frozen = False
+        self._lrs = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        self.local_skipped_steps = 0
+        self.comm_stats.freeze_step = self.var_freeze_step
+
+    @property
+    def stage(self) -> str:
+        """What the next step does: ``"variance"`` (fp32 allreduce, phase A), ``"compression"``
+        (1-bit allreduce of the gradient, phase A), ``"local"`` or ``"sync"`` (phase B)."""
+        t = self.num_steps + 1
+        if self.num_steps < self.var_freeze_step:
+            return "variance" if t % self.var_interval == 0 else "compression"
+        return "sync" if t % self.local_step_interval == 0 else "local"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step. Call it on every rank of the group, even on local steps."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.num_steps < self.var_freeze_step:
+            self._variance_phase_step()
+        else:
+            self._local_phase_step()
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make the parameters identical on every rank now (a collective; phase B only).
+
+        Averages the local progress since the last sync as a scheduled sync step would, without
+        taking a step; ``comm_stats`` books it as stage ``"synchronize"``. Does nothing in
+        phase A, or if no step was taken since the last sync.
+        """
+        if self._frozen and any(lrs > 0 for lrs in self._lrs):
+            synced, nbytes = self._sync()
+            self.comm_stats.record("synchronize", nbytes)
+            self.skipped_steps += not synced
+
+    def _variance_phase_step(self) -> None:
+        beta1, beta2 = self.defaults["betas"]
+        n = self.layout.numel
+        m, v = self._exp_avg[:n], self._exp_avg_sq
+        t = self.num_steps + 1
+        update_variance = t % self.var_interval == 0
+        g = self._gather_grads()
+        if update_variance:
+            stage = "variance"
+            applied, nbytes = self._allreduce_grads()
+        else:
+            stage = "compression"
+            applied, nbytes = self._compressed_allreduce(g)  # in place: g is now the estimate
+        if applied:
+            adam_moments_(m, v if update_variance else None, g, beta1, beta2)
+            if update_variance:
+                self._var_updates += 1
+                self._var_counter += 1
+                if self._var_counter == self.var_update_scaler:
+                    self._var_counter = 0
+                    self.var_interval *= 2
+            bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
+            denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
+            for group, params, ms, denoms in self._per_group(m, denom):
+                adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+        self._end_step(stage, nbytes, applied)
+
+    def _local_phase_step(self) -> None:
+        if not self._frozen:
+            self._freeze()
+        beta1 = self.defaults["betas"][0]
+        n = self.layout.numel
+        m, denom = self._exp_avg[:n], self._exp_avg_sq
+        t = self.num_steps + 1
+        params = self.layout.params
+        grads = [p.grad for p in params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
+        if all_finite(grads):
+            momentum_from_grads_(self.layout.views(m), grads, beta1)
+            for group, ps, ms, denoms in self._per_group(m, denom):
+                adamw_update_(ps, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+        else:
+            self.local_skipped_steps += 1
+        for i, group in enumerate(self.param_groups):
+            self._lrs[i] += group["lr"] * step_scale
+            self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
+        sync = t % self.local_step_interval == 0
+        synced, nbytes = self._sync() if sync else (True, 0)
+        self._local_step_counter += 1
+        if self._local_step_counter == self.local_step_scaler:
+            self._local_step_counter = 0
+            self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
+        self._end_step("sync" if sync else "local", nbytes, True, round_skipped=not sync)
+        self.skipped_steps += not synced
+
+    def _freeze(self) -> None:
+        """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
+        beta2, eps = self.defaults["betas"][1], self.defaults["eps"]
+        bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
+        adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
+        for comm in self.comms:
+            comm.reset()  # they tracked the gradient; from now on they track the local progress
+        anchor = self._grads[: self.layout.numel]
+        torch._foreach_copy_(self.layout.views(anchor), self.layout.params)
+        self._lrs = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        self._set_frozen(True)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self._frozen = frozen
+        n = self.layout.numel
+        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
+        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
+        set_state_views(self, "sync_params", self._grads[:n] if frozen else None)
+
+    def _sync(self) -> tuple[bool, int]:
+        """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.
+
+        The progress of a rank is ``p - decay·anchor``: where it is, less where weight decay alone
+        would have taken the last synced parameters ``anchor``. The new parameters are computed
+        from the anchor and the averaged progress only, so they are identical on every rank.
+        """
+        n = self.layout.numel
+        params = self.layout.params
+        progress, anchor, denom = self._exp_avg[:n], self._grads[:n], self._exp_avg_sq
+        anchors = self.layout.views(anchor)
+        torch._foreach_copy_(self.layout.views(progress), params)
+        for (start, end), decay in zip(self._ranges, self._decay):
+            progress[start:end].sub_(anchor[start:end], alpha=decay)
+        progress.mul_(denom)
+        synced = reduce_compressed_(
+            self.comms,
+            self.layout.bucket_views(self._exp_avg, padded=True),
+            self.layout.bucket_views(progress),
+        )
+        if synced:
+            for (start, end), decay in zip(self._ranges, self._decay):
+                if decay != 1.0:
+                    anchor[start:end].mul_(decay)
+            anchor.addcdiv_(progress, denom)
+            for (start, end), lrs in zip(self._ranges, self._lrs):
+                progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
+        else:
+            progress.zero_()
+        torch._foreach_copy_(params, anchors)
+        low_precision = [(a, p) for a, p in zip(anchors, params) if p.dtype != torch.float32]
+        if low_precision:
+            torch._foreach_copy_([a for a, _ in low_precision], [p for _, p in low_precision])
+        self._lrs = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        return synced, sum(c.bytes_per_call for c in self.comms)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "var_interval": self.var_interval,
+            "var_counter": self._var_counter,
+            "var_updates": self._var_updates,
+            "local_step_interval": self.local_step_interval,
+            "local_step_counter": self._local_step_counter,
+            "frozen": self._frozen,
+            "lrs": list(self._lrs),
+            "decay": list(self._decay),
+            "local_skipped_steps": self.local_skipped_steps,
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.var_interval = state["var_interval"]
+        self._var_counter = state["var_counter"]
+        self._var_updates = state["var_updates"]
+        self.local_step_interval = state["local_step_interval"]
+        self._local_step_counter = state["local_step_counter"]
+        self._lrs = list(state["lrs"])
+        self._decay = list(state["decay"])
+        self.local_skipped_steps = state["local_skipped_steps"]
+        self.comm_stats.freeze_step = self.var_freeze_step
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of this rank, schedules and error buffers included."""
+        self._set_frozen(bool(state_dict["onebit"]["frozen"]))
+        super().load_state_dict(state_dict)
+
+
+def _group_ranges(param_groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Each param group's ``[start, end)`` in the flat buffers (groups are laid out in order)."""
+    ranges, start = [], 0
+    for group in param_groups:
+        end = start + sum(p.numel() for p in group["params"])
+        ranges.append((start, end))
+        start = end
+    return ranges

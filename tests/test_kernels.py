@@ -1,0 +1,232 @@
+"""The fast compression kernels against the straightforward torch formulation, bit for bit.
+
+Every kernel in :mod:`onebit.compress` has two implementations (numpy chunks on the CPU, whole
+tensor torch ops elsewhere); both are checked here on the CPU, the torch one by turning the
+fast path off, so the CUDA code path is exercised too.
+"""
+
+import math
+
+import pytest
+import torch
+
+from onebit import compress
+from onebit.compress import (
+    CHUNK,
+    average_signs_,
+    compress_,
+    compute_scale,
+    decompress_,
+    pack_signs,
+    subtract_compressed_,
+    unpack_signs,
+)
+
+SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e38, -3.0e38, 1.0, -1.0]
+NON_FINITE = [float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.fixture(params=["fast", "torch"])
+def path(request, monkeypatch):
+    """Run a test with the CPU numpy kernels and again with the torch formulation."""
+    if request.param == "torch":
+        monkeypatch.setattr(compress, "fast_path", lambda *tensors: False)
+    elif not compress.fast_path(torch.zeros(8)):
+        pytest.skip("numpy kernels unavailable")
+    return request.param
+
+
+# The straightforward formulation, as the library had it before the kernels.
+
+
+def ref_pack(x):
+    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+
+
+def ref_unpack(packed):
+    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8).to(torch.float32).mul_(2).sub_(1)
+
+
+def ref_error(y, s):
+    return torch.where(y >= 0, y - s, y + s)
+
+
+def ref_scale(x, kind):
+    x = x.double()
+    if kind == "rms":
+        return x.norm() / math.sqrt(x.numel())
+    return x.abs().sum() / x.numel()
+
+
+def assert_same_bits(actual, expected):
+    """Equal bit for bit, except that any NaN matches any NaN."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    a, e = actual[~nan], expected[~nan]
+    assert torch.equal(a.view(torch.int32), e.view(torch.int32))
+
+
+def values(numel, seed=0, special=True, non_finite=False, huge=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(4) * 10
+    pool = [v for v in SPECIAL if huge or abs(v) < 1e38] + (NON_FINITE if non_finite else [])
+    if special and numel:
+        picks = torch.randint(0, len(pool), (numel,), generator=gen)
+        where = torch.rand(numel, generator=gen) < 0.2
+        x[where] = torch.tensor(pool)[picks[where]]
+    return x
+
+
+SIZES = [8, 16, 24, 1000, 8 * 1001, CHUNK, CHUNK + 8, 2 * CHUNK + 40]
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("non_finite", [False, True])
+def test_pack_and_unpack(path, numel, non_finite):
+    x = values(numel, numel, non_finite=non_finite)
+    packed = pack_signs(x)
+    assert torch.equal(packed, ref_pack(x))
+    assert torch.equal(unpack_signs(packed), ref_unpack(packed))
+    assert torch.equal(unpack_signs(packed.view(-1, 1)), ref_unpack(packed.view(-1, 1)))
+
+
+def test_sign_conventions(path):
+    x = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1, -1])
+    # zero and -0.0 are +1; NaN fails x >= 0, so -1
+    assert unpack_signs(pack_signs(x)).tolist() == [1, 1, -1, -1, 1, -1, 1, -1]
+
+
+@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
+@pytest.mark.parametrize("kind", ["rms", "mean_abs"])
+def test_scale(path, numel, kind):
+    x = values(numel, numel, huge=False)
+    s = compute_scale(x, kind)
+    assert s.dtype == torch.float32 and s.shape == ()
+    # fp32 reduction order: the chunked path is accurate to a few ulp; torch's CPU norm less so
+    rtol = 2e-6 if path == "fast" else 1e-4
+    torch.testing.assert_close(s.double(), ref_scale(x, kind), rtol=rtol, atol=0)
+    for bad in NON_FINITE:
+        y = x.clone()
+        y[numel // 2] = bad
+        assert not torch.isfinite(compute_scale(y, kind))
+
+
+def test_scale_overflows_like_torch(path):
+    x = torch.full((64,), 3.0e38)
+    assert torch.isinf(compute_scale(x, "rms"))  # sum of squares overflows fp32, as in torch
+    assert torch.isinf(torch.linalg.vector_norm(x))
+
+
+@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
+@pytest.mark.parametrize("scale_value", [0.0, 0.37, 3.0e38, float("inf"), float("nan")])
+def test_error_update(path, numel, scale_value):
+    y = values(numel, numel + 1, non_finite=True)
+    s = torch.tensor(scale_value)
+    out = torch.full_like(y, 123.0)
+    subtract_compressed_(y, s, out=out)
+    assert_same_bits(out, ref_error(y, s))
+    in_place = y.clone()
+    subtract_compressed_(in_place, s, out=in_place)
+    assert_same_bits(in_place, ref_error(y, s))
+
+
+@pytest.mark.parametrize("numel", [0, *SIZES])
+@pytest.mark.parametrize("kind", ["rms", "mean_abs"])
+def test_compress(path, numel, kind):
+    buffer, error = values(numel, 1, huge=False), values(numel, 2, huge=False)
+    y = buffer + error
+    error_before = error.clone()
+    packed, s = compress_(buffer, error, kind)
+    assert_same_bits(buffer, y)
+    assert torch.equal(error, error_before)  # committed later, by the caller
+    assert torch.equal(packed, ref_pack(y))
+    assert s.dtype == torch.float32 and s.shape == ()
+    if numel:
+        rtol = 2e-6 if path == "fast" else 1e-4
+        torch.testing.assert_close(s.double(), ref_scale(y, kind), rtol=rtol, atol=0)
+        subtract_compressed_(buffer, s, out=error)
+        assert_same_bits(error, ref_error(y, s))
+
+
+def test_compress_non_finite_gives_non_finite_scale(path):
+    for bad in NON_FINITE:
+        buffer, error = values(CHUNK + 8, 3), torch.zeros(CHUNK + 8)
+        buffer[CHUNK + 3] = bad
+        packed, s = compress_(buffer, error)
+        assert not torch.isfinite(s)
+        assert torch.equal(packed, ref_pack(buffer))
+
+
+def test_compress_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        compress_(torch.zeros(12), torch.zeros(12))
+    with pytest.raises(ValueError, match="error"):
+        compress_(torch.zeros(16), torch.zeros(8))
+    with pytest.raises(ValueError, match="scale must be one of"):
+        compress_(torch.zeros(16), torch.zeros(16), "max")
+
+
+def _message(k, m, seed):
+    """``[k, m + 4]`` uint8 rows as received from the wire: packed signs then a scale."""
+    gen = torch.Generator().manual_seed(seed)
+    message = torch.randint(0, 256, (k, m + 4), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(k, generator=gen) * 3
+    scales[0] = 0.0
+    message[:, m:] = scales.view(torch.uint8).view(k, 4)
+    return message[:, :m], scales
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
+def test_decompress(path, k, m):
+    packed, scales = _message(k, m, k * m)
+    expected = (ref_unpack(packed) * scales[:, None]).view(-1)
+    for numel in {8 * k * m, 8 * k * m - 1, max(8 * k * m - 8 * m - 5, 1), 3}:
+        out = torch.full((numel,), 7.0)
+        decompress_(packed, scales, out)
+        assert_same_bits(out, expected[:numel])
+    shaped = torch.empty(2, 4 * k * m)
+    decompress_(packed, scales, shaped)
+    assert_same_bits(shaped.view(-1), expected)
+
+
+def test_decompress_non_finite_scales(path):
+    packed, scales = _message(4, 9, 0)
+    scales[1:] = torch.tensor([float("inf"), float("nan"), 3.0e38])
+    out = torch.empty(4 * 9 * 8)
+    decompress_(packed, scales, out)
+    assert_same_bits(out, (ref_unpack(packed) * scales[:, None]).view(-1))
+
+
+def test_decompress_rejects_short_input():
+    packed, scales = _message(2, 1, 0)
+    with pytest.raises(ValueError, match="more than"):
+        decompress_(packed, scales, torch.empty(17))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
+def test_average_signs(path, k, m):
+    packed, scales = _message(k, m, 100 * k + m)
+    out = torch.full((8 * m,), 5.0)
+    average_signs_(packed, scales, out)
+    sequential = ref_unpack(packed[0]) * scales[0]
+    for r in range(1, k):
+        sequential = sequential + ref_unpack(packed[r]) * scales[r]
+    assert_same_bits(out, sequential / k)  # rank order, then the division
+    # Tensor.sum(0) may reorder the terms: equal up to fp32 rounding.
+    expected = (ref_unpack(packed) * scales[:, None]).sum(0).div_(k)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_fast_path_is_taken_for_contiguous_fp32():
+    if compress.np is None:
+        pytest.skip("numpy unavailable")
+    assert compress.fast_path(torch.zeros(8), torch.zeros(2, dtype=torch.uint8))
+    assert not compress.fast_path(torch.zeros(8, 2).t())
+    assert not compress.fast_path(torch.zeros(8, dtype=torch.float64))
+    x = torch.zeros(8, requires_grad=True)
+    assert torch.equal(pack_signs(x), ref_pack(x.detach()))

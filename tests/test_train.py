@@ -1,0 +1,215 @@
+"""``onebit train`` end to end: files, exact resume, bad input, data and models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from onebit.comm import allreduce_bytes
+from onebit.train import cli, optim
+from onebit.train.data import prepare, source_files, stdlib_path, windows
+from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer
+
+TINY = [
+    "--workers", "2", "--steps", "6", "--layers", "1", "--width", "32", "--heads", "2",
+    "--block-size", "32", "--batch-size", "4", "--eval-windows", "16", "--eval-every", "3",
+    "--freeze-step", "2", "--no-progress",
+]  # fmt: skip
+
+
+def available(name: str) -> bool:
+    try:
+        optim.optimizer_class(name)
+    except optim.OptimizerUnavailable:
+        return False
+    return True
+
+
+COMPARE = [name for name in optim.OPTIMIZERS if available(name)]
+
+
+def onebit_train(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m onebit.train`` in a fresh process, as a user would."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, "-m", "onebit.train", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    """A tiny ``--compare`` run of every optimizer, with checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("compare")
+    result = onebit_train(
+        "--compare", ",".join([*COMPARE, "onebit-adam:no-ef"]), *TINY, "--save-every", "3",
+        "--out", out, "--cache-dir", cache,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("time", "samples_per_s")} for r in records]
+
+
+def test_compare_writes_every_file(compared: Path) -> None:
+    labels = [*COMPARE, "onebit-adam-no-ef"]
+    assert (compared / "comparison.png").stat().st_size > 0
+    table = (compared / "comparison.md").read_text()
+    rows = json.loads((compared / "comparison.json").read_text())
+    assert [r["label"] for r in rows] == labels
+    for label in labels:
+        run = compared / label
+        assert f"| {label} |" in table
+        assert (run / "loss.png").stat().st_size > 0
+        records = read_metrics(run)
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        assert [r["samples"] for r in records] == [8 * s for s in range(1, 7)]
+        assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in records)
+        assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["final_val_loss"] == records[-1]["val_loss"]
+        assert summary["workers"] == 2 and summary["samples"] == 48
+        assert summary["bytes_sent"] == records[-1]["bytes_sent"] > 0
+        assert summary["bytes_sent_per_rank"] == [summary["bytes_sent"]] * 2
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+            "step_000003",
+            "step_000006",
+        ]
+    adamw = json.loads((compared / "adamw" / "summary.json").read_text())
+    assert {r["bytes"] for r in read_metrics(compared / "adamw")} == {
+        allreduce_bytes(4 * adamw["parameters"], 2)
+    }
+    stages = [r["stage"] for r in read_metrics(compared / "onebit-adam")]
+    assert stages == ["warmup"] * 2 + ["compression"] * 4
+    steps = read_metrics(compared / "onebit-adam")
+    assert steps[-1]["bytes"] * 20 < steps[0]["bytes"], "compression sends ~32x fewer bytes"
+    no_ef = read_metrics(compared / "onebit-adam-no-ef")
+    assert [r["loss"] for r in no_ef[:3]] == [r["loss"] for r in steps[:3]]
+    assert no_ef[-1]["loss"] != steps[-1]["loss"], "dropping error feedback changes training"
+
+
+@pytest.mark.parametrize("label", ["adamw", "onebit-adam"])
+def test_resume_continues_exactly(compared: Path, tmp_path: Path, label: str) -> None:
+    straight = compared / label
+    result = onebit_train(
+        "--resume", straight / "checkpoints" / "step_000003", "--out", tmp_path, "--no-progress"
+    )
+    assert result.returncode == 0, result.stderr
+    assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(straight))
+    resumed = torch.load(tmp_path / "model.pt")
+    final = torch.load(straight / "model.pt")
+    assert resumed.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_resume_refuses_changed_options(compared: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--resume", str(compared / "adamw"), "--lr", "0.1"])
+    assert exit_info.value.code == 2
+    assert "--lr cannot be changed" in capsys.readouterr().err
+
+
+BAD_INPUTS = {
+    "optimizer": (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    "compare": (["--compare", "adamw,sgd"], "unknown optimizer 'sgd'"),
+    "missing data": (["--data", "{tmp}/nowhere"], "does not exist"),
+    "small data": (["--data", "{tmp}/tiny.txt"], "data too small"),
+    "workers": (["--workers", "0"], "--workers: must be at least 1, got 0"),
+    "resume": (["--resume", "{tmp}"], "neither a run folder nor a checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "tiny.txt").write_text("print('hello')\n")
+    args, message = BAD_INPUTS[case]
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", *args, "--cache-dir", str(tmp_path / "cache")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onebit train: error: "), err
+    assert message in err
+
+
+def test_bad_input_from_the_command_line() -> None:
+    result = onebit_train("--workers", "0")
+    assert result.returncode == 2
+    assert result.stderr == "python -m onebit.train: error: argument --workers: must be at " \
+        "least 1, got 0\n"  # fmt: skip
+
+
+def test_missing_extras_say_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train"])
+    assert exit_info.value.code == 2
+    assert "needs matplotlib: pip install 'onebit[train]'" in capsys.readouterr().err
+
+
+def test_library_imports_without_train_extras() -> None:
+    code = "import sys; sys.modules['tqdm'] = sys.modules['matplotlib'] = None; import onebit"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_default_data_is_the_standard_library(tmp_path: Path) -> None:
+    files = source_files(stdlib_path())
+    names = {f.relative_to(stdlib_path()).as_posix() for f in files}
+    assert {"os.py", "json/__init__.py"} <= names
+    assert not any(n.startswith("test/") or "site-packages" in n for n in names)
+    first = prepare(None, tmp_path / "a")
+    again = prepare(None, tmp_path / "b")
+    assert first.digest == again.digest
+    assert torch.equal(first.val, again.val)
+    assert len(first.train) > 1_000_000
+    assert 0.08 < len(first.val) / (len(first.train) + len(first.val)) < 0.12
+
+
+def test_data_from_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("alpha " * 1000)
+    (tmp_path / "src" / "b.md").write_text("beta " * 1000)
+    (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2" * 100)
+    assert [f.name for f in source_files(tmp_path / "src")] == ["a.txt", "b.md"]
+    data = prepare(tmp_path / "src", tmp_path / "cache")
+    assert len(data.train) + len(data.val) == 6000 + 5000 + 1
+    assert set(bytes(data.val.tolist())) <= set(b"alphbet \n")
+
+
+def test_bert_masks_and_gpt_shifts() -> None:
+    data = torch.arange(200, dtype=torch.uint8)
+    starts = torch.tensor([0, 50, 100])
+    gen = torch.Generator().manual_seed(0)
+    x, y = windows(data, starts, 64, "gpt", gen)
+    assert torch.equal(y[:, :-1], x[:, 1:]) and x[1, 0] == 50
+    x, y = windows(data, starts.repeat(100), 64, "bert", gen)
+    chosen = y != -100
+    assert 0.13 < chosen.float().mean() < 0.17
+    assert 0.75 < (x[chosen] == MASK_TOKEN).float().mean() < 0.85
+    assert not (x[~chosen] == MASK_TOKEN).any()
+    model = Transformer(ModelConfig("bert", block_size=64, n_layer=1, n_head=2, n_embd=32))
+    logits, loss = model(x[:4], y[:4])
+    assert logits.shape == (4, 64, 257) and 5.0 < loss.item() < 6.0
