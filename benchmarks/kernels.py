@@ -11,11 +11,12 @@ For each size, one repetition times, one after the other on the same buffers:
   (:func:`onebit.compress.subtract_compressed_`);
 * ``decompress``: rebuild the fp32 buffer from ``world`` packed chunks and their scales
   (:func:`onebit.compress.decompress_`);
-* ``server``: the server's share for ``world`` ranks, summed over the whole buffer: average the
-  ``world`` signed chunks, add the server error, compress, update the error.
+* ``server``: one rank's server share for ``world`` ranks: average the ``world`` signed
+  chunks of ``numel / world`` elements, add the server error, compress, update the error.
 
-Each is reported as the median over repetitions and as a ratio to the copy's median, so machine
-noise cancels (the 2-core VM this was tuned on is shared). ``--torch-path`` also times the
+Each case is timed right after an untimed run of itself (so all start with the same warm
+caches: a 1M-element copy runs from L3), and is reported as the median over repetitions and as a
+ratio to the copy's median, so machine noise cancels (the 2-core VM this was tuned on is shared). ``--torch-path`` also times the
 whole-tensor torch formulation that CUDA runs (on the CPU it is what the library did before the
 numpy kernels). Writes ``--json`` if given.
 """
@@ -42,6 +43,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(fn: Callable[[], object], device: torch.device, before: Callable[[], object]) -> float:
+    """One timed call of ``fn``, after an untimed one: every case starts with warm caches."""
+    before()
+    fn()
     before()
     _sync(device)
     start = time.perf_counter()
@@ -80,17 +84,16 @@ def measure(numel: int, world: int, reps: int, device: torch.device, torch_path:
         error.copy_(error0)
 
     def run_compress() -> None:
-        _, s = compress_(buffer, error)
-        subtract_compressed_(buffer, s, out=error)
+        packed, s = compress_(buffer, error)
+        subtract_compressed_(buffer, s, out=error, signs=packed)
 
     def run_decompress() -> None:
         decompress_(packed[:, : chunk // 8], scales, dst)
 
-    def run_server() -> None:
-        for _ in range(world):  # every rank serves one chunk: world chunks = the whole buffer
-            average_signs_(packed[:, : chunk // 8], scales, out=z)
-            _, sigma = compress_(z, server_error)
-            subtract_compressed_(z, sigma, out=server_error)
+    def run_server() -> None:  # one rank's share: its chunk, from every rank
+        average_signs_(packed[:, : chunk // 8], scales, out=z)
+        signs, sigma = compress_(z, server_error)
+        subtract_compressed_(z, sigma, out=server_error, signs=signs)
 
     cases = {
         "copy": (lambda: dst.copy_(src), lambda: None),
@@ -114,6 +117,17 @@ def measure(numel: int, world: int, reps: int, device: torch.device, torch_path:
     return {"numel": numel, **{name: statistics.median(ts) for name, ts in times.items()}}
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1M,4M,16M,64M", help="elements, K/M suffixes")
@@ -129,7 +143,7 @@ def main() -> None:
     device = torch.device(args.device)
     sizes = [int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]]) if s[-1] in "KM" else int(s)
              for s in args.sizes.upper().split(",")]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     print(f"device {device} ({name}), torch {torch.__version__}, {args.threads} CPU thread(s), "
           f"world {args.world}, median of {args.reps}, CPU numpy kernels: "
           f"{compress.fast_path(torch.zeros(8)) and device.type == 'cpu'}")

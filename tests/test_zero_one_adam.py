@@ -412,18 +412,19 @@ def test_bad_hyperparameters_raise_value_error():
 def test_single_process_non_finite_and_none_gradients():
     params = _params()
     opt = _optimizer(params)
-    for t in range(1, 16):
-        before = _flat(params)
-        stage = opt.stage
-        _set_grads(params, t, 0, poison=t in (3, 14))
-        if t == 7:
+    stages = {}
+    for call in range(1, 21):
+        before, stages[call] = _flat(params), opt.stage
+        _set_grads(params, call, 0, poison=call in (3, 18))
+        if call == 7:
             params[1].grad = None  # counts as zero
         opt.step()
-        if t in (3, 14):
-            assert torch.equal(_flat(params), before), stage
+        if call in (3, 18):  # a compressed step of phase A, then a local step of phase B
+            assert torch.equal(_flat(params), before), stages[call]
         assert torch.isfinite(_flat(params)).all()
+    assert (stages[3], stages[18]) == ("compression", "local")
     assert opt.skipped_steps == 1 and opt.local_skipped_steps == 1
-    assert opt.num_steps == 14
+    assert opt.num_steps == 19
 
 
 def test_state_names_follow_the_phase():

@@ -45,6 +45,11 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
             (unused embedding rows, say) at zero in the compression stage.
         auto_freeze: knobs of ``freeze_step="auto"``.
+        overlap_backward: start each bucket's communication during ``backward()``, as soon as
+            its gradients are final, as DDP does. Results are bitwise the same as without it.
+            It needs the same parameters to receive gradients in the same order on every rank;
+            with gradient accumulation, run every backward but the last inside
+            :meth:`no_sync`.
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
@@ -69,12 +74,19 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         auto_freeze: AutoFreeze | None = None,
+        overlap_backward: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         self._init_freeze_step(freeze_step, auto_freeze)
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            bucket_size=bucket_size,
+            overlap_backward=overlap_backward,
+        )
         self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")
         self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
@@ -88,6 +100,14 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
         return "warmup" if self.in_warmup else "compression"
 
+    def _next_communication(self) -> str:
+        return "allreduce" if self.stage == "warmup" else "compressed"
+
+    def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
+        if kind == "compressed":
+            start, end = self.layout.buckets[k]
+            torch.lerp(self._exp_avg[start:end], grads, 1 - self.defaults["betas"][0], out=grads)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step on every rank. Call it on all ranks of the group."""
@@ -98,14 +118,13 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         beta1, beta2 = self.defaults["betas"]
         m, v = self._exp_avg, self._exp_avg_sq
         stage = self.stage
-        g = self._gather_grads()
+        g = self._grads[: self.layout.numel]
         if stage == "warmup":
-            applied, nbytes = self._allreduce_grads()
+            applied, nbytes = self._communicate("allreduce")
             if applied:
                 adam_moments_(m, v, g, beta1, beta2)
         else:
-            torch.lerp(m, g, 1 - beta1, out=g)
-            applied, nbytes = self._compressed_allreduce(m)
+            applied, nbytes = self._communicate("compressed", out=m)
             for view, mask in self._masks:
                 view.mul_(mask)
         if applied:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CompressedAllreduce, allreduce_mean_, group_size_and_rank, reduce_compressed_
+from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
 from .layout import FlatLayout
 from .stats import CommStats
 
@@ -71,6 +73,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         *,
         process_group: dist.ProcessGroup | None,
         bucket_size: int,
+        overlap_backward: bool = False,
     ) -> None:
         super().__init__(params, defaults)
         check_step_count("bucket_size", bucket_size)
@@ -98,7 +101,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for start, end in self.layout.buckets
         ]
         self._grads = self.layout.zeros(padded=True, device=self.device)
-        self._grad_views = self.layout.views(self._grads)
+        self._grad_buckets = self.layout.bucket_views(self._grads, padded=True)
+        self._inflight: dict[int, Any] = {}
+        self._no_sync = False
+        self._buckets_of_param = [
+            [k for k, (s, e) in enumerate(self.layout.buckets) if s < o + n and o < e]
+            for o, n in zip(self.layout.offsets, self.layout.numels)
+        ]
+        self._bucket_sizes = [0] * len(self.comms)
+        for p, buckets in zip(params, self._buckets_of_param):
+            for k in buckets:
+                self._bucket_sizes[k] += p.requires_grad
+        self._bucket_pending = list(self._bucket_sizes)
+        if overlap_backward:
+            self._install_overlap_hooks()
         self.comm_stats = CommStats()
         self.skipped_steps = 0
         self.num_steps = 0
@@ -127,36 +143,125 @@ class CompressedOptimizer(torch.optim.Optimizer):
             yield (group, group["params"], *(v[start:end] for v in views))
             start = end
 
-    # Communication.
+    # Communication. Each bucket is filled from the gradients, launched, then completed.
+    # Buckets launch in a fixed order (last first, as backward produces them) on every rank,
+    # so the collectives match across ranks however early each bucket is launched.
+
+    def _fill_bucket(self, k: int) -> None:
+        """Copy the gradients overlapping bucket ``k`` into the flat gradient buffer."""
+        start, end = self.layout.buckets[k]
+        for p, offset, numel in zip(self.layout.params, self.layout.offsets, self.layout.numels):
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if lo >= hi:
+                continue
+            view = self._grads[lo:hi]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            else:
+                view.copy_(p.grad.reshape(-1)[lo - offset : hi - offset])
+
+    def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
+        """Turn bucket ``k``'s gathered gradients, in place, into what ``kind`` sends."""
+
+    def _launch(self, k: int, kind: str, fill: bool) -> None:
+        grads = self._grad_buckets[k]
+        if fill:
+            self._fill_bucket(k)
+            self._prepare_bucket_(k, kind, grads[: self.comms[k].numel])
+        if kind == "allreduce":
+            self._inflight[k] = MeanAllreduce(grads[: self.comms[k].numel], self.process_group)
+        else:
+            self._inflight[k] = self.comms[k].start(grads)
+
+    def _communicate(
+        self, kind: str, out: Tensor | None = None, fill: bool = True
+    ) -> tuple[bool, int]:
+        """Launch every bucket not yet launched, then complete them all.
+
+        ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place) or
+        ``"compressed"`` (1-bit allreduce of the gradient buffer into the flat buffer ``out``).
+        With ``fill`` each bucket is first gathered from ``.grad`` and passed through
+        :meth:`_prepare_bucket_`; without it the caller has filled the gradient buffer.
+        Returns (applied, bytes sent); not applied means some rank had a non-finite value and
+        nothing but the gradient buffer changed.
+        """
+        for k in reversed(range(len(self.comms))):
+            if k not in self._inflight:
+                self._launch(k, kind, fill)
+        calls = [self._inflight[k] for k in range(len(self.comms))]
+        self._inflight = {}
+        self._bucket_pending = list(self._bucket_sizes)
+        if kind == "allreduce":
+            for call in calls:
+                call.wait()
+            grads = self._grads[: self.layout.numel]
+            return bool(torch.isfinite(grads).all()), sum(c.bytes_sent for c in calls)
+        applied = finish_compressed_(self.comms, calls, self.layout.bucket_views(out))
+        return applied, sum(c.bytes_per_call for c in self.comms)
 
     def _gather_grads(self) -> Tensor:
         """Copy every ``.grad`` into the flat gradient buffer; ``None`` counts as zero."""
-        params = self.layout.params
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        for p, view in zip(params, self._grad_views):
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
+        for k in range(len(self.comms)):
+            self._fill_bucket(k)
         return self._grads[: self.layout.numel]
 
     def _allreduce_grads(self) -> tuple[bool, int]:
         """Average the gathered gradients in fp32; return (all finite, bytes sent)."""
-        nbytes = allreduce_mean_(self.layout.bucket_views(self._grads), self.process_group)
-        grads = self._grads[: self.layout.numel]
-        return bool(torch.isfinite(grads).all()), nbytes
+        return self._communicate("allreduce", fill=False)
 
     def _compressed_allreduce(self, out: Tensor) -> tuple[bool, int]:
         """Compressed allreduce of the (padded) flat gradient buffer, used as the input scratch,
         into the flat buffer ``out``; return (applied, bytes sent). Not applied means some rank
         had a non-finite value, and nothing was changed."""
-        ok = reduce_compressed_(
-            self.comms,
-            self.layout.bucket_views(self._grads, padded=True),
-            self.layout.bucket_views(out),
-        )
-        return ok, sum(c.bytes_per_call for c in self.comms)
+        return self._communicate("compressed", out, fill=False)
+
+    # Overlap with backward.
+
+    def _next_communication(self) -> str | None:
+        """What the next step sends, if it can be launched during backward, else ``None``."""
+        return None
+
+    def _on_grad_ready(self, index: int) -> None:
+        kind = self._next_communication()
+        if kind is None or self._no_sync:
+            return
+        for k in self._buckets_of_param[index]:
+            if k in self._inflight:
+                raise RuntimeError(
+                    "a gradient changed after its bucket was sent: with overlap_backward, run "
+                    "every backward but the last of a step inside optimizer.no_sync()"
+                )
+            self._bucket_pending[k] -= 1
+        for k in reversed(range(len(self.comms))):
+            if k in self._inflight:
+                continue
+            if self._bucket_pending[k] > 0:
+                break
+            self._launch(k, kind, fill=True)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without launching communication (for all but the last backward
+        of a step when ``overlap_backward`` is on), as ``DistributedDataParallel.no_sync``."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def _install_overlap_hooks(self) -> None:
+        this = weakref.ref(self)  # the hooks must not keep the optimizer alive
+
+        def hook(index: int) -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._on_grad_ready(index)
+
+        for index, p in enumerate(self.layout.params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
 
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False

@@ -41,19 +41,37 @@ def allreduce_bytes(nbytes: int, world_size: int) -> int:
     return 2 * nbytes * (world_size - 1) // world_size
 
 
+class MeanAllreduce:
+    """A full-precision allreduce that averages ``buffer`` in place, started at construction.
+
+    Call :meth:`wait` to complete it. ``bytes_sent`` is what this rank sends.
+    """
+
+    def __init__(self, buffer: Tensor, group: dist.ProcessGroup | None = None) -> None:
+        self.buffer = buffer
+        self.world_size, _ = group_size_and_rank(group)
+        self.bytes_sent = allreduce_bytes(buffer.numel() * buffer.element_size(), self.world_size)
+        self._work = None
+        if self.world_size > 1:
+            self._work = dist.all_reduce(buffer, group=group, async_op=True)
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self.buffer.div_(self.world_size)
+        return self.buffer
+
+
 def allreduce_mean_(buffers: list[Tensor], group: dist.ProcessGroup | None = None) -> int:
     """Average each buffer in place across ``group`` in full precision; return bytes sent.
 
     All allreduces are launched before the first is waited on, so buckets overlap on the wire.
     """
-    world_size, _ = group_size_and_rank(group)
-    if world_size == 1:
-        return 0
-    works = [dist.all_reduce(b, group=group, async_op=True) for b in buffers]
-    for work, b in zip(works, buffers):
-        work.wait()
-        b.div_(world_size)
-    return sum(allreduce_bytes(b.numel() * b.element_size(), world_size) for b in buffers)
+    calls = [MeanAllreduce(b, group) for b in buffers]
+    for call in calls:
+        call.wait()
+    return sum(call.bytes_sent for call in calls)
 
 
 @dataclass
@@ -65,6 +83,7 @@ class _Call:
     received: Tensor
     work: dist.Work | None
     gathered: Tensor | None = None
+    signs: Tensor | None = None  # pack_signs(y), kept for the error update
 
 
 class CompressedAllreduce:
@@ -151,10 +170,10 @@ class CompressedAllreduce:
             message[:, :chunk] = packed.view(n, chunk)
             message[:, chunk:] = scale.reshape(1).to(y.device).view(torch.uint8)
         if n == 1 or not self.numel:
-            return _Call(y, scale, message, None)
+            return _Call(y, scale, message, None, signs=packed)
         received = torch.empty_like(message)
         work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
-        return _Call(y, scale, received, work)
+        return _Call(y, scale, received, work, signs=packed)
 
     def worker_scales(self, call: _Call) -> Tensor:
         """Wait for phase 1 and return every rank's worker scale, in rank order."""
@@ -165,7 +184,8 @@ class CompressedAllreduce:
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
-        subtract_compressed_(call.y, call.scale, out=self.worker_error)
+        subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
+        call.signs = None
         if not self.numel:
             call.gathered = call.received
             return
@@ -173,14 +193,14 @@ class CompressedAllreduce:
         z = torch.empty(self.chunk_numel, device=self.server_error.device)
         average_signs_(call.received[:, :chunk], _scales(call.received, chunk), out=z)
         packed, sigma = compress_(z, self.server_error, self.scale)
-        subtract_compressed_(z, sigma, out=self.server_error)
+        subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
         message = torch.empty(chunk + _SCALE_BYTES, dtype=torch.uint8, device=z.device)
         message[:chunk] = packed
         message[chunk:] = sigma.reshape(1).to(z.device).view(torch.uint8)
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
-        gathered = torch.empty(self.world_size * message.numel(), dtype=torch.uint8, device=z.device)
+        gathered = message.new_empty(self.world_size * message.numel())
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 
@@ -244,6 +264,13 @@ def reduce_compressed_(
     non-finite, returns ``False`` on every rank, with the error buffers and ``outputs`` untouched.
     """
     calls = [comm.start(b) for comm, b in zip(comms, buffers)]
+    return finish_compressed_(comms, calls, outputs)
+
+
+def finish_compressed_(
+    comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
+) -> bool:
+    """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
     scales = [comm.worker_scales(call) for comm, call in zip(comms, calls)]
     if scales and not bool(torch.isfinite(torch.cat(scales)).all()):
         return False

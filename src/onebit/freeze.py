@@ -7,9 +7,11 @@ it has stopped moving. The rule, with the knobs of :class:`AutoFreeze`:
 
 * every ``window`` warmup steps, measure for each parameter ("layer") the mean of Adam's
   denominator ``sqrt(v̂) + eps``, the quantity that will be frozen;
-* its relative change since the previous measurement, maximised over all layers, is the
-  statistic; the ranks agree on it with one scalar ``MAX`` allreduce (``v`` comes from averaged
-  gradients, so it is the same everywhere anyway; the allreduce makes the agreement a guarantee);
+* the statistic is the relative change of these means since the previous measurement, averaged
+  over layers weighted by their sizes: the large matrices, which hold the parameters and the
+  bytes, decide, and a tiny layer whose few elements keep a noisy variance cannot hold the freeze
+  back forever. The ranks agree on it with one scalar ``MAX`` allreduce (``v`` comes from
+  averaged gradients, so it is the same everywhere anyway; the allreduce makes it a guarantee);
 * freeze at the end of the first measuring step at or after ``min_step`` where the statistic has
   been below ``tolerance`` for ``patience`` measurements in a row, and at ``max_step`` at the
   latest.
@@ -83,7 +85,8 @@ class VarianceMonitor:
     ) -> None:
         self.config = config
         self.process_group = process_group
-        self.numels = torch.tensor(numels, dtype=torch.float32).clamp_(min=1)
+        self.numels = torch.tensor(numels, dtype=torch.float32)
+        self.weights = self.numels / self.numels.sum().clamp(min=1)
         self.reference: Tensor | None = None
         self.stable_windows = 0
         self.last_change = math.inf
@@ -101,8 +104,8 @@ class VarianceMonitor:
         if not self.due(step):
             return False
         config = self.config
-        means = layer_norms(denominators, ord=1).cpu() / self.numels
-        change = _relative_change(means, self.reference)
+        means = layer_norms(denominators, ord=1).cpu() / self.numels.clamp(min=1)
+        change = _relative_change(means, self.reference, self.weights)
         if dist.is_available() and dist.is_initialized():
             device = denominators[0].device if denominators else torch.device("cpu")
             agreed = torch.tensor([change], dtype=torch.float64, device=device)
@@ -128,15 +131,13 @@ class VarianceMonitor:
         self.last_change = state["last_change"]
 
 
-def _relative_change(now: Tensor, before: Tensor | None) -> float:
-    """``max |now - before| / before`` over layers; 0 for layers that stay exactly zero."""
+def _relative_change(now: Tensor, before: Tensor | None, weights: Tensor) -> float:
+    """``Σ_l w_l·|now_l - before_l| / before_l``; layers that stay exactly put count 0."""
     if before is None:
         return math.inf
-    if now.numel() == 0:
-        return 0.0
     diff = (now - before).abs()
     rel = torch.where(diff == 0, 0.0, diff / before)
-    return float(rel.max())
+    return float((rel * weights).sum())
 
 
 class VarianceFreezeMixin:

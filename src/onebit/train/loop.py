@@ -151,9 +151,6 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     model = Transformer(config.model_config()).to(device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     start_step, elapsed, sent = 0, 0.0, {}
-    if resume is not None:
-        state = torch.load(Path(resume) / f"rank{rank}.pt", map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
     trainer = optim.build(
         config.optimizer,
         model,
@@ -164,6 +161,9 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     )
     opt = trainer.optimizer
     if resume is not None:
+        # After the optimizer's broadcast from rank 0: 0/1 Adam's replicas may differ.
+        state = torch.load(Path(resume) / f"rank{rank}.pt", map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         start_step, elapsed, sent = state["step"], state["elapsed"], state["bytes_sent"]
@@ -199,6 +199,13 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
             "bytes_sent": sum(sent.values()),
         }
         if step % config.eval_every == 0 or step == config.steps:
+            synced = trainer.synchronize()
+            if synced:
+                if not config.error_feedback:
+                    optim.drop_error_feedback(opt)
+                sent["synchronize"] = sent.get("synchronize", 0) + synced
+                record["bytes"] += synced
+                record["bytes_sent"] += synced
             record["val_loss"] = evaluate(model, eval_x, eval_y, config.batch_size, device)
         record["time"] = time.perf_counter() - t0
         record["samples_per_s"] = (
@@ -363,7 +370,7 @@ def _summary(
         "block_size": config.block_size,
         "samples": config.steps * config.batch_size * world_size,
         "lr": config.lr,
-        "freeze_step": trainer.freeze_step,
+        "freeze_step": trainer.freeze_step(),
         "error_feedback": config.error_feedback,
         "final_val_loss": vals[-1],
         "best_val_loss": min(vals),

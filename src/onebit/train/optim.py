@@ -64,9 +64,18 @@ def default_lr(name: str) -> float:
     return 1e-2 if name in ("lamb", "onebit-lamb") else 2e-3
 
 
-def default_freeze_step(name: str, steps: int) -> int | str:
-    """Warmup length of the 1-bit optimizers: 20% of the run, as the papers suggest (15-25%)."""
+def default_freeze_step(name: str, steps: int) -> int:
+    """Warmup length of the 1-bit optimizers: 20% of the run, as the papers do (15-25%)."""
     return max(1, steps // 5)
+
+
+def auto_freeze(steps: int) -> onebit.AutoFreeze:
+    """``freeze_step="auto"`` scaled to a run of ``steps``: measure the variance 30 times over
+    the run, never freeze before 10% of it, and freeze at 25% at the latest."""
+    min_step = max(1, steps // 10)
+    return onebit.AutoFreeze(
+        window=max(1, steps // 30), min_step=min_step, max_step=max(min_step, steps // 4)
+    )
 
 
 @dataclass
@@ -78,14 +87,32 @@ class Trainer:
         optimizer: the optimizer; call ``step()`` on every rank.
         stage: returns the stage the last step ran in (``"fp32"`` for uncompressed optimizers).
         last_step_bytes: returns the bytes this rank sent in the last step.
-        freeze_step: the 1-bit optimizer's warmup length as passed to it (None if it has none).
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     stage: Callable[[], str]
     last_step_bytes: Callable[[], int]
-    freeze_step: int | str | None = None
+
+    def synchronize(self) -> int:
+        """Make the replicas identical before evaluating; return the bytes that took.
+
+        Only 0/1 Adam's local steps leave the ranks' parameters apart; it syncs them like a
+        scheduled sync step would.
+        """
+        synchronize = getattr(self.optimizer, "synchronize", None)
+        if synchronize is None:
+            return 0
+        before = self.optimizer.comm_stats.bytes_total
+        synchronize()
+        return self.optimizer.comm_stats.bytes_total - before
+
+    def freeze_step(self) -> int | None:
+        """The step after which the variance was frozen (None if not, or never)."""
+        if isinstance(self.optimizer, torch.optim.AdamW) or self.stage() == "fp32":
+            return None
+        step = getattr(self.optimizer, "var_freeze_step", None)
+        return step if step is not None else self.optimizer.freeze_step
 
 
 def build(
@@ -99,8 +126,12 @@ def build(
 ) -> Trainer:
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
-    ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam);
-    ``None`` picks :func:`default_freeze_step`. Every rank must call this with the same arguments.
+    ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
+    ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
+    ``None`` for :func:`default_freeze_step`. 0/1 Adam's
+    local steps start doubling after a quarter of the run, the paper's proportion
+    (``local_step_scaler`` 32768 of 118k steps). Every rank must call this with the same
+    arguments.
     """
     cls = optimizer_class(name)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -117,7 +148,13 @@ def build(
         optimizer = cls(param_groups, lr=lr, freeze_step=NEVER)
         return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer))
     if name == "zero-one-adam":
-        optimizer = cls(param_groups, lr=lr, var_freeze_step=freeze_step)
+        if freeze_step == "auto":
+            freeze_step = default_freeze_step(name, steps)
+        optimizer = cls(
+            param_groups, lr=lr, var_freeze_step=freeze_step, local_step_scaler=max(1, steps // 4)
+        )
+    elif freeze_step == "auto":
+        optimizer = cls(param_groups, lr=lr, freeze_step="auto", auto_freeze=auto_freeze(steps))
     else:
         optimizer = cls(param_groups, lr=lr, freeze_step=freeze_step)
     return Trainer(
@@ -125,7 +162,6 @@ def build(
         optimizer,
         lambda: optimizer.comm_stats.last_step_stage,
         lambda: _last_bytes(optimizer),
-        freeze_step,
     )
 
 

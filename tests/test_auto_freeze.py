@@ -1,0 +1,201 @@
+"""freeze_step="auto": the rule, its knobs, its records, resume, and agreement across ranks."""
+
+import io
+import math
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import onebit
+from onebit.freeze import AutoFreeze, VarianceMonitor
+
+SHAPES = [(20, 10), (10,), (0,), (5,)]
+KNOBS = AutoFreeze(window=10, tolerance=0.02, patience=2, min_step=20, max_step=400)
+RUN = 250
+
+
+def _params(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _set_grads(params, step, rank=0):
+    """Noisy gradients whose scale decays from 5x to 1x: Adam's variance settles over time."""
+    scale = 1 + 4 * math.exp(-step / 15)
+    for i, p in enumerate(params):
+        gen = torch.Generator().manual_seed(1000 * step + 10 * rank + i)
+        p.grad = (torch.randn(p.shape, generator=gen) * scale + 0.1 * p.detach()).to(p.dtype)
+
+
+def _adam(params, freeze_step, **kwargs):
+    kwargs.setdefault("auto_freeze", KNOBS if freeze_step == "auto" else None)
+    return onebit.OnebitAdam(params, lr=1e-2, betas=(0.9, 0.99), freeze_step=freeze_step, **kwargs)
+
+
+def _lamb(params, freeze_step, **kwargs):
+    kwargs.setdefault("auto_freeze", KNOBS if freeze_step == "auto" else None)
+    return onebit.OnebitLamb(params, lr=1e-2, betas=(0.9, 0.99), freeze_step=freeze_step, **kwargs)
+
+
+def _run(params, opt, first, last, rank=0):
+    history = []
+    for t in range(first, last + 1):
+        _set_grads(params, t, rank)
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    return history
+
+
+def _roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# The rule on synthetic denominators.
+
+
+def _observe(monitor, steps, denominators_at):
+    decisions = []
+    for t in range(1, steps + 1):
+        if monitor.observe(t, denominators_at(t)):
+            decisions.append(t)
+    return decisions
+
+
+def test_stable_variance_freezes_after_patience_windows_and_not_before_min_step():
+    numels = [6, 3]
+    stable = lambda t: [torch.ones(6), torch.full((3,), 2.0)]  # noqa: E731
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=0), numels, None)
+    # Measured at 10 (no reference yet), 20 (stable 1), 30 (stable 2): freeze at 30.
+    assert _observe(monitor, 30, stable)[0] == 30
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=45), numels, None)
+    assert _observe(monitor, 60, stable)[0] == 50
+
+
+def test_moving_variance_does_not_freeze_until_max_step():
+    numels = [6, 3]
+
+    def one_layer_drifts(t):  # the second layer drifts by ~5% per window: the max sees it
+        return [torch.ones(6), torch.full((3,), 1.005**t)]
+
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=0), numels, None)
+    assert _observe(monitor, 100, one_layer_drifts) == []
+    assert monitor.last_change == pytest.approx(1.005**10 - 1, rel=1e-4)
+    monitor = VarianceMonitor(AutoFreeze(window=10, min_step=0, max_step=57), numels, None)
+    assert _observe(monitor, 60, one_layer_drifts)[0] == 57
+    nan = lambda t: [torch.full((6,), float("nan")), torch.ones(3)]  # noqa: E731
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=0), numels, None)
+    assert _observe(monitor, 100, nan) == []
+
+
+def test_bad_knobs_raise_value_error():
+    for kwargs in [
+        dict(window=0),
+        dict(patience=0),
+        dict(tolerance=0.0),
+        dict(tolerance=float("nan")),
+        dict(min_step=1.5),
+        dict(min_step=50, max_step=10),
+        dict(max_step=0),
+        dict(window=True),
+    ]:
+        with pytest.raises(ValueError):
+            AutoFreeze(**kwargs)
+    for make in (_adam, _lamb):
+        for freeze_step in ("Auto", 0, -3, 2.5, True, None):
+            with pytest.raises(ValueError):
+                make(_params(), freeze_step, auto_freeze=None)
+        with pytest.raises(ValueError):
+            make(_params(), 10, auto_freeze=KNOBS)  # knobs without "auto"
+
+
+# The rule inside the optimizers.
+
+
+@pytest.mark.parametrize("make", [_adam, _lamb], ids=["OnebitAdam", "OnebitLamb"])
+def test_auto_is_the_fixed_run_at_the_step_it_chose_and_is_recorded(make):
+    params = _params()
+    opt = make(params, "auto")
+    assert opt.freeze_step is None and opt.comm_stats.freeze_step is None
+    auto = _run(params, opt, 1, RUN)
+    chosen = opt.freeze_step
+    assert chosen is not None and KNOBS.min_step <= chosen < RUN and chosen % KNOBS.window == 0
+    assert opt.comm_stats.freeze_step == chosen
+    assert opt.state_dict()["onebit"]["freeze_step"] == chosen
+    assert opt.comm_stats.steps == {"warmup": chosen, "compression": RUN - chosen}
+    # Watching the variance changes nothing: the run is bit for bit the fixed one.
+    params = _params()
+    fixed = _run(params, make(params, chosen), 1, RUN)
+    assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
+
+
+@pytest.mark.parametrize("make", [_adam, _lamb], ids=["OnebitAdam", "OnebitLamb"])
+def test_resume_in_the_middle_of_the_decision_is_exact(make):
+    params = _params()
+    opt = make(params, "auto")
+    straight = _run(params, opt, 1, RUN)
+    chosen = opt.freeze_step
+    checkpoint = chosen - KNOBS.window // 2  # some stable windows already counted
+    params = _params()
+    opt = make(params, "auto")
+    _run(params, opt, 1, checkpoint)
+    assert opt.freeze_step is None and opt._freeze_monitor.stable_windows >= 1
+    saved = _roundtrip({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    params = _params()
+    opt = make(params, "auto")
+    with torch.no_grad():
+        for p, q in zip(params, saved["model"]):
+            p.copy_(q)
+    opt.load_state_dict(saved["optim"])
+    resumed = _run(params, opt, checkpoint + 1, RUN)
+    assert opt.freeze_step == chosen and opt.comm_stats.freeze_step == chosen
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight[checkpoint:]))
+    # A decided step survives a resume too; a fixed freeze_step stays the constructor's.
+    fresh = make(_params(), "auto")
+    fresh.load_state_dict(_roundtrip(opt.state_dict()))
+    assert fresh.freeze_step == chosen and fresh.stage == "compression"
+    fixed = make(_params(), 7)
+    fixed.load_state_dict(_roundtrip(opt.state_dict()))
+    assert fixed.freeze_step == 7 == fixed.comm_stats.freeze_step
+
+
+def test_default_knobs_freeze_a_settled_run():
+    params = _params()
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step="auto")
+    _run(params, opt, 1, 700)
+    assert opt.freeze_step is not None and 100 <= opt.freeze_step < 700
+
+
+# Agreement across ranks.
+
+
+def _agreement(rank, world_size):
+    # The monitor alone, fed different denominators on each rank: only the last rank's drift.
+    drift = 1.005 if rank == world_size - 1 else 1.0
+    monitor = VarianceMonitor(AutoFreeze(window=5, patience=1, min_step=0), [4, 2], None)
+    decisions = _observe(monitor, 40, lambda t: [torch.ones(4), torch.full((2,), drift**t)])
+    changes = monitor.last_change
+    # Both optimizers on rank-dependent gradients.
+    chosen, final = [], []
+    for make in (_adam, _lamb):
+        params = _params(torch.bfloat16 if make is _lamb else torch.float32)
+        opt = make(params, "auto", bucket_size=64)
+        _run(params, opt, 1, 120, rank)
+        chosen.append((opt.freeze_step, opt.comm_stats.freeze_step, opt.stage))
+        final.append(torch.cat([p.detach().float().reshape(-1) for p in params]))
+    return decisions, changes, chosen, final
+
+
+def test_ranks_agree_on_the_freeze_step():
+    results = run_ranks(_agreement, 3)
+    decisions, change, chosen, final = results[0]
+    assert decisions == [] and change == pytest.approx(1.005**5 - 1, rel=1e-4)
+    assert chosen[0][0] is not None and chosen[1][0] is not None
+    assert chosen[0][0] == chosen[0][1] and chosen[1][0] == chosen[1][1]
+    assert [c[2] for c in chosen] == ["compression", "compression"]
+    for other in results[1:]:
+        assert other[0] == decisions and other[1] == change and other[2] == chosen
+        assert all(torch.equal(a, b) for a, b in zip(other[3], final))
