@@ -1,7 +1,8 @@
 """Time the 1-bit compression kernels against a plain fp32 copy of the same buffer.
 
-    python benchmarks/kernels.py                  # CPU, 1M-64M elements, 1 thread
-    python benchmarks/kernels.py --device cuda    # on a GPU: also GB/s against its copy bandwidth
+    python benchmarks/kernels.py                          # the kernels the library picks
+    python benchmarks/kernels.py --paths auto,numpy,torch # and the fallbacks, side by side
+    python benchmarks/kernels.py --device cuda            # on a GPU (GB/s vs its own copy)
 
 For each size, one repetition times, one after the other on the same buffers:
 
@@ -16,9 +17,13 @@ For each size, one repetition times, one after the other on the same buffers:
 
 Each case is timed right after an untimed run of itself (so all start with the same warm
 caches: a 1M-element copy runs from L3), and is reported as the median over repetitions and as a
-ratio to the copy's median, so machine noise cancels (the 2-core VM this was tuned on is shared). ``--torch-path`` also times the
-whole-tensor torch formulation that CUDA runs (on the CPU it is what the library did before the
-numpy kernels). Writes ``--json`` if given.
+ratio to the copy's median, so machine noise cancels (the 2-core VM this was tuned on is shared).
+GB/s are bytes of the fp32 buffer processed per second, for the copy too, so ``100 / ratio`` is
+the percentage of the copy's bandwidth.
+
+Paths: ``auto`` is what the library runs (the fused C kernels on x86-64 CPUs, see
+:mod:`onebit._native`), ``native``, ``numpy`` (the fallback without a C compiler) and ``torch``
+(the whole-tensor formulation that CUDA runs; on a CPU it is about what the library did before).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-from onebit import compress
+from onebit import _native, compress
 from onebit.compress import average_signs_, compress_, decompress_, subtract_compressed_
+
+OPS = ("compress", "decompress", "server")
 
 
 def _sync(device: torch.device) -> None:
@@ -55,18 +62,32 @@ def _timed(fn: Callable[[], object], device: torch.device, before: Callable[[], 
 
 
 @contextmanager
-def _torch_path(enabled: bool):
-    saved = compress.fast_path
-    if enabled:
+def kernel_path(path: str) -> Iterator[None]:
+    """Force ``onebit.compress`` onto one implementation while the context is open."""
+    saved = compress.fast_path, compress._kernels
+    if path == "torch":
         compress.fast_path = lambda *tensors: False
+    elif path == "numpy":
+        compress._kernels = lambda: None
+    elif path == "native" and _native.load() is None:
+        raise RuntimeError(f"native kernels unavailable: {_native.unavailable}")
     try:
         yield
     finally:
-        compress.fast_path = saved
+        compress.fast_path, compress._kernels = saved
 
 
-def measure(numel: int, world: int, reps: int, device: torch.device, torch_path: bool) -> dict:
-    """Median seconds of copy, compress, decompress and server on ``numel`` fp32 elements."""
+def path_name(path: str, device: torch.device) -> str:
+    """What ``path`` runs on ``device``."""
+    if path != "auto":
+        return path
+    if device.type != "cpu" or not compress.fast_path(torch.zeros(8)):
+        return "torch"
+    return "native" if _native.load() is not None else "numpy"
+
+
+def measure(numel: int, world: int, reps: int, device: torch.device, paths: list[str]) -> dict:
+    """Median seconds of copy and of each op under each path, on ``numel`` fp32 elements."""
     numel = -(-numel // (8 * world)) * 8 * world
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(numel, generator=gen).to(device)
@@ -74,7 +95,7 @@ def measure(numel: int, world: int, reps: int, device: torch.device, torch_path:
     dst, buffer, error = torch.empty_like(src), torch.empty_like(src), torch.empty_like(src)
     chunk = numel // world
     packed = torch.randint(0, 256, (world, chunk // 8 + 4), generator=gen, dtype=torch.uint8)
-    packed = packed.to(device)
+    packed = packed.to(device)[:, : chunk // 8]  # rows strided, as in a received message
     scales = torch.rand(world, generator=gen).to(device)
     z = torch.empty(chunk, device=device)
     server_error = torch.zeros(chunk, device=device)
@@ -84,37 +105,31 @@ def measure(numel: int, world: int, reps: int, device: torch.device, torch_path:
         error.copy_(error0)
 
     def run_compress() -> None:
-        packed, s = compress_(buffer, error)
-        subtract_compressed_(buffer, s, out=error, signs=packed)
-
-    def run_decompress() -> None:
-        decompress_(packed[:, : chunk // 8], scales, dst)
+        signs, s = compress_(buffer, error)
+        subtract_compressed_(buffer, s, out=error, signs=signs)
 
     def run_server() -> None:  # one rank's share: its chunk, from every rank
-        average_signs_(packed[:, : chunk // 8], scales, out=z)
+        average_signs_(packed, scales, out=z)
         signs, sigma = compress_(z, server_error)
         subtract_compressed_(z, sigma, out=server_error, signs=signs)
 
     cases = {
-        "copy": (lambda: dst.copy_(src), lambda: None),
         "compress": (run_compress, reset),
-        "decompress": (run_decompress, lambda: None),
-        "server": (run_server, lambda: server_error.zero_()),
+        "decompress": (lambda: decompress_(packed, scales, dst), lambda: None),
+        "server": (run_server, server_error.zero_),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    if torch_path:
-        times.update({f"{name} (torch path)": [] for name in cases if name != "copy"})
+    times: dict[str, list[float]] = {"copy": []}
     for rep in range(reps + 1):  # the first repetition warms up and is dropped
-        for name, (fn, before) in cases.items():
-            t = _timed(fn, device, before)
-            if rep:
-                times[name].append(t)
-            if torch_path and name != "copy":
-                with _torch_path(True):
+        t = _timed(lambda: dst.copy_(src), device, lambda: None)
+        if rep:
+            times["copy"].append(t)
+        for path in paths:
+            with kernel_path(path):
+                for op, (fn, before) in cases.items():
                     t = _timed(fn, device, before)
-                if rep:
-                    times[f"{name} (torch path)"].append(t)
-    return {"numel": numel, **{name: statistics.median(ts) for name, ts in times.items()}}
+                    if rep:
+                        times.setdefault(f"{path}/{op}", []).append(t)
+    return {"numel": numel, **{key: statistics.median(ts) for key, ts in times.items()}}
 
 
 def _cpu_name() -> str:
@@ -128,6 +143,13 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    if text[-1] in "KM":
+        return int(float(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]])
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1M,4M,16M,64M", help="elements, K/M suffixes")
@@ -135,40 +157,52 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed repetitions (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--torch-path", action="store_true", help="also time the torch path")
+    parser.add_argument("--paths", default="auto", help="of auto, native, numpy, torch")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sizes = [int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]]) if s[-1] in "KM" else int(s)
-             for s in args.sizes.upper().split(",")]
+    paths = args.paths.split(",")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    print(f"device {device} ({name}), torch {torch.__version__}, {args.threads} CPU thread(s), "
-          f"world {args.world}, median of {args.reps}, CPU numpy kernels: "
-          f"{compress.fast_path(torch.zeros(8)) and device.type == 'cpu'}")
-    rows = []
-    ops = ["compress", "decompress", "server"]
-    if args.torch_path:
-        ops += [f"{op} (torch path)" for op in ops]
-    header = f"{'elements':>9} {'copy ms':>8} {'copy GB/s':>9} " + " ".join(
-        f"{op:>22}" for op in ops
+    print(
+        f"device {device} ({name}), torch {torch.__version__}, {args.threads} CPU thread(s), "
+        f"world {args.world}, median of {args.reps}; "
+        + ", ".join(f"{p} = {path_name(p, device)}" for p in paths if p == "auto")
     )
-    print(header + "   (ratio to copy; GB/s of fp32 input)")
-    for numel in sizes:
-        r = measure(numel, args.world, args.reps, device, args.torch_path)
+    print(f"{'elements':>9} {'copy ms':>8} {'copy GB/s':>9}  {'path':<7}" + "".join(
+        f"{op:>22}" for op in OPS
+    ) + "   (ratio to copy, GB/s)")  # fmt: skip
+    rows = []
+    for numel in map(_size, args.sizes.split(",")):
+        r = measure(numel, args.world, args.reps, device, paths)
         nbytes = 4 * r["numel"]
-        r["copy_GBps"] = nbytes / r["copy"] / 1e9  # fp32 bytes copied per second
-        cells = []
-        for op in ops:
-            r[f"{op} ratio"] = r[op] / r["copy"]
-            r[f"{op} GBps"] = nbytes / r[op] / 1e9
-            cells.append(f"{r[op] / r['copy']:>7.2f}x {nbytes / r[op] / 1e9:>6.1f} GB/s  ")
-        print(f"{r['numel']:>9} {1e3 * r['copy']:>8.3f} {r['copy_GBps']:>9.1f} " + " ".join(cells))
+        r["copy_GBps"] = nbytes / r["copy"] / 1e9
+        for i, path in enumerate(paths):
+            cells = []
+            for op in OPS:
+                t = r[f"{path}/{op}"]
+                r[f"{path}/{op} ratio"] = t / r["copy"]
+                r[f"{path}/{op} GBps"] = nbytes / t / 1e9
+                cells.append(f"{t / r['copy']:>12.2f}x {nbytes / t / 1e9:>5.1f} GB/s")
+            lead = (
+                f"{r['numel']:>9} {1e3 * r['copy']:>8.3f} {r['copy_GBps']:>9.1f}"
+                if i == 0
+                else " " * 28
+            )
+            print(f"{lead}  {path_name(path, device):<7}" + "".join(cells))
         rows.append(r)
     if args.json:
-        meta = {"device": str(device), "name": name, "threads": args.threads, "world": args.world,
-                "reps": args.reps, "torch": torch.__version__}
+        meta = {
+            "device": str(device),
+            "name": name,
+            "threads": args.threads,
+            "world": args.world,
+            "reps": args.reps,
+            "torch": torch.__version__,
+            "paths": {p: path_name(p, device) for p in paths},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

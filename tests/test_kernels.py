@@ -1,8 +1,8 @@
 """The fast compression kernels against the straightforward torch formulation, bit for bit.
 
-Every kernel in :mod:`onebit.compress` has two implementations (numpy chunks on the CPU, whole
-tensor torch ops elsewhere); both are checked here on the CPU, the torch one by turning the
-fast path off, so the CUDA code path is exercised too.
+Every kernel in :mod:`onebit.compress` has three implementations (fused C and numpy chunks on
+the CPU, whole-tensor torch ops elsewhere); all are checked here on the CPU, the torch one by
+turning the fast paths off, so the code that CUDA runs is exercised too.
 """
 
 import math
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from onebit import compress
+from onebit import _native, compress
 from onebit.compress import (
     CHUNK,
     average_signs_,
@@ -26,13 +26,19 @@ SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e38, -3.0e38, 1.0, -1.0]
 NON_FINITE = [float("inf"), float("-inf"), float("nan")]
 
 
-@pytest.fixture(params=["fast", "torch"])
+@pytest.fixture(params=["native", "numpy", "torch"])
 def path(request, monkeypatch):
-    """Run a test with the CPU numpy kernels and again with the torch formulation."""
+    """Run a test with each implementation: the fused C kernels, the numpy kernels (both CPU
+    only) and the torch formulation (what CUDA runs)."""
     if request.param == "torch":
         monkeypatch.setattr(compress, "fast_path", lambda *tensors: False)
-    elif not compress.fast_path(torch.zeros(8)):
-        pytest.skip("numpy kernels unavailable")
+        return "torch"
+    if not compress.fast_path(torch.zeros(8)):
+        pytest.skip("numpy unavailable")
+    if request.param == "numpy":
+        monkeypatch.setattr(compress, "_kernels", lambda: None)
+    elif _native.load() is None:
+        pytest.skip(f"native kernels unavailable: {_native.unavailable}")
     return request.param
 
 
@@ -106,7 +112,7 @@ def test_scale(path, numel, kind):
     s = compute_scale(x, kind)
     assert s.dtype == torch.float32 and s.shape == ()
     # fp32 reduction order: the chunked path is accurate to a few ulp; torch's CPU norm less so
-    rtol = 2e-6 if path == "fast" else 1e-4
+    rtol = 1e-4 if path == "torch" else 2e-6
     torch.testing.assert_close(s.double(), ref_scale(x, kind), rtol=rtol, atol=0)
     for bad in NON_FINITE:
         y = x.clone()
@@ -149,7 +155,7 @@ def test_compress(path, numel, kind):
     assert torch.equal(packed, ref_pack(y))
     assert s.dtype == torch.float32 and s.shape == ()
     if numel:
-        rtol = 2e-6 if path == "fast" else 1e-4
+        rtol = 1e-4 if path == "torch" else 2e-6
         torch.testing.assert_close(s.double(), ref_scale(y, kind), rtol=rtol, atol=0)
         subtract_compressed_(buffer, s, out=error, signs=packed)
         assert_same_bits(error, ref_error(y, s))
@@ -234,3 +240,25 @@ def test_cpu_fast_path_is_taken_for_contiguous_fp32():
     assert not compress.fast_path(torch.zeros(8, dtype=torch.float64))
     x = torch.zeros(8, requires_grad=True)
     assert torch.equal(pack_signs(x), ref_pack(x.detach()))
+
+
+def test_native_kernels_fall_back_cleanly(monkeypatch):
+    monkeypatch.setattr(_native, "unavailable", _native.unavailable)
+    monkeypatch.setenv("ONEBIT_NATIVE", "0")
+    assert _native._load() is None and "ONEBIT_NATIVE" in _native.unavailable
+    monkeypatch.delenv("ONEBIT_NATIVE")
+    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
+    assert _native._load() is None and "compiler" in _native.unavailable
+
+
+def test_native_build_failure_is_reported(monkeypatch, tmp_path):
+    if _native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(_native, "SOURCE", "this is not C")
+    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "unavailable", None)
+    assert _native.load() is None
+    assert "failed" in _native.unavailable
+    assert not list(tmp_path.glob("*.so"))

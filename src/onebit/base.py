@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
+from .functional import all_finite
 from .layout import FlatLayout
 from .stats import CommStats
 
@@ -197,7 +198,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for call in calls:
                 call.wait()
             grads = self._grads[: self.layout.numel]
-            return bool(torch.isfinite(grads).all()), sum(c.bytes_sent for c in calls)
+            # all_finite, not isfinite(grads).all(): no model-sized temporaries
+            return all_finite([grads]), sum(c.bytes_sent for c in calls)
         applied = finish_compressed_(self.comms, calls, self.layout.bucket_views(out))
         return applied, sum(c.bytes_per_call for c in self.comms)
 

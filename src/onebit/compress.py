@@ -9,18 +9,21 @@ Conventions shared with the SPEC:
   ``+1`` and NaN to ``-1``.
 * Bit ``i`` of byte ``k`` holds the sign of element ``8 * k + i`` (1 means ``+1``).
 
-Two implementations sit behind one interface, chosen per call by :func:`fast_path`:
+Three implementations sit behind one interface, chosen per call:
 
-* contiguous fp32 CPU tensors go through numpy (zero-copy views) in cache-sized chunks of
-  :data:`CHUNK` elements: the error is added, the partial scale taken and the signs packed while a
-  chunk is in L2, so the buffer crosses memory about once per pass. Measured on a 2-core EPYC VM,
-  this is 5-10x faster than the plain torch formulation (``benchmarks/kernels.py``);
+* contiguous fp32 CPU tensors go through fused C loops (:mod:`onebit._native`, AVX2, compiled on
+  first use): one pass adds the error, sums the squares and packs the signs, another updates the
+  error. They run at about memory speed: compress under 2.5x a ``copy_`` of the same buffer,
+  decompress under 1x (``benchmarks/kernels.py``, 2-core EPYC VM);
+* where those are unavailable (no compiler, not x86-64, ``ONEBIT_NATIVE=0``), numpy does the same
+  work in cache-sized chunks of :data:`CHUNK` elements (zero-copy views, ``np.packbits``): about
+  3-4x a copy for large buffers, more for small ones;
 * everything else (CUDA, other dtypes, no numpy) runs a few whole-tensor torch ops, the
-  straightforward formulation with the fewest passes.
+  straightforward formulation with as few passes as it allows.
 
-Both give the same bits: the same signs and packed bytes, the same error update and decompressed
-values for a given scale; scales differ only by fp32 rounding, since they are reduced in another
-order (per chunk in fp32, then across chunks in fp64). NaN payloads are not preserved.
+All give the same bits: the same signs and packed bytes, the same error update and decompressed
+values for a given scale, the same server average (rank order, then the division). Scales differ
+only by fp32 rounding, since each path reduces in its own order. NaN payloads are not preserved.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from . import _native
 
 try:  # numpy is optional: without it every device takes the torch path.
     import numpy as np
@@ -73,8 +78,8 @@ def _sign_table():
 
 
 def fast_path(*tensors: Tensor) -> bool:
-    """Whether the numpy CPU kernels apply: numpy present, every tensor on the CPU, contiguous,
-    fp32 (or uint8 for packed signs). Otherwise the torch formulation runs."""
+    """Whether the CPU kernels (native, else numpy) apply: numpy present, every tensor on the CPU,
+    contiguous, fp32 (or uint8 for packed signs). Otherwise the torch formulation runs."""
     if np is None:
         return False
     for t in tensors:
@@ -83,6 +88,11 @@ def fast_path(*tensors: Tensor) -> bool:
         if t.dtype not in (torch.float32, torch.uint8):
             return False
     return True
+
+
+def _kernels():
+    """The fused C kernels (:mod:`onebit._native`), or ``None``: then the numpy kernels run."""
+    return _native.load()
 
 
 def _np(t: Tensor):
@@ -157,6 +167,10 @@ def subtract_compressed_(y: Tensor, s: Tensor, out: Tensor, signs: Tensor | None
     which saves two of its four passes over each chunk.
     """
     if fast_path(y, out) and y.dtype == out.dtype == torch.float32 and y.shape == out.shape:
+        lib = _kernels()
+        if lib is not None:
+            lib.ob_commit(y.data_ptr(), float(s), out.data_ptr(), y.numel())
+            return out
         src, dst = _np(y).reshape(-1), _np(out).reshape(-1)
         scratch = np.empty(min(CHUNK, src.size), dtype=np.float32)
         if signs is not None and fast_path(signs) and signs.numel() * 8 == src.size:
@@ -208,6 +222,10 @@ def compress_(buffer: Tensor, error: Tensor, scale: str = "rms") -> tuple[Tensor
     packed = torch.empty(numel // 8, dtype=torch.uint8)
     if numel == 0:
         return packed, torch.zeros(())
+    lib = _kernels()
+    if lib is not None:
+        args = (buffer.data_ptr(), error.data_ptr(), packed.data_ptr(), numel)
+        return packed, _finish_scale(lib.ob_compress(*args, scale == "mean_abs"), numel, scale)
     b, e, p = _np(buffer), _np(error), _np(packed)
     mask = np.empty(min(CHUNK, numel), dtype=bool)
     total = 0.0
@@ -237,6 +255,12 @@ def decompress_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
         flat = _torch_unpack_scaled(packed, scales.to(out.device)).view(-1)[:numel]
         out.view(-1).copy_(flat)
         return out
+    lib = _kernels()
+    if lib is not None and packed.stride(-1) == 1:
+        scales = scales.to(torch.float32).contiguous()
+        args = (packed.data_ptr(), packed.stride(0), scales.data_ptr(), k, m, out.data_ptr())
+        lib.ob_decompress(*args, numel)
+        return out
     p = _np(packed)
     dst = _np(out).reshape(-1)
     for j, s in enumerate(scales.tolist()):
@@ -264,6 +288,11 @@ def average_signs_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
         for r in range(1, k):
             flat.add_(signs[r])
         return flat.div_(k).view_as(out) if k != 1 else out
+    lib = _kernels()
+    if lib is not None and packed.stride(-1) == 1:
+        scales = scales.to(torch.float32).contiguous()
+        lib.ob_average(packed.data_ptr(), packed.stride(0), scales.data_ptr(), k, m, out.data_ptr())
+        return out
     p = _np(packed)
     dst = _np(out).reshape(-1)
     tables = [_signed_table(s) for s in scales.tolist()]

@@ -67,30 +67,40 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--optimizer",
         choices=optim.OPTIMIZERS,
-        help="adamw is torch.optim.AdamW with DistributedDataParallel (default: onebit-adam)",
+        help="default onebit-adam; adamw is torch.optim.AdamW with DistributedDataParallel, lamb "
+        "is uncompressed LAMB",
     )
     run.add_argument(
-        "--workers", type=_positive, help=f"local processes (default {DEFAULT_WORKERS})"
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help=f"local worker processes (default {DEFAULT_WORKERS}; under torchrun, its ranks)",
     )
-    run.add_argument("--steps", type=_positive, help=f"optimizer steps (default {DEFAULT_STEPS})")
     run.add_argument(
-        "--batch-size", type=_positive, default=16, help="sequences per worker per step"
+        "--steps", type=_positive, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})"
     )
     run.add_argument(
-        "--lr", type=_positive_float, help="peak learning rate (default per optimizer)"
+        "--batch-size", type=_positive, default=16, metavar="N", help="sequences per worker (16)"
     )
-    run.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, on matrices only")
+    run.add_argument(
+        "--lr", type=_positive_float, help="peak learning rate (default 1e-3, LAMB 1e-2)"
+    )
+    run.add_argument(
+        "--weight-decay", type=float, default=0.1, help="decoupled, on matrices only (0.1)"
+    )
     run.add_argument(
         "--freeze-step",
         type=_freeze_step,
-        help="warmup steps of the 1-bit optimizers, or auto (default: 20%% of --steps)",
+        metavar="N|auto",
+        help="warmup steps of the 1-bit optimizers (default 20%% of --steps); auto watches "
+        "Adam's variance and freezes it between 10%% and 25%%",
     )
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="model init and data order (0)")
     run.add_argument(
         "--compare",
-        metavar="OPT1,OPT2,...",
+        metavar="OPT,OPT,...",
         help="run each optimizer in turn with the same seed and data order, then write a "
-        "comparison table and plot; OPT:no-ef runs it without error feedback",
+        "comparison table and plot; OPT:no-ef runs a 1-bit optimizer without error feedback",
     )
     run.add_argument(
         "--no-error-feedback",
@@ -99,29 +109,56 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="research ablation: drop the 1-bit optimizers' error feedback (converges worse)",
     )
     model = parser.add_argument_group("model and data")
-    model.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    model.add_argument("--block-size", type=_positive, default=128, help="context length in bytes")
-    model.add_argument("--layers", type=_positive, default=4)
-    model.add_argument("--heads", type=_positive, default=4)
-    model.add_argument("--width", type=_positive, default=128, help="embedding width")
+    model.add_argument(
+        "--model",
+        choices=("gpt", "bert"),
+        default="gpt",
+        help="gpt: causal byte-level LM; bert: masked LM, the papers' workload (gpt)",
+    )
+    model.add_argument(
+        "--block-size", type=_positive, default=128, metavar="N", help="context in bytes (128)"
+    )
+    model.add_argument("--layers", type=_positive, default=4, metavar="N", help="(4)")
+    model.add_argument("--heads", type=_positive, default=4, metavar="N", help="(4)")
+    model.add_argument("--width", type=_positive, default=128, metavar="N", help="(128)")
     model.add_argument(
         "--data",
         type=Path,
+        metavar="PATH",
         help="a text file or a folder of them (default: the Python standard library's source)",
     )
     model.add_argument(
         "--cache-dir",
         type=Path,
-        help="where the train/validation split is kept (default: ~/.cache/onebit)",
+        metavar="DIR",
+        help="where the train/validation split is kept (default ~/.cache/onebit)",
     )
     output = parser.add_argument_group("output and checkpoints")
     output.add_argument(
-        "--out", type=Path, help="run folder (default: runs/<model>-<optimizer>-<time>)"
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="run folder (default runs/<model>-<optimizer>-<time>, or runs/compare-...)",
     )
-    output.add_argument("--eval-every", type=_positive, help="steps between validation losses")
-    output.add_argument("--eval-windows", type=_positive, default=256, help="validation sequences")
     output.add_argument(
-        "--save-every", type=_non_negative, default=0, help="checkpoint every N steps (0: never)"
+        "--eval-every",
+        type=_positive,
+        metavar="N",
+        help="steps between validation losses (default 5%% of --steps)",
+    )
+    output.add_argument(
+        "--eval-windows",
+        type=_positive,
+        default=256,
+        metavar="N",
+        help="validation sequences (256)",
+    )
+    output.add_argument(
+        "--save-every",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps and at the end (default 0: never)",
     )
     output.add_argument(
         "--resume",
@@ -130,7 +167,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue a run exactly from a run folder (its newest checkpoint) or a checkpoint "
         "folder; only --out, --steps and --save-every may be changed",
     )
-    output.add_argument("--no-progress", dest="progress", action="store_false")
+    output.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
 
 
 def build_parser(prog: str = "onebit train") -> argparse.ArgumentParser:

@@ -47,7 +47,7 @@ class RunConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    lr: float = 2e-3
+    lr: float = 1e-3
     warmup_steps: int = 15
     weight_decay: float = 0.1
     freeze_step: int | str | None = None
@@ -169,6 +169,8 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         start_step, elapsed, sent = state["step"], state["elapsed"], state["bytes_sent"]
     metrics = _open_metrics(out, resume, start_step) if rank == 0 else None
 
+    dummy = torch.zeros(config.batch_size, config.block_size, dtype=torch.long, device=device)
+    trainer.settle(dummy, dummy)
     numel = sum(p.numel() for p in model.parameters())
     samples_per_step = config.batch_size * world_size
     bar = _progress(config, start_step) if rank == 0 else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 import onebit
 from onebit.comm import allreduce_bytes
@@ -61,7 +61,7 @@ def is_compressed(name: str) -> bool:
 
 def default_lr(name: str) -> float:
     """A learning rate that suits the built-in models: LAMB's trust ratio wants a larger one."""
-    return 1e-2 if name in ("lamb", "onebit-lamb") else 2e-3
+    return 1e-2 if name in ("lamb", "onebit-lamb") else 1e-3
 
 
 def default_freeze_step(name: str, steps: int) -> int:
@@ -106,6 +106,19 @@ class Trainer:
         before = self.optimizer.comm_stats.bytes_total
         synchronize()
         return self.optimizer.comm_stats.bytes_total - before
+
+    def settle(self, x: Tensor, y: Tensor) -> None:
+        """Run one forward and backward that changes nothing, so that a fresh and a resumed run
+        communicate the same way from their first step.
+
+        DDP regroups its gradient buckets after its first backward, and the order of a
+        floating-point sum depends on where an element sits in its bucket; settling first makes
+        resumed AdamW runs bitwise equal to straight ones. The other optimizers need nothing.
+        """
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            _, loss = self.model(x, y)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def freeze_step(self) -> int | None:
         """The step after which the variance was frozen (None if not, or never)."""

@@ -1,0 +1,177 @@
+"""Does ``freeze_step="auto"`` freeze at a reasonable point and reach a good fixed step's loss?
+
+    python benchmarks/auto_freeze.py                     # 2 gloo ranks, 1500 steps, ~2 min
+    python benchmarks/auto_freeze.py --world-size 4 --steps 3000
+
+A small tanh MLP (32-256-256-10) learns to classify the outputs of a fixed random teacher
+network; every rank draws its own batches. All runs share the model, the data and ``lr`` (with a
+cosine decay). For OnebitAdam it sweeps fixed ``freeze_step`` values (10%, 20%, 40% of the run,
+and never, which is AdamW on averaged gradients), then runs ``freeze_step="auto"`` with the
+default :class:`onebit.AutoFreeze` knobs; the same for OnebitLamb with never (plain LAMB), 20% and
+``"auto"``; and ZeroOneAdam (``var_freeze_step`` 20%, ``local_step_scaler`` 10% of the run) for
+comparison. For each run it prints where the variance froze, the final loss (mean training loss
+of the last 10% of steps, and the loss on a held-out set), the bytes a rank sent per step on
+average (``comm_stats``) and the fraction of communication rounds skipped.
+
+The model uses tanh on purpose: with ReLU, units that die early keep ``v = 0``, and a frozen
+``v = 0`` turns 1-bit Adam's never-exactly-zero momentum into steps of size ``lr / eps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import onebit
+
+IN, HIDDEN, CLASSES, BATCH = 32, 256, 10, 32
+
+
+def _teacher() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, CLASSES)
+    )
+
+
+def _student() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    )
+
+
+def _batch(teacher: torch.nn.Module, seed: int, size: int = BATCH) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, IN, generator=gen)
+    with torch.no_grad():
+        y = teacher(x).argmax(1)
+    return x, y
+
+
+def _optimizer(kind: str, freeze: int | str | None, params, steps: int, lr: float):
+    if kind == "adam":
+        return onebit.OnebitAdam(params, lr=lr, freeze_step=steps + 1 if freeze is None else freeze)
+    if kind == "lamb":
+        return onebit.OnebitLamb(params, lr=lr, freeze_step=steps + 1 if freeze is None else freeze)
+    return onebit.ZeroOneAdam(
+        params, lr=lr, var_freeze_step=freeze, local_step_scaler=steps // 10, local_step_clipper=16
+    )
+
+
+def _train(rank, world_size, runs, steps, lr, store, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    teacher = _teacher()
+    eval_x, eval_y = _batch(teacher, seed=-1 % 2**31, size=4096)
+    results = []
+    for kind, freeze in runs:
+        model = _student()
+        opt = _optimizer(kind, freeze, model.parameters(), steps, lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=lr / 10)
+        losses, start = [], time.perf_counter()
+        for t in range(steps):
+            x, y = _batch(teacher, seed=t * world_size + rank)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+            losses.append(loss.item())
+        if kind == "zero-one":
+            opt.synchronize()
+        with torch.no_grad():
+            eval_loss = torch.nn.functional.cross_entropy(model(eval_x), eval_y).item()
+        stats = opt.comm_stats
+        tail = losses[-steps // 10 :]
+        results.append(
+            {
+                "freeze": stats.freeze_step,
+                "train": sum(tail) / len(tail),
+                "eval": eval_loss,
+                "bytes": stats.bytes_total / steps,
+                "skipped": stats.rounds_skipped / steps,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    args = parser.parse_args()
+    steps = args.steps
+    runs = [
+        ("adam", None),
+        ("adam", steps // 10),
+        ("adam", steps // 5),
+        ("adam", 2 * steps // 5),
+        ("adam", "auto"),
+        ("lamb", None),
+        ("lamb", steps // 5),
+        ("lamb", "auto"),
+        ("zero-one", steps // 5),
+    ]
+    names = {
+        "adam": "OnebitAdam",
+        "lamb": "OnebitLamb",
+        "zero-one": "ZeroOneAdam",
+    }
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "results.pt")
+        mp.start_processes(
+            _train,
+            args=(args.world_size, runs, steps, args.lr, str(Path(tmp) / "store"), out),
+            nprocs=args.world_size,
+            start_method="spawn",
+        )
+        results = torch.load(out)
+    numel = sum(p.numel() for p in _student().parameters())
+    print(
+        f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({numel} parameters), {args.world_size} gloo ranks "
+        f"x batch {BATCH}, {steps} steps, lr {args.lr} cosine to {args.lr / 10}"
+    )
+    print(
+        f"{'optimizer':<12} {'freeze_step':<17} {'froze at':>8} {'train loss':>10} "
+        f"{'eval loss':>9} {'bytes/step':>10} {'skipped':>7}"
+    )
+    for (kind, freeze), r in zip(runs, results):
+        asked = str(freeze)
+        if freeze is None:
+            asked = "never (AdamW)" if kind == "adam" else "never (LAMB)"
+        froze = "-" if r["freeze"] is None or r["freeze"] > steps else str(r["freeze"])
+        if kind == "zero-one":
+            asked = f"var_freeze {freeze}"
+        print(
+            f"{names[kind]:<12} {asked:<17} {froze:>8} {r['train']:>10.4f} {r['eval']:>9.4f} "
+            f"{r['bytes']:>10.0f} {r['skipped']:>7.1%}"
+        )
+    print(f"total {time.perf_counter() - start:.0f} s")
+    fp32 = 2 * 4 * numel * (args.world_size - 1) / args.world_size
+    print(f"(an fp32 ring allreduce of the gradients sends {fp32:.0f} bytes per step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Optional fused CPU kernels in C (AVX2), compiled on first use and loaded with ctypes.
+
+Why: the compressor's five steps (add the error, scale, signs, packing, error update) are each a
+trivial pass, and numpy or torch run them as separate passes that each cost about as much as
+the whole fused loop. Fused, they run at memory speed (``benchmarks/kernels.py``).
+
+How: the C source below is compiled with the system's C compiler (``$CC``, else ``cc``/``gcc``/
+``clang``) into ``$ONEBIT_CACHE`` (default ``~/.cache/onebit``), once per source version and
+compiler, atomically, so concurrent processes are safe. Nothing happens at import: the first
+kernel call does it (about half a second, once per machine).
+
+When it does not apply: not x86-64, a CPU without AVX2 and FMA, no compiler, a failed build, or
+``ONEBIT_NATIVE=0`` in the environment. :func:`load` then returns ``None``, the reason is in
+:data:`unavailable`, and :mod:`onebit.compress` uses its numpy kernels, which give the same bits.
+
+The kernels reproduce the torch formulation bit for bit: signs are ``x >= 0`` (ordered compare:
+NaN is negative, ``-0.0`` positive), the error update is ``y - s`` or ``y - (-1 * s)``, and the
+server average adds the ranks' ``±s`` in rank order and then divides. Only the scale's reduction
+order differs (fp32 partial sums of 4096 elements, added in fp64).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <stdint.h>
+#include <immintrin.h>
+
+#define KERNEL __attribute__((target("avx2,fma")))
+#define BLOCK 4096
+
+int ob_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* b = b + e; out[i/8] bit i%8 = (b[i] >= 0); returns the sum of b*b (or of |b| if mean_abs).
+   n is a multiple of 8. */
+KERNEL double ob_compress(float *b, const float *e, uint8_t *out, int64_t n, int mean_abs) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    double total = 0.0;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        __m256 acc0 = zero, acc1 = zero;
+        int64_t i = start;
+        for (; i + 16 <= end; i += 16) {
+            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
+            __m256 y1 = _mm256_add_ps(_mm256_loadu_ps(b + i + 8), _mm256_loadu_ps(e + i + 8));
+            _mm256_storeu_ps(b + i, y0);
+            _mm256_storeu_ps(b + i + 8, y1);
+            if (mean_abs) {
+                acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
+                acc1 = _mm256_add_ps(acc1, _mm256_and_ps(y1, absmask));
+            } else {
+                acc0 = _mm256_fmadd_ps(y0, y0, acc0);
+                acc1 = _mm256_fmadd_ps(y1, y1, acc1);
+            }
+            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
+            out[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y1, zero, _CMP_GE_OQ));
+        }
+        for (; i < end; i += 8) {
+            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
+            _mm256_storeu_ps(b + i, y0);
+            if (mean_abs) acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
+            else acc0 = _mm256_fmadd_ps(y0, y0, acc0);
+            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+        for (int j = 0; j < 8; j++) total += lanes[j];
+    }
+    return total;
+}
+
+/* out = y >= 0 ? y - s : y - (-1 * s), for any n; out may be y. */
+KERNEL void ob_commit(const float *y, float s, float *out, int64_t n) {
+    const float ns = s * -1.0f;
+    const __m256 zero = _mm256_setzero_ps(), vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(y + i);
+        __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(v, t));
+    }
+    for (; i < n; i++) out[i] = y[i] >= 0.0f ? y[i] - s : y[i] - ns;
+}
+
+/* out[0..count) = bit ? s : -1 * s for the bits of p (bit i of byte q = element 8q + i). */
+KERNEL static void signed_row(const uint8_t *p, float s, float *out, int64_t count, int add) {
+    const float ns = s * -1.0f;
+    const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    int64_t whole = count / 8;
+    for (int64_t q = 0; q < whole; q++) {
+        __m256i v = _mm256_and_si256(_mm256_set1_epi32(p[q]), bits);
+        __m256 t = _mm256_blendv_ps(vns, vs, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, bits)));
+        if (add) t = _mm256_add_ps(_mm256_loadu_ps(out + 8 * q), t);
+        _mm256_storeu_ps(out + 8 * q, t);
+    }
+    for (int64_t i = 8 * whole; i < count; i++) {
+        float t = (p[whole] >> (i % 8)) & 1 ? s : ns;
+        out[i] = add ? out[i] + t : t;
+    }
+}
+
+/* k rows of m bytes (row j at packed + j * stride) times scales[j], concatenated, first numel. */
+KERNEL void ob_decompress(const uint8_t *packed, int64_t stride, const float *scales, int64_t k,
+                          int64_t m, float *out, int64_t numel) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t base = 8 * m * j;
+        if (base >= numel) break;
+        int64_t count = numel - base < 8 * m ? numel - base : 8 * m;
+        signed_row(packed + j * stride, scales[j], out + base, count, 0);
+    }
+}
+
+/* out[0..8m) = (sum over rows j in order of scales[j] * sign_j) / k, a block at a time. */
+KERNEL void ob_average(const uint8_t *packed, int64_t stride, const float *scales, int64_t k,
+                       int64_t m, float *out) {
+    const __m256 vk = _mm256_set1_ps((float)k);
+    for (int64_t b0 = 0; b0 < m; b0 += BLOCK / 8) {
+        int64_t bytes = m - b0 < BLOCK / 8 ? m - b0 : BLOCK / 8;
+        float *z = out + 8 * b0;
+        for (int64_t j = 0; j < k; j++)
+            signed_row(packed + j * stride + b0, scales[j], z, 8 * bytes, j > 0);
+        if (k > 1)
+            for (int64_t i = 0; i < 8 * bytes; i += 8)
+                _mm256_storeu_ps(z + i, _mm256_div_ps(_mm256_loadu_ps(z + i), vk));
+    }
+}
+"""
+
+unavailable: str | None = None
+"""Why the native kernels are not in use (``None`` while they are, or before the first try)."""
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on the first call; ``None`` if they do not apply."""
+    global _lib, _tried, unavailable
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        _lib = _load()
+    except Exception as err:  # any failure means: use the numpy kernels
+        unavailable, _lib = f"{type(err).__name__}: {err}", None
+    return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global unavailable
+    if os.environ.get("ONEBIT_NATIVE", "1") == "0":
+        unavailable = "disabled by ONEBIT_NATIVE=0"
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        unavailable = f"not x86-64 ({platform.machine()})"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        unavailable = "no C compiler found (set CC)"
+        return None
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"onebit-kernels-{digest}.so"
+    if not path.exists():
+        _build(compiler, flags, path)
+    lib = ctypes.CDLL(str(path))
+    if not lib.ob_supported():
+        unavailable = "CPU lacks AVX2/FMA"
+        return None
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.ob_compress.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.ob_compress.restype = ctypes.c_double
+    lib.ob_commit.argtypes = [ptr, f32, ptr, i64]
+    lib.ob_commit.restype = None
+    lib.ob_decompress.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64]
+    lib.ob_decompress.restype = None
+    lib.ob_average.argtypes = [ptr, i64, ptr, i64, i64, ptr]
+    lib.ob_average.restype = None
+    return lib
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ONEBIT_CACHE")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "onebit")
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = Path(tempfile.gettempdir()) / f"onebit-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _build(compiler: str, flags: list[str], path: Path) -> None:
+    """Compile into a temporary file next to ``path``, then rename: atomic for other processes."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        source = Path(tmp) / "kernels.c"
+        source.write_text(SOURCE)
+        target = Path(tmp) / path.name
+        result = subprocess.run(
+            [compiler, *flags, str(source), "-o", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(target, path)
