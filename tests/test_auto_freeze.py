@@ -191,10 +191,11 @@ def _agreement(rank, world_size):
     changes = monitor.last_change
     # Both optimizers on rank-dependent gradients.
     chosen, final = [], []
+    quick = AutoFreeze(window=5, tolerance=0.05, patience=2, min_step=10)  # freezes near 55
     for make in (_adam, _lamb):
         params = _params(torch.bfloat16 if make is _lamb else torch.float32)
-        opt = make(params, "auto", bucket_size=64)
-        _run(params, opt, 1, RUN, rank)
+        opt = make(params, "auto", bucket_size=64, auto_freeze=quick)
+        _run(params, opt, 1, 80, rank)
         chosen.append((opt.freeze_step, opt.comm_stats.freeze_step, opt.stage))
         final.append(torch.cat([p.detach().float().reshape(-1) for p in params]))
     return decisions, changes, chosen, final

@@ -38,17 +38,20 @@ class AutoFreeze:
     """Knobs of ``freeze_step="auto"``; the defaults suit runs of a few thousand steps or more.
 
     Args:
-        window: steps between two measurements of the variance. Longer windows see slow drifts
-            that short ones miss; keep it well below the warmup you expect (default 50).
-        tolerance: largest relative change, over one window, of any layer's mean Adam
-            denominator that still counts as stable (default 0.02, i.e. 2%). Lower it to freeze
-            later and more safely; raise it to compress sooner.
+        window: steps between two measurements of the variance (default 50). Longer windows
+            see slow drifts that short ones miss; keep it well below the warmup you expect. The
+            tolerance is per window: halve it if you halve the window.
+        tolerance: the statistic, the size-weighted mean over layers of the relative change of
+            each layer's mean Adam denominator over one window, below which the variance counts
+            as stable (default 0.02, i.e. 2%). Lower it to freeze later and more safely; raise it
+            to compress sooner.
         patience: consecutive stable measurements needed (default 3), so that one quiet window
             in a noisy warmup does not freeze early.
         min_step: never freeze before this step (default 100). The variance of the first steps
             is an average of few gradients; freezing it makes a noisy preconditioner.
         max_step: freeze at this step at the latest, stable or not (default ``None``: no limit).
-            Set it to cap the full-precision traffic, e.g. at 25% of the run.
+            A variance that never settles (a drifting loss scale, say) would keep every step in
+            fp32; set it to cap the full-precision traffic, e.g. at 25% of the run.
     """
 
     window: int = 50
