@@ -19,7 +19,7 @@ from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer
 TINY = [
     "--workers", "2", "--steps", "6", "--layers", "1", "--width", "32", "--heads", "2",
     "--block-size", "32", "--batch-size", "4", "--eval-windows", "16", "--eval-every", "3",
-    "--freeze-step", "2", "--no-progress",
+    "--freeze-step", "2", "--local-step-scaler", "1", "--no-progress",
 ]  # fmt: skip
 
 

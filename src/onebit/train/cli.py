@@ -95,6 +95,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="warmup steps of the 1-bit optimizers (default 20%% of --steps); auto watches "
         "Adam's variance and freezes it between 10%% and 25%%",
     )
+    run.add_argument(
+        "--bucket-size",
+        type=_positive,
+        default=optim.DEFAULT_BUCKET_SIZE,
+        metavar="N",
+        help=f"elements per 1-bit bucket, each with its own scale ({optim.DEFAULT_BUCKET_SIZE})",
+    )
+    run.add_argument(
+        "--local-step-scaler",
+        type=_positive,
+        metavar="N",
+        help="zero-one-adam: steps between doublings of its local-step interval (default 32768, "
+        "so short runs sync every step)",
+    )
     run.add_argument("--seed", type=int, default=0, help="model init and data order (0)")
     run.add_argument(
         "--compare",
@@ -297,6 +311,8 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
                 warmup_steps=max(1, steps // 20),
                 weight_decay=args.weight_decay,
                 freeze_step=args.freeze_step,
+                bucket_size=args.bucket_size,
+                local_step_scaler=args.local_step_scaler,
                 error_feedback=error_feedback,
                 eval_every=args.eval_every or max(1, steps // 20),
                 eval_windows=args.eval_windows,

@@ -51,6 +51,8 @@ class RunConfig:
     warmup_steps: int = 15
     weight_decay: float = 0.1
     freeze_step: int | str | None = None
+    bucket_size: int = optim.DEFAULT_BUCKET_SIZE
+    local_step_scaler: int | None = None
     error_feedback: bool = True
     eval_every: int = 25
     eval_windows: int = 256
@@ -158,6 +160,8 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         lr=config.lr,
         freeze_step=config.freeze_step,
         steps=config.steps,
+        bucket_size=config.bucket_size,
+        local_step_scaler=config.local_step_scaler,
     )
     opt = trainer.optimizer
     if resume is not None:
@@ -373,6 +377,7 @@ def _summary(
         "samples": config.steps * config.batch_size * world_size,
         "lr": config.lr,
         "freeze_step": trainer.freeze_step(),
+        "bucket_size": config.bucket_size,
         "error_feedback": config.error_feedback,
         "final_val_loss": vals[-1],
         "best_val_loss": min(vals),
