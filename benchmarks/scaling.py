@@ -1,29 +1,31 @@
-"""An alpha-beta model of each method's communication, checked against measured runs, then
-extrapolated to larger clusters.
+"""An alpha-beta model of each method's communication, checked against measured runs of
+``benchmarks/network.py``, then extrapolated to larger clusters.
 
-    python benchmarks/scaling.py                      # model check + predictions
-    python benchmarks/scaling.py --measured a.json,b.json --alpha 100e-6
+    python benchmarks/scaling.py          # reads benchmarks/results/{scaling-h2,network,...}.json
 
-Model, per step and per rank (``n`` ranks, link ``beta`` bytes/s each way, ``alpha`` seconds of
-latency per message, ``P`` parameters):
+Model, per step and per rank (``n`` ranks, ``beta`` payload bytes/s per link and direction,
+``alpha`` seconds per message, ``P`` parameters):
 
-* ring allreduce of ``B`` bytes (DDP fp32, fp16 hook): ``2(n-1)`` messages per collective,
-  ``2(n-1)/n * B`` bytes: ``T = c * 2(n-1) * alpha + 2(n-1)/n * B / beta`` for ``c``
-  collectives (DDP buckets: 25 MB, the first 1 MB);
-* PowerSGD (rank ``r``): three ring allreduces per DDP bucket: the tensors it does not compress,
-  the ``P`` factors (``rows * r`` per matrix) and the ``Q`` factors (``cols * r``);
-* 1-bit compressed allreduce (OnebitAdam, OnebitLamb, ZeroOneAdam's syncs): per bucket of
-  ``2**22`` elements an all-to-all (``n-1`` messages) and an all-gather (``n-1``) of the packed
-  signs: ``T = c * 2(n-1) * alpha + 2(n-1)/n * (P/8 + scales) / beta``;
-* ZeroOneAdam phase B: one 1-bit allreduce every ``H`` steps: ``T / H`` per step.
+* ring allreduce of ``B`` bytes (DDP fp32; fp16 hook with ``B/2``): ``2(n-1)`` messages per
+  collective, ``2(n-1)/n * B`` bytes sent: ``T = c * 2(n-1) * alpha + 2(n-1)/n * B / beta`` for
+  ``c`` collectives (DDP's buckets: 25 MB, the first 1 MB);
+* PowerSGD (rank ``r``): three ring allreduces per DDP bucket (the tensors it leaves
+  uncompressed, the ``P`` factors, ``rows * r`` per matrix, and the ``Q`` factors, ``cols * r``);
+* 1-bit compressed allreduce (OnebitAdam, OnebitLamb, ZeroOneAdam phase A and syncs): per bucket
+  of ``2**22`` elements an all-to-all and an all-gather of the packed signs, ``n-1`` messages
+  each: ``T = c * 2(n-1) * alpha + 2(n-1)/n * (P/8 + scales) / beta``;
+* ZeroOneAdam phase B: one 1-bit allreduce every ``H`` steps, so ``T / H`` per step.
 
-A step takes ``T_compute + T_local + T_comm``: no overlap of communication with computation is
-assumed, which is pessimistic for DDP and for OnebitAdam's ``overlap_backward`` alike.
-``T_compute`` is the measured compute-only step (forward, backward, AdamW) at the same ``n``;
-``T_local`` is the extra local work of compression (the 1-bit kernels, from
-``benchmarks/kernels.py``; PowerSGD's small matrix products are left out). Bytes on the wire
-include TCP/IP/Ethernet headers: ``beta`` is the link rate times ``--efficiency`` (1448 payload
-bytes per 1514-byte frame).
+At 256 ranks a 2**22-element bucket is split into 2 KiB messages and the 1-bit allreduce becomes
+latency bound; the extrapolation also shows buckets of ``n * 2**18`` elements (``bucket_size``),
+whose messages stay at 32 KiB.
+
+A step takes ``T_compute + T_local + T_comm``, with no overlap of communication and computation
+(pessimistic for DDP and for OnebitAdam's ``overlap_backward`` alike). ``T_compute`` is the
+measured compute-only step at the same number of hosts. ``T_local`` is the method's extra local
+work: for 1-bit, the kernels' time per parameter from ``benchmarks/kernels.py`` times the CPU
+contention (``n`` workers on this VM's cores); for PowerSGD, calibrated once as the 4-host
+10 Gbit/s step less compute-only less the model's communication, scaled by contention.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ONEBIT_BUCKET = 2**22
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
+ETHERNET = 1448 / 1514  # TCP payload per 1514-byte frame (timestamps on)
 
 
 @dataclass
@@ -45,39 +50,30 @@ class Workload:
 
     name: str
     params: int
-    matrices: list[tuple[int, int]]  # 2-D views (rows, cols) of the weight tensors
-    vectors: int  # elements in 1-D tensors (biases, norms): PowerSGD sends them uncompressed
-    compute_s: float  # forward + backward + optimizer step, no communication
-    onebit_local_s: float  # 1-bit kernels per step (compress, serve, decompress)
-    note: str = ""
+    matrices: list[tuple[int, int]]  # 2-D views (rows, cols) of the weights
+    vectors: int  # elements of 1-D tensors (biases, norms): PowerSGD sends them uncompressed
+    compute_s: float = 0.0  # forward + backward + optimizer step, no communication
+    local_s: dict[str, float] = field(default_factory=dict)  # extra local work per method
 
 
-def workload_from_model(name: str, model, compute_s: float, onebit_local_s: float) -> Workload:
-    """The shapes of a ``torch.nn.Module``'s parameters (shared ones once)."""
-    seen, matrices, vectors, params = set(), [], 0, 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        params += p.numel()
-        if p.dim() >= 2:
-            matrices.append((p.shape[0], p.numel() // p.shape[0]))
-        else:
-            vectors += p.numel()
-    return Workload(name, params, matrices, vectors, compute_s, onebit_local_s)
+def shapes_of(name: str, model) -> Workload:
+    """The shapes of a ``torch.nn.Module``'s parameters (shared ones counted once)."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in unique if p.dim() >= 2]
+    vectors = sum(p.numel() for p in unique if p.dim() < 2)
+    return Workload(name, sum(p.numel() for p in unique), matrices, vectors)
 
 
-def bert_large(compute_s: float, onebit_local_s: float) -> Workload:
-    """BERT-Large's shapes (340M parameters) without building it."""
+def bert_large() -> Workload:
+    """BERT-Large's shapes (335M parameters) without building it."""
     h, layers, vocab, positions = 1024, 24, 30522, 512
-    matrices = [(vocab, h), (positions, h), (2, h)]
-    vectors = 4 * h  # embedding LayerNorm, pooler bias...
+    matrices = [(vocab, h), (positions, h), (2, h), (h, h)]  # embeddings, pooler
+    vectors = 2 * h + h  # embedding LayerNorm, pooler bias
     for _ in range(layers):
         matrices += [(h, h)] * 4 + [(4 * h, h), (h, 4 * h)]
-        vectors += 4 * h + 4 * h + h + 4 * h  # biases and two LayerNorms
-    matrices.append((h, h))  # pooler
+        vectors += 4 * h + 4 * h + h + 2 * 2 * h  # biases, two LayerNorms
     params = sum(r * c for r, c in matrices) + vectors
-    return Workload("BERT-Large", params, matrices, vectors, compute_s, onebit_local_s)
+    return Workload("BERT-Large", params, matrices, vectors)
 
 
 def _ddp_buckets(nbytes: float) -> int:
@@ -85,31 +81,32 @@ def _ddp_buckets(nbytes: float) -> int:
 
 
 def ring(nbytes: float, n: int, collectives: int, alpha: float, beta: float) -> tuple[float, float]:
-    """(seconds, bytes sent per rank) of ``collectives`` ring allreduces totalling ``nbytes``."""
+    """(seconds, bytes sent per rank) of ``collectives`` ring allreduces of ``nbytes`` in all."""
     if n == 1:
         return 0.0, 0.0
     sent = 2 * (n - 1) / n * nbytes
     return collectives * 2 * (n - 1) * alpha + sent / beta, sent
 
 
-def onebit(params: int, n: int, alpha: float, beta: float) -> tuple[float, float]:
-    """(seconds, bytes sent per rank) of one 1-bit compressed allreduce of ``params`` elements."""
+def onebit(
+    params: int, n: int, alpha: float, beta: float, bucket: int = ONEBIT_BUCKET
+) -> tuple[float, float]:
+    """(seconds, bytes sent per rank) of one 1-bit compressed allreduce of ``params`` in buckets
+    of ``bucket`` elements."""
     if n == 1:
         return 0.0, 0.0
-    buckets = math.ceil(params / ONEBIT_BUCKET)
+    buckets = math.ceil(params / bucket)
     sent = 2 * (n - 1) / n * params / 8 + 2 * (n - 1) * 4 * buckets  # signs + scales
     return buckets * 2 * (n - 1) * alpha + sent / beta, sent
 
 
-def powersgd_elements(w: Workload, rank: int, min_rate: float = 2.0) -> float:
-    """Elements PowerSGD allreduces per step: uncompressed tensors plus the P and Q factors."""
+def powersgd_elements(w: Workload, rank: int, min_rate: float = 2.0) -> int:
+    """Elements PowerSGD allreduces per step, by the hook's own rule for what to compress."""
     total = w.vectors
     for rows, cols in w.matrices:
         r = min(rows, cols, rank)
-        if (rows + cols) * r * min_rate < rows * cols:
-            total += (rows + cols) * r
-        else:
-            total += rows * cols
+        compress = (rows + cols) * r * min_rate < rows * cols
+        total += (rows + cols) * r if compress else rows * cols
     return total
 
 
@@ -120,27 +117,27 @@ def comm(method: str, w: Workload, n: int, alpha: float, beta: float, args) -> t
         return ring(fp32, n, _ddp_buckets(fp32), alpha, beta)
     if method == "fp16":
         return ring(fp32 / 2, n, _ddp_buckets(fp32 / 2), alpha, beta)
-    if method == "powersgd":
-        return ring(4 * powersgd_elements(w, args.powersgd_rank), n, 3 * _ddp_buckets(fp32),
-                    alpha, beta)  # fmt: skip
+    if method in ("powersgd", "powersgd-1b"):
+        buckets = 1 if method == "powersgd-1b" else _ddp_buckets(fp32)
+        return ring(4 * powersgd_elements(w, args.powersgd_rank), n, 3 * buckets, alpha, beta)
     if method in ("onebit", "onebit-lamb", "zero-one-a"):
         return onebit(w.params, n, alpha, beta)
+    if method == "onebit-big":  # buckets grown with n: every message at least 32 KiB
+        return onebit(w.params, n, alpha, beta, max(ONEBIT_BUCKET, n * 8 * 2**15))
     if method == "zero-one":
         t, sent = onebit(w.params, n, alpha, beta)
         return t / args.local_steps, sent / args.local_steps
     return 0.0, 0.0
 
 
-def local(method: str, w: Workload, args) -> float:
-    if method in ("onebit", "onebit-lamb", "zero-one-a"):
-        return w.onebit_local_s
-    if method == "zero-one":
-        return w.onebit_local_s / args.local_steps
-    return 0.0
-
-
 def predict(method: str, w: Workload, n: int, alpha: float, beta: float, args) -> float:
-    return w.compute_s + local(method, w, args) + comm(method, w, n, alpha, beta, args)[0]
+    """Predicted seconds per step."""
+    kind = "powersgd" if method.startswith("powersgd") else method
+    kind = "onebit" if kind == "onebit-big" else kind
+    local = w.local_s.get(kind, 0.0)
+    if method == "zero-one":
+        local = w.local_s.get("onebit", 0.0) / args.local_steps
+    return w.compute_s + local + comm(method, w, n, alpha, beta, args)[0]
 
 
 def _rate(text: str) -> float:
@@ -151,8 +148,8 @@ def _rate(text: str) -> float:
     return float(text)
 
 
-def _load_runs(paths: list[str], rate_bits: float, model: str) -> dict[int, dict]:
-    """``{hosts: rows}`` of the measured runs at ``rate_bits`` for ``model``."""
+def load_runs(paths: list[str], model: str) -> dict[tuple[int, float], dict]:
+    """``{(hosts, rate_bits): {method: row}}`` from ``network.py`` result files."""
     runs = {}
     for path in paths:
         if not Path(path).exists():
@@ -160,158 +157,166 @@ def _load_runs(paths: list[str], rate_bits: float, model: str) -> dict[int, dict
             continue
         data = json.loads(Path(path).read_text())
         for run in data["runs"]:
-            if run["rate_bits"] and abs(run["rate_bits"] - rate_bits) < 1:
+            if run["rate_bits"]:
                 rows = {k.split("/", 1)[1]: v for k, v in run["rows"].items()
-                        if k.startswith(model + "/")}  # fmt: skip
-                runs[data["hosts"]] = rows
-    return dict(sorted(runs.items()))
+                        if k.startswith(model + "/") and "step_time" in v}  # fmt: skip
+                runs[(data["hosts"], run["rate_bits"])] = rows
+    return runs
 
 
-def _kernel_seconds_per_param(path: str) -> float | None:
-    """Seconds per parameter of compress + serve + decompress from ``kernels.py --json``
-    (largest size, the serve share for 4 ranks as measured)."""
+def kernel_seconds_per_param(path: str) -> float:
+    """Seconds per parameter of one rank's compress + serve + decompress, from the largest size
+    of ``kernels.py --json`` (its serve share is for 4 ranks)."""
     if not Path(path).exists():
-        return None
-    data = json.loads(Path(path).read_text())
-    row = data["rows"][-1]
-    path_key = "auto"
-    t = sum(row[f"{path_key}/{op}"] for op in ("compress", "decompress", "server"))
-    return t / row["numel"]
+        print(f"(missing: {path}; 1-bit kernels counted as free)")
+        return 0.0
+    row = json.loads(Path(path).read_text())["rows"][-1]
+    return sum(row[f"auto/{op}"] for op in ("compress", "decompress", "server")) / row["numel"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    results = "benchmarks/results"
     parser.add_argument(
         "--measured",
-        default="benchmarks/results/scaling-h2.json,"
-        "benchmarks/results/network.json,benchmarks/results/scaling-h8.json",
+        default=f"{results}/scaling-h2.json,{results}/network.json,{results}/scaling-h8.json",
+        help="network.py result files",
     )
-    parser.add_argument("--kernels", default="benchmarks/results/kernels.json")
+    parser.add_argument("--kernels", default=f"{results}/kernels.json")
     parser.add_argument("--rate", default="1gbit", help="rate of the measured runs to check")
-    parser.add_argument("--model", default="comm", help="model of the measured runs")
+    parser.add_argument(
+        "--calibration-rate",
+        default="10gbit",
+        help="4-host rate whose PowerSGD step calibrates its local work",
+    )
+    parser.add_argument("--model", default="comm", help="network.py model of the measured runs")
     parser.add_argument(
         "--alpha",
         type=float,
         default=100e-6,
-        help="seconds per message in the measured runs (TCP via veth, 2 cores)",
+        help="seconds per message in the measured runs (gloo, TCP over veth)",
     )
     parser.add_argument(
         "--alpha-cluster",
         type=float,
         default=25e-6,
-        help="seconds per message for the extrapolation (TCP over Ethernet)",
+        help="seconds per message in the extrapolation (TCP over Ethernet)",
     )
-    parser.add_argument("--efficiency", type=float, default=1448 / 1514)
+    parser.add_argument(
+        "--cores", type=int, default=os.cpu_count() or 1, help="cores the measured workers shared"
+    )
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--local-steps", type=int, default=16, help="ZeroOneAdam's H")
-    parser.add_argument(
-        "--compute-s",
-        type=float,
-        default=None,
-        help="compute per step of the benchmark model for the extrapolation "
-        "(default: measured compute-only at the fewest hosts)",
-    )
     parser.add_argument(
         "--bert-compute-s",
         type=float,
         default=0.25,
-        help="assumed GPU compute per step of BERT-Large for the extrapolation",
+        help="assumed GPU compute per BERT-Large step (forward, backward, Adam)",
     )
     parser.add_argument(
-        "--bert-local-s",
+        "--bert-onebit-s",
         type=float,
         default=0.005,
-        help="assumed 1-bit kernel time per step on a GPU for BERT-Large",
+        help="assumed 1-bit kernel time per BERT-Large step on a GPU",
     )
-    parser.add_argument("--json", default="benchmarks/results/scaling.json")
+    parser.add_argument(
+        "--bert-powersgd-s",
+        type=float,
+        default=0.010,
+        help="assumed PowerSGD local work per BERT-Large step on a GPU",
+    )
+    parser.add_argument("--json", default=f"{results}/scaling.json")
     args = parser.parse_args()  # fmt: skip
 
-    import sys
-
     sys.path.insert(0, str(Path(__file__).parent))
-    from network import LABELS, MODELS  # noqa: E402
+    from network import LABELS, MODELS
 
     from onebit.train.model import ModelConfig, Transformer
 
     spec = MODELS[args.model]
-    model = Transformer(
-        ModelConfig("gpt", spec["block_size"], spec["n_layer"], spec["n_head"], spec["n_embd"])
-    )
-    kernel_s = _kernel_seconds_per_param(args.kernels)
-    runs = _load_runs(args.measured.split(","), _rate(args.rate), args.model)
-    beta = _rate(args.rate) / 8 * args.efficiency
-    methods = ["adamw", "fp16", "powersgd", "onebit", "zero-one"]
-    output: dict = {"assumptions": vars(args), "check": [], "extrapolation": []}
+    config = ModelConfig("gpt", spec["block_size"], spec["n_layer"], spec["n_head"], spec["n_embd"])
+    shapes = shapes_of(f"{args.model} model", Transformer(config))
+    runs = load_runs(args.measured.split(","), args.model)
+    rate, calibration_rate = _rate(args.rate), _rate(args.calibration_rate)
+    per_param = kernel_seconds_per_param(args.kernels)
+    out: dict = {"assumptions": vars(args), "check": [], "extrapolation": []}
 
-    print(f"== Model check: {args.model} model, {args.rate}, alpha {args.alpha * 1e6:.0f} us, "
-          f"beta {beta * 8 / 1e6:.0f} Mbit/s of payload ==")  # fmt: skip
-    head = ("hosts", "method", "measured s", "predicted s", "error", "measured MB", "predicted MB")
-    print("  ".join(f"{h:>12}" for h in head))
-    for n, rows in runs.items():
-        compute = rows.get("compute", {}).get("step_time")
-        if compute is None:
+    def contention(n: int) -> float:
+        return max(1.0, n / args.cores)
+
+    # PowerSGD's local work (matrix products, orthogonalisation, error feedback) from one run.
+    powersgd_local = 0.0
+    calib = runs.get((4, calibration_rate), {})
+    if "powersgd-1b" in calib and "compute" in calib:
+        w = Workload(**{**shapes.__dict__, "compute_s": calib["compute"]["step_time"]})
+        t_comm = comm("powersgd-1b", w, 4, args.alpha, calibration_rate / 8, args)[0]
+        powersgd_local = max(0.0, calib["powersgd-1b"]["step_time"] - w.compute_s - t_comm)
+        powersgd_local /= contention(4)
+    print(
+        f"calibration: 1-bit kernels {per_param * 1e9:.2f} ns/param, PowerSGD local work "
+        f"{powersgd_local:.3f} s/step uncontended (from 4 hosts at {args.calibration_rate})"
+    )
+
+    print(f"\n== Model check: {args.model} model ({shapes.params / 1e6:.1f}M params) at "
+          f"{args.rate}, alpha {args.alpha * 1e6:.0f} us ==")  # fmt: skip
+    head = ["hosts", "method", "measured s", "predicted s", "error", "measured MB", "predicted MB"]
+    print(" | ".join(head))
+    methods = ["adamw", "fp16", "powersgd-1b", "onebit", "zero-one"]
+    for (n, bits), rows in sorted(runs.items()):
+        if bits != rate or "compute" not in rows:
             continue
-        # On this VM the 1-bit kernels share 2 cores with n workers: scale by the contention.
-        contention = max(1.0, n / 2)
-        local_s = (kernel_s or 0.0) * contention * model_params(model)
-        w = workload_from_model(args.model, model, compute, local_s)
+        w = Workload(**{**shapes.__dict__, "compute_s": rows["compute"]["step_time"]})
+        w.local_s = {"onebit": per_param * w.params * contention(n),
+                     "powersgd": powersgd_local * contention(n)}  # fmt: skip
         for method in methods:
             row = rows.get(method)
-            if not row or "step_time" not in row:
+            if row is None:
                 continue
-            t_pred = predict(method, w, n, args.alpha, beta, args)
-            _, sent = comm(method, w, n, args.alpha, beta, args)
-            sent_wire = sent / args.efficiency
-            err = t_pred / row["step_time"] - 1
-            output["check"].append({
-                "hosts": n, "method": method, "measured_s": row["step_time"],
-                "predicted_s": t_pred, "measured_bytes": row["tx_bytes_per_step"],
-                "predicted_bytes": sent_wire,
-            })  # fmt: skip
-            print(f"{n:>12}  {method:>12}  {row['step_time']:>12.3f}  {t_pred:>12.3f}  "
-                  f"{err:>+11.0%}  {row['tx_bytes_per_step'] / 1e6:>12.2f}  "
-                  f"{sent_wire / 1e6:>12.2f}")  # fmt: skip
+            t = predict(method, w, n, args.alpha, rate / 8, args)
+            sent = comm(method, w, n, args.alpha, rate / 8, args)[1]
+            err = t / row["step_time"] - 1
+            out["check"].append({"hosts": n, "method": method, "measured_s": row["step_time"],
+                                 "predicted_s": t, "measured_bytes": row["tx_bytes_per_step"],
+                                 "predicted_bytes": sent})  # fmt: skip
+            print(f"{n} | {LABELS[method]} | {row['step_time']:.3f} | {t:.3f} | {err:+.0%} | "
+                  f"{row['tx_bytes_per_step'] / 1e6:.2f} | {sent / 1e6:.2f}")  # fmt: skip
 
-    fewest = min(runs) if runs else None
-    compute_s = args.compute_s
-    if compute_s is None and fewest is not None:
-        compute_s = runs[fewest].get("compute", {}).get("step_time")
-    compute_s = compute_s or 0.3
-    local_s = (kernel_s or 1e-9) * model_params(model)
-    workloads = [
-        workload_from_model(f"{args.model} model", model, compute_s, local_s),
-        bert_large(args.bert_compute_s, args.bert_local_s),
-    ]
-    print(f"\n== Predicted speedup over AdamW+DDP (alpha {args.alpha_cluster * 1e6:.0f} us, "
-          f"no overlap, ZeroOneAdam H={args.local_steps}, PowerSGD rank "
-          f"{args.powersgd_rank}) ==")  # fmt: skip
-    for w in workloads:
+    # Extrapolation: one worker per host and core (no contention), real Ethernet framing.
+    fewest = min((n for n, b in runs if b == rate), default=None)
+    ours = Workload(**{**shapes.__dict__})
+    ours.compute_s = runs[(fewest, rate)]["compute"]["step_time"] if fewest else 0.3
+    ours.local_s = {"onebit": per_param * ours.params, "powersgd": powersgd_local}
+    bert = bert_large()
+    bert.compute_s = args.bert_compute_s
+    bert.local_s = {"onebit": args.bert_onebit_s, "powersgd": args.bert_powersgd_s}
+    methods = ["fp16", "powersgd", "onebit", "onebit-big", "zero-one"]
+    LABELS["onebit-big"] = "OnebitAdam, buckets of n x 2^18"
+    print(f"\n== Predicted speedup over AdamW+DDP: alpha {args.alpha_cluster * 1e6:.0f} us, "
+          f"Ethernet framing, no overlap, PowerSGD rank {args.powersgd_rank}, ZeroOneAdam "
+          f"H={args.local_steps} ==")  # fmt: skip
+    for w in (ours, bert):
         print(f"\n{w.name}: {w.params / 1e6:.1f}M params, compute {w.compute_s:.3f} s/step, "
-              f"1-bit kernels {w.onebit_local_s * 1e3:.1f} ms/step")  # fmt: skip
-        head = ["link", "workers", "AdamW step s"] + [LABELS[m] for m in methods[1:]]
+              f"1-bit kernels {w.local_s['onebit'] * 1e3:.1f} ms/step, PowerSGD local "
+              f"{w.local_s['powersgd'] * 1e3:.0f} ms/step")  # fmt: skip
+        head = ["link", "workers", "AdamW+DDP s/step", *(LABELS[m] for m in methods),
+                "OnebitAdam e2e (15% warmup, n x 2^18 buckets)"]  # fmt: skip
         print(" | ".join(head))
         for link in (10e9, 100e9):
-            b = link / 8 * args.efficiency
+            beta = link / 8 * ETHERNET
             for n in (16, 64, 256):
-                base = predict("adamw", w, n, args.alpha_cluster, b, args)
-                cells = [f"{link / 1e9:g} Gbit/s", str(n), f"{base:.3f}"]
+                base = predict("adamw", w, n, args.alpha_cluster, beta, args)
                 entry = {"workload": w.name, "link_bits": link, "workers": n, "adamw_s": base}
-                for m in methods[1:]:
-                    t = predict(m, w, n, args.alpha_cluster, b, args)
-                    cells.append(f"{base / t:.2f}x")
-                    entry[m] = base / t
-                # OnebitAdam over a run with 15% fp32 warmup
-                warm = predict("onebit-warmup", w, n, args.alpha_cluster, b, args)
-                comp = predict("onebit", w, n, args.alpha_cluster, b, args)
-                entry["onebit_e2e_15pct"] = base / (0.15 * warm + 0.85 * comp)
-                output["extrapolation"].append(entry)
-                print(" | ".join(cells) + f"  (OnebitAdam e2e {entry['onebit_e2e_15pct']:.2f}x)")
+                for m in methods:
+                    entry[m] = base / predict(m, w, n, args.alpha_cluster, beta, args)
+                warm = predict("onebit-warmup", w, n, args.alpha_cluster, beta, args)
+                comp = predict("onebit-big", w, n, args.alpha_cluster, beta, args)
+                entry["onebit_e2e"] = base / (0.15 * warm + 0.85 * comp)
+                out["extrapolation"].append(entry)
+                cells = [f"{link / 1e9:g} Gbit/s", str(n), f"{base:.3f}"]
+                cells += [f"{entry[m]:.2f}x" for m in [*methods, "onebit_e2e"]]
+                print(" | ".join(cells))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(output, indent=1))
-
-
-def model_params(model) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
