@@ -245,3 +245,19 @@ def test_bert_masks_and_gpt_shifts() -> None:
     model = Transformer(ModelConfig("bert", block_size=64, n_layer=1, n_head=2, n_embd=32))
     logits, loss = model(x[:4], y[:4])
     assert logits.shape == (4, 64, 257) and 5.0 < loss.item() < 6.0
+
+
+def test_auto_freeze_is_scaled_to_the_run() -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    trainer = optim.build(
+        "onebit-adam", model, model.param_groups(0.1), lr=1e-3, freeze_step="auto", steps=40
+    )
+    x = torch.randint(256, (2, 16))
+    for _ in range(12):
+        _, loss = trainer.model(x, x)
+        trainer.optimizer.zero_grad()
+        loss.backward()
+        trainer.optimizer.step()
+    assert 4 <= trainer.freeze_step() <= 10, "between 10% and 25% of the run"
+    assert trainer.stage() == "compression"

@@ -282,9 +282,10 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not a multiple of --heads {args.heads}")
     steps = args.steps or DEFAULT_STEPS
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # Under torchrun every rank must pick the same folder, so no time stamp there.
+    stamp = "" if torchrun else time.strftime("-%Y%m%d-%H%M%S")
     if args.compare:
-        root = args.out or Path("runs") / f"compare-{args.model}-{stamp}"
+        root = args.out or Path("runs") / f"compare-{args.model}{stamp}"
     configs = []
     for name, error_feedback in runs:
         error_feedback = error_feedback and args.error_feedback and optim.is_compressed(name)
@@ -292,7 +293,7 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
         if args.compare:
             out = root / label
         else:
-            out = args.out or Path("runs") / f"{args.model}-{label}-{stamp}"
+            out = args.out or Path("runs") / f"{args.model}-{label}{stamp}"
         configs.append(
             RunConfig(
                 out=str(out),
