@@ -27,6 +27,7 @@ def _entry(rank: int, fn: Callable, world_size: int, args: tuple, workdir: str) 
     )
     try:
         result = fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears down its connections while another still uses them
     finally:
         dist.destroy_process_group()
     torch.save(result, Path(workdir) / f"result{rank}.pt")

@@ -26,7 +26,7 @@ TINY = [
 COMPARE = list(optim.OPTIMIZERS)
 
 
-def onebit_train(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def onebit_train(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``python -m onebit.train`` in a fresh process, as a user would."""
     return subprocess.run(
         [sys.executable, "-m", "onebit.train", *map(str, args)],
@@ -131,7 +131,7 @@ def resumed(compared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         for label, out in outs.items()
     }
     for label, process in processes.items():
-        _, err = process.communicate(timeout=120)
+        _, err = process.communicate(timeout=600)
         assert process.returncode == 0, f"{label}: {err}"
     return outs
 
