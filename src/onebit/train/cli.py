@@ -145,7 +145,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir",
         type=Path,
         metavar="DIR",
-        help="where the train/validation split is kept (default ~/.cache/onebit)",
+        help="where the train/validation split is kept (default $ONEBIT_CACHE or ~/.cache/onebit)",
     )
     output = parser.add_argument_group("output and checkpoints")
     output.add_argument(
@@ -328,6 +328,8 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
 def _cache_dir(args: argparse.Namespace) -> Path:
     if args.cache_dir is not None:
         return args.cache_dir
+    if os.environ.get("ONEBIT_CACHE"):
+        return Path(os.environ["ONEBIT_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "onebit"
 
