@@ -63,17 +63,6 @@ class MeanAllreduce:
         return self.buffer
 
 
-def allreduce_mean_(buffers: list[Tensor], group: dist.ProcessGroup | None = None) -> int:
-    """Average each buffer in place across ``group`` in full precision; return bytes sent.
-
-    All allreduces are launched before the first is waited on, so buckets overlap on the wire.
-    """
-    calls = [MeanAllreduce(b, group) for b in buffers]
-    for call in calls:
-        call.wait()
-    return sum(call.bytes_sent for call in calls)
-
-
 @dataclass
 class _Call:
     """One compressed allreduce in flight, between its phases."""
