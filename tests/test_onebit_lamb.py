@@ -1,13 +1,13 @@
 """OnebitLamb (SPEC section 5) against plain LAMB and a simulation of every rank, on gloo ranks."""
 
 import copy
-import io
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_ranks
+from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
@@ -54,10 +54,6 @@ def _set_grads(params, step, rank, poison=False):
         if poison and g.numel():
             g.view(-1)[-1] = float("nan")
         p.grad = g.to(p.dtype)
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
 def reference_onebit_lamb(world_size, steps, freeze_step):
@@ -130,7 +126,7 @@ def reference_onebit_lamb(world_size, steps, freeze_step):
                 last[i] = factor
                 coeffs.append(frozen_coeffs[i] * factor)
                 params[i] = p - LRS[i] * coeffs[-1] * u
-        history.append(_flat(params))
+        history.append(flat(params))
         coeff_history.append(coeffs)
     return history, coeff_history, frozen
 
@@ -140,7 +136,7 @@ def _run(params, opt, rank, first, last, checkpoint=None, save_dir=None):
     for t in range(first, last + 1):
         _set_grads(params, t, rank)
         opt.step()
-        history.append(_flat(params))
+        history.append(flat(params))
         coeffs.append(opt.get_lamb_coeffs())
         if t == checkpoint:
             torch.save(
@@ -187,7 +183,7 @@ def _non_finite_run(rank):
     opt = _optimizer(params)
     unchanged = []
     for call in range(1, 15):
-        before = _flat(params)
+        before = flat(params)
         errors = [c.state_dict() for c in opt.comms]
         stage = opt.stage
         _set_grads(params, call, rank, poison=rank == 1 and call in (3, 12))
@@ -198,8 +194,8 @@ def _non_finite_run(rank):
                 and torch.equal(a["server_error"], b.server_error)
                 for a, b in zip(errors, opt.comms)
             )
-            unchanged.append((stage, torch.equal(before, _flat(params)), same_errors))
-    return unchanged, opt.skipped_steps, opt.num_steps, _flat(params)
+            unchanged.append((stage, torch.equal(before, flat(params)), same_errors))
+    return unchanged, opt.skipped_steps, opt.num_steps, flat(params)
 
 
 def _low_precision_run(rank):
@@ -280,13 +276,6 @@ def test_world_size_one_matches_reference_through_the_freeze():
         assert coeffs[t] == pytest.approx(expected_coeffs[t], rel=1e-4)
 
 
-def _roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
 @pytest.mark.parametrize("checkpoint", [3, FREEZE, FREEZE + 1, CHECKPOINT])
 def test_resume_is_bitwise_exact(checkpoint):
     params = _params()
@@ -294,7 +283,7 @@ def test_resume_is_bitwise_exact(checkpoint):
     params = _params()
     opt = _optimizer(params)
     _run(params, opt, 0, 1, checkpoint)
-    saved = _roundtrip({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    saved = roundtrip({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()})
     params = _params()
     opt = _optimizer(params)
     with torch.no_grad():
@@ -318,19 +307,9 @@ def test_state_follows_the_stage_and_coeffs_are_a_copy():
     assert opt.get_lamb_coeffs()[0] != -1.0
     assert opt.get_lamb_coeffs()[2] == 1.0  # the empty parameter
     fresh = _optimizer(_params())
-    fresh.load_state_dict(_roundtrip(opt.state_dict()))
+    fresh.load_state_dict(roundtrip(opt.state_dict()))
     assert set(fresh.state[fresh.layout.params[0]]) == set(opt.state[params[0]])
     assert fresh.get_lamb_coeffs() == opt.get_lamb_coeffs()
-
-
-def _storage_bytes(opt):
-    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    tensors += [t for t in vars(opt).values() if torch.is_tensor(t)]
-    for comm in opt.comms:
-        tensors += [comm.worker_error, comm.server_error]
-    return sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
-    )
 
 
 def test_memory_is_five_model_sized_buffers_in_the_compression_stage():
@@ -343,7 +322,7 @@ def test_memory_is_five_model_sized_buffers_in_the_compression_stage():
         opt.step()
         buffers = 4 if t < 2 else 5
         # + the server error (world size 1: a whole model), + padding and per-layer scalars
-        assert _storage_bytes(opt) <= (buffers + 1) * 4 * numel + 1024
+        assert storage_bytes(opt) <= (buffers + 1) * 4 * numel + 1024
 
 
 def test_bad_hyperparameters_raise_value_error():
@@ -380,5 +359,5 @@ def test_none_gradient_and_lr_scheduler():
         opt.step()
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(LRS[0] * 0.5**4)
-    assert torch.isfinite(_flat(params)).all()
+    assert torch.isfinite(flat(params)).all()
     assert copy.deepcopy(opt.comm_stats).steps == {"warmup": FREEZE, "compression": 12 - FREEZE}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
+from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
@@ -54,10 +55,6 @@ def _set_grads(params, step, rank, poison=False):
         p.grad = g.to(p.dtype)
 
 
-def _flat(tensors):
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
-
-
 def _unflat(flat):
     out, offset = [], 0
     for s in SHAPES:
@@ -77,7 +74,7 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     lr = torch.cat([torch.full((math.prod(s),), x) for s, x in zip(SHAPES, LRS)])
     wd = torch.cat([torch.full((math.prod(s),), x) for s, x in zip(SHAPES, WDS)])
-    params = [_flat(_params()) for _ in range(world_size)]
+    params = [flat(_params()) for _ in range(world_size)]
     m, v = torch.zeros(NUMEL), torch.zeros(NUMEL)
     allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET)
     var_interval, var_counter, var_updates = 1, 0, 0
@@ -143,7 +140,7 @@ def _run(params, opt, rank, first, last, checkpoint=None, save_dir=None):
         stages.append(opt.stage)
         _set_grads(params, t, rank)
         opt.step()
-        history.append(_flat(params))
+        history.append(flat(params))
         if t == checkpoint:
             torch.save(
                 {"model": [p.detach().clone() for p in params], "optim": opt.state_dict()},
@@ -157,7 +154,7 @@ def _straight_run(rank, world_size, save_dir):
     opt = _optimizer(params)
     checkpoint = CHECKPOINT if save_dir is not None else None
     history, stages = _run(params, opt, rank, 1, STEPS, checkpoint, save_dir)
-    before_sync, stats = _flat(params), copy.deepcopy(opt.comm_stats)
+    before_sync, stats = flat(params), copy.deepcopy(opt.comm_stats)
     opt.synchronize()
     result = {
         "history": history,
@@ -166,7 +163,7 @@ def _straight_run(rank, world_size, save_dir):
         "synchronize_bytes": opt.comm_stats.total_bytes["synchronize"],
         "bytes_per_call": [c.bytes_per_call for c in opt.comms],
         "before_sync": before_sync,
-        "after_sync": _flat(params),
+        "after_sync": flat(params),
     }
     if save_dir is not None:
         result["non_finite"] = _non_finite_run(rank)
@@ -196,10 +193,10 @@ def _non_finite_run(rank):
     opt = _optimizer(params)
     history = []
     for call in range(1, 29):
-        stage, before = opt.stage, _flat(params)
+        stage, before = opt.stage, flat(params)
         _set_grads(params, call, rank, poison=rank == 1 and call in POISONED)
         opt.step()
-        history.append((stage, before, _flat(params)))
+        history.append((stage, before, flat(params)))
     return history, opt.skipped_steps, opt.local_skipped_steps, opt.num_steps
 
 
@@ -214,7 +211,7 @@ def _low_precision_run(rank):
             stage = opt.stage
             opt.step()
             if stage != "local":
-                synced.append(_flat(params))
+                synced.append(flat(params))
         state = [s for p in params for s in opt.state[p].values()]
         results[dtype] = (synced, all(s.dtype == torch.float32 for s in state))
     return results
@@ -341,7 +338,7 @@ def test_resume_is_bitwise_exact_at_any_point_of_the_schedules(checkpoint):
     opt = _optimizer(params)
     _run(params, opt, 0, 1, checkpoint)
     saved = {"model": [p.detach().clone() for p in params], "optim": opt.state_dict()}
-    saved = _roundtrip(saved)
+    saved = roundtrip(saved)
     params = _params()
     opt = _optimizer(params)
     with torch.no_grad():
@@ -350,27 +347,6 @@ def test_resume_is_bitwise_exact_at_any_point_of_the_schedules(checkpoint):
     opt.load_state_dict(saved["optim"])
     resumed, _ = _run(params, opt, 0, checkpoint + 1, STEPS)
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight[checkpoint:]))
-
-
-def _roundtrip(obj):
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-def _storage_bytes(opt):
-    """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors)."""
-    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    for value in vars(opt).values():
-        if torch.is_tensor(value):
-            tensors.append(value)
-    for comm in opt.comms:
-        tensors += [comm.worker_error, comm.server_error]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 def test_memory_is_four_model_sized_buffers_plus_server_error():
@@ -383,7 +359,7 @@ def test_memory_is_four_model_sized_buffers_plus_server_error():
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-        assert _storage_bytes(opt) <= limit, f"step {t} ({opt.comm_stats.last_step_stage})"
+        assert storage_bytes(opt) <= limit, f"step {t} ({opt.comm_stats.last_step_stage})"
     assert opt.comm_stats.steps.get("local", 0) + opt.comm_stats.steps["sync"] == 4
 
 
@@ -414,14 +390,14 @@ def test_single_process_non_finite_and_none_gradients():
     opt = _optimizer(params)
     stages = {}
     for call in range(1, 21):
-        before, stages[call] = _flat(params), opt.stage
+        before, stages[call] = flat(params), opt.stage
         _set_grads(params, call, 0, poison=call in (3, 18))
         if call == 7:
             params[1].grad = None  # counts as zero
         opt.step()
         if call in (3, 18):  # a compressed step of phase A, then a local step of phase B
-            assert torch.equal(_flat(params), before), stages[call]
-        assert torch.isfinite(_flat(params)).all()
+            assert torch.equal(flat(params), before), stages[call]
+        assert torch.isfinite(flat(params)).all()
     assert (stages[3], stages[18]) == ("compression", "local")
     assert opt.skipped_steps == 1 and opt.local_skipped_steps == 1
     assert opt.num_steps == 19
@@ -437,5 +413,5 @@ def test_state_names_follow_the_phase():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh = _optimizer(_params())
-        fresh.load_state_dict(_roundtrip(opt.state_dict()))
+        fresh.load_state_dict(roundtrip(opt.state_dict()))
     assert set(fresh.state[fresh.layout.params[0]]) == {"exp_avg", "frozen_denom", "sync_params"}

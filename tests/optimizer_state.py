@@ -1,0 +1,30 @@
+"""Helpers shared by the optimizer tests: checkpoint round trips and state memory."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one detached fp32 vector, in order."""
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+
+def roundtrip(obj):
+    """``obj`` saved with ``torch.save`` and loaded back, as a checkpoint would be."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def storage_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors)."""
+    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    tensors += [t for t in vars(opt).values() if torch.is_tensor(t)]
+    for comm in opt.comms:
+        tensors += [comm.worker_error, comm.server_error]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
