@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from machine import cpu_name
 
 from onebit import _native, compress
 from onebit.compress import average_signs_, compress_, decompress_, subtract_compressed_
@@ -132,17 +132,6 @@ def measure(numel: int, world: int, reps: int, device: torch.device, paths: list
     return {"numel": numel, **{key: statistics.median(ts) for key, ts in times.items()}}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _size(text: str) -> int:
     text = text.strip().upper()
     if text[-1] in "KM":
@@ -164,7 +153,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     paths = args.paths.split(",")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(
         f"device {device} ({name}), torch {torch.__version__}, {args.threads} CPU thread(s), "
         f"world {args.world}, median of {args.reps}; "

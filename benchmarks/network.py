@@ -65,6 +65,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_name
+
 PREFIX = "obnet"
 SUBNET = "10.77.0"
 BRIDGE_NS = f"{PREFIX}-br"
@@ -720,7 +722,7 @@ def main() -> None:
         "models": args.models.split(","),
         "model_specs": {m: MODELS[m] for m in args.models.split(",")},
         "threads_per_worker": args.threads,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "network": "netns + veth + bridge + tbf" if network else f"loopback ({why})",
@@ -770,17 +772,6 @@ def main() -> None:
         plot(results, out / f"{args.tag}.png")
         print(f"\nplot: {out / f'{args.tag}.png'}")
     print(f"results: {out / f'{args.tag}.json'} ({results['wall_s']:.0f} s)")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
