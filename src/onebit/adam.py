@@ -30,7 +30,8 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
 
     Args:
         params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
-            ``betas`` and ``eps`` may not.
+            ``betas`` and ``eps`` are read from the groups at every step (so schedulers that
+            change them work) and must be the same in every group.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         freeze_step: warmup length T. Choose it where Adam's variance has stopped moving;
             the paper uses 15-25% of training. Longer is safer and sends more bytes.
@@ -44,12 +45,17 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter.
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
             (unused embedding rows, say) at zero in the compression stage.
+        max_grad_norm: clip gradients to this global norm (``None``: no clipping). Use it
+            instead of ``torch.nn.utils.clip_grad_norm_``, which would clip each rank's local
+            gradient. In warmup it clips the averaged gradient exactly as DDP +
+            ``clip_grad_norm_`` + AdamW; in the compression stage see ``docs/SPEC.md``.
         auto_freeze: knobs of ``freeze_step="auto"``.
         overlap_backward: start each bucket's communication during ``backward()``, as soon as
             its gradients are final, as DDP does. Results are bitwise the same as without it.
             It needs the same parameters to receive gradients in the same order on every rank;
             with gradient accumulation, run every backward but the last inside
-            :meth:`no_sync`.
+            :meth:`no_sync`. It cannot honour a ``GradScaler`` or an edit of ``.grad`` after
+            backward (clipping, say): both raise a clear error.
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
@@ -74,6 +80,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         auto_freeze: AutoFreeze | None = None,
+        max_grad_norm: float | None = None,
         overlap_backward: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -85,15 +92,13 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            max_grad_norm=max_grad_norm,
+            exp_avg_mask=exp_avg_mask,
             overlap_backward=overlap_backward,
         )
         self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")
         self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
-        self._masks = [
-            (self.state[p]["exp_avg"], mask)
-            for p, mask in _check_masks(exp_avg_mask or {}, self.layout.params)
-        ]
 
     @property
     def stage(self) -> str:
@@ -106,7 +111,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
         if kind == "compressed":
             start, end = self.layout.buckets[k]
-            torch.lerp(self._exp_avg[start:end], grads, 1 - self.defaults["betas"][0], out=grads)
+            torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -115,23 +120,28 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        beta1, beta2 = self.defaults["betas"]
+        self._start_step()
+        beta1, beta2 = self._beta1, self._beta2
         m, v = self._exp_avg, self._exp_avg_sq
         stage = self.stage
         g = self._grads[: self.layout.numel]
         if stage == "warmup":
             applied, nbytes = self._communicate("allreduce")
             if applied:
+                self._clip_averaged_(g)
                 adam_moments_(m, v, g, beta1, beta2)
         else:
-            applied, nbytes = self._communicate("compressed", out=m)
-            for view, mask in self._masks:
-                view.mul_(mask)
+            clip = self.max_grad_norm is not None
+            applied, nbytes = self._communicate("compressed", out=g if clip else m)
+            if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
+                m.mul_(beta1).lerp_(g, self._compressed_clip_coefficient())
+            if applied:
+                self._apply_mask_(m)
         if applied:
             t = self.num_steps + 1
             frozen_t = self._variance_step(t)
             bc2 = bias_correction(beta2, frozen_t, self.bias_correction)
-            denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            denom = adam_denominator(v, bc2, self._eps, out=g)
             if stage == "warmup":
                 self._observe_variance(t, denom)
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
@@ -146,20 +156,3 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._load_freeze_state(state)
 
-
-def _check_masks(
-    masks: Mapping[Tensor, Tensor], params: list[Tensor]
-) -> list[tuple[Tensor, Tensor]]:
-    """Validate ``exp_avg_mask`` and return ``(param, fp32 mask)`` pairs."""
-    known = {id(p) for p in params}
-    checked = []
-    for p, mask in masks.items():
-        if id(p) not in known:
-            raise ValueError("exp_avg_mask has a tensor that is not one of the optimizer's params")
-        if mask.shape != p.shape:
-            raise ValueError(
-                f"exp_avg_mask of shape {tuple(mask.shape)} for a parameter of shape "
-                f"{tuple(p.shape)}"
-            )
-        checked.append((p, mask.to(device=p.device, dtype=torch.float32)))
-    return checked

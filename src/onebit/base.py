@@ -2,29 +2,50 @@
 
 Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
+
+Every collective a step sends carries a small header per rank (:data:`HEADER_NUMEL` fp32
+values: the step() call number, a digest of the hyperparameters, a status code and the local
+gradient norm). In the compressed allreduce it rides in the phase-1 message next to the scale;
+in the fp32 allreduce each rank writes it into a slot of its own at the end of the buffer. Every
+rank therefore sees every rank's header before anything is committed, and all ranks raise the
+same error together when they disagree, instead of hanging or diverging.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd import Variable
 
 from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
-from .functional import all_finite
+from .functional import all_finite, clip_coefficient, layer_norms
 from .layout import FlatLayout
 from .stats import CommStats
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
 send fewer messages."""
+
+HEADER_NUMEL = 4
+"""Per-rank header of every step's messages: call number, hyperparameter digest, status, the
+squared norm of the bucket's local gradient."""
+
+_COUNTER = 1 << 24  # integers below this are exact in fp32
+_STATUS = {
+    1: "a sparse gradient (not supported)",
+    2: "betas or eps that differ between param groups (they act on whole buckets: set them "
+    "the same in every group)",
+}
 
 
 def check_adam_hyperparameters(
@@ -54,18 +75,26 @@ def check_step_count(name: str, value: Any, minimum: int = 1) -> int:
 class CompressedOptimizer(torch.optim.Optimizer):
     """Base of the optimizers that own their gradient communication.
 
-    At construction it checks that every rank has the same parameters, broadcasts them from
-    rank 0, and lays the optimizer state out in flat fp32 buffers split into buckets. Each bucket
-    has its own :class:`~onebit.comm.CompressedAllreduce`, whose error buffers are part of this
-    rank's :meth:`state_dict`.
+    At construction it checks that every rank has the same parameters and settings, broadcasts
+    the parameters from rank 0, and lays the optimizer state out in flat fp32 buffers split into
+    buckets. Each bucket has its own :class:`~onebit.comm.CompressedAllreduce`, whose error
+    buffers are this rank's part of :meth:`state_dict`.
+
+    It follows torch's protocol for optimizers that handle loss scaling themselves
+    (``_step_supports_amp_scaling``): under ``torch.amp.GradScaler`` each step reads
+    ``grad_scale`` and unscales while copying the gradients into its own buffer, and every rank
+    takes part in every step's collectives whatever its local ``found_inf``; a non-finite value
+    on any rank makes every rank skip the step.
 
     Attributes:
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
         skipped_steps: steps skipped on every rank because some rank had a non-finite gradient.
+        grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
+            without clipping): the averaged gradient's in full-precision steps, the mean of the
+            ranks' local norms in compressed ones.
     """
 
-    #: Hyperparameters that must be equal in every param group (they act on whole buckets).
-    _uniform_hyperparameters: tuple[str, ...] = ("betas", "eps")
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -74,34 +103,43 @@ class CompressedOptimizer(torch.optim.Optimizer):
         *,
         process_group: dist.ProcessGroup | None,
         bucket_size: int,
+        max_grad_norm: float | None = None,
+        exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
     ) -> None:
         super().__init__(params, defaults)
         check_step_count("bucket_size", bucket_size)
-        for key in self._uniform_hyperparameters:
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
+        ):
+            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        for key in ("betas", "eps"):
             values = {repr(g[key]) for g in self.param_groups}
             if len(values) > 1:
                 raise ValueError(f"{key} must be the same in every param group, got {values}")
         params = [p for g in self.param_groups for p in g["params"]]
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(
-                f"all parameters must be on one device, got {sorted(map(str, devices))}"
-            )
-        if any(not p.is_floating_point() for p in params):
-            raise ValueError("all parameters must be floating point")
+        if not params:
+            raise ValueError(f"{type(self).__name__} got no parameters")
+        _check_parameters(params)
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
-        self.device = params[0].device if params else torch.device("cpu")
-        if self.world_size > 1:
-            _check_same_parameters(params, process_group)
-            _broadcast_from_first_rank(params, process_group)
+        self.device = params[0].device
         self.layout = FlatLayout(params, bucket_size, self.world_size)
+        self._masks = _check_masks(exp_avg_mask or {}, self.layout)
+        self.overlap_backward = bool(overlap_backward)
+        if self.world_size > 1:
+            _check_ranks_agree(self._settings(), process_group)
+            _broadcast_from_first_rank(params, process_group)
         self.comms = [
-            CompressedAllreduce(end - start, group=process_group, device=self.device)
+            CompressedAllreduce(
+                end - start, group=process_group, device=self.device, header_numel=HEADER_NUMEL
+            )
             for start, end in self.layout.buckets
         ]
-        self._grads = self.layout.zeros(padded=True, device=self.device)
+        # The gradient scratch buffer, padded for the buckets, then one header slot per rank.
+        self._slots = HEADER_NUMEL * self.world_size
+        self._grads = torch.zeros(self.layout.padded_numel + self._slots, device=self.device)
         self._grad_buckets = self.layout.bucket_views(self._grads, padded=True)
         self._inflight: dict[int, Any] = {}
         self._no_sync = False
@@ -114,11 +152,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for k in buckets:
                 self._bucket_sizes[k] += p.requires_grad
         self._bucket_pending = list(self._bucket_sizes)
-        if overlap_backward:
+        self._norms2 = [0.0] * len(self.comms)
+        self._step_open = False
+        self._hooked_by_ddp = False
+        self._seen_versions: list[int | None] | None = None
+        self._index = {id(p): i for i, p in enumerate(params)}
+        if self.overlap_backward:
             self._install_overlap_hooks()
         self.comm_stats = CommStats()
         self.skipped_steps = 0
         self.num_steps = 0
+        self.grad_norm: float | None = None
+
+    def _settings(self) -> dict[str, Any]:
+        """What every rank must agree on; subclasses add their own knobs."""
+        return {
+            "optimizer": type(self).__name__,
+            "shapes": [tuple(p.shape) for p in self.layout.params],
+            "dtypes": [str(p.dtype) for p in self.layout.params],
+            "device type": self.device.type,
+            "buckets": self.layout.buckets,
+            "param groups": _group_hyperparameters(self.param_groups),
+            "max_grad_norm": self.max_grad_norm,
+            "bias_correction": getattr(self, "bias_correction", None),
+            "overlap_backward": self.overlap_backward,
+            "exp_avg_mask": [offset for offset, _ in self._masks],
+        }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "layout"):
@@ -144,13 +203,86 @@ class CompressedOptimizer(torch.optim.Optimizer):
             yield (group, group["params"], *(v[start:end] for v in views))
             start = end
 
+    # Each step: the hyperparameters and loss scale it runs with, and the header it sends.
+
+    def _begin_step(self) -> None:
+        """Read this step's hyperparameters and loss scale; idempotent until :meth:`_end_step`.
+
+        Runs at the first bucket launched (during backward with ``overlap_backward``) or at the
+        start of ``step()``. ``betas`` and ``eps`` come from the param groups; a group that
+        disagrees is reported through the header, so every rank raises together.
+        """
+        if self._step_open:
+            return
+        self._step_open = True
+        groups = self.param_groups
+        first = groups[0]
+        uniform = all(g["betas"] == first["betas"] and g["eps"] == first["eps"] for g in groups)
+        (self._beta1, self._beta2), self._eps = first["betas"], first["eps"]
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
+        self._status = 2 if not uniform else 1 if sparse else 0
+        self._inv_scale = None
+        digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
+        call = (self.num_steps + self.skipped_steps + 1) % _COUNTER
+        self._header = [float(call), float(digest), 0.0, 0.0]
+
+    def _read_grad_scale(self) -> None:
+        """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
+        ``scaler.unscale_`` has already unscaled ``.grad``)."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:
+            return
+        if self._inflight:
+            self._abandon_inflight()
+            raise RuntimeError(
+                "overlap_backward sends gradients during backward, before torch.amp.GradScaler "
+                "passes its scale to step(): use overlap_backward=False with a GradScaler"
+            )
+        inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        self._inv_scale = None if inv_scale == 1.0 else inv_scale
+
+    def _check_headers(self, headers: Tensor) -> None:
+        """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]``,
+        identical on every rank) show different steps, hyperparameters or a local problem."""
+        calls, digests, status = headers[:, 0], headers[:, 1], headers[:, 2]
+        error = None
+        if not bool((calls == calls[0]).all()):
+            at = ", ".join(f"rank {r}: call {int(c)}" for r, c in enumerate(calls.tolist()))
+            error = (
+                f"ranks are at different steps ({at}). Every rank must call step() the same "
+                "number of times: do not skip step() on some ranks only"
+            )
+        elif not bool((digests == digests[0]).all()):
+            ranks = [r for r, d in enumerate(digests.tolist()) if d != digests[0]]
+            error = (
+                f"hyperparameters differ across ranks (rank 0 and rank(s) {ranks}): lr, "
+                "weight_decay, betas or eps of some param group, as when a learning-rate "
+                "scheduler steps on some ranks only. This rank has "
+                f"{_group_hyperparameters(self.param_groups)}"
+            )
+        else:
+            bad = [(r, int(s)) for r, s in enumerate(status.tolist()) if s]
+            if self._status and not bad:  # found after the header left (overlap_backward)
+                bad = [(self.rank, self._status)]
+            if bad:
+                problems = "; ".join(f"rank {r} has {_STATUS.get(s, s)}" for r, s in bad)
+                error = f"{type(self).__name__}.step(): {problems}"
+        if error is not None:
+            self._step_open = False
+            raise RuntimeError(error)
+
     # Communication. Each bucket is filled from the gradients, launched, then completed.
     # Buckets launch in a fixed order (last first, as backward produces them) on every rank,
     # so the collectives match across ranks however early each bucket is launched.
 
     def _fill_bucket(self, k: int) -> None:
-        """Copy the gradients overlapping bucket ``k`` into the flat gradient buffer."""
+        """Copy (and unscale) the gradients overlapping bucket ``k`` into the gradient buffer.
+
+        Compressed steps with ``max_grad_norm`` also note the squared norm of what was copied,
+        which the bucket's header carries to every rank.
+        """
         start, end = self.layout.buckets[k]
+        inv_scale = self._inv_scale
         for p, offset, numel in zip(self.layout.params, self.layout.offsets, self.layout.numels):
             lo, hi = max(start, offset), min(end, offset + numel)
             if lo >= hi:
@@ -159,22 +291,48 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 view.zero_()
             elif p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                view.zero_()
+                self._status = 1
             else:
-                view.copy_(p.grad.reshape(-1)[lo - offset : hi - offset])
+                grad = p.grad.reshape(-1)[lo - offset : hi - offset]
+                if inv_scale is None:
+                    view.copy_(grad)
+                elif grad.dtype == torch.float32:
+                    torch.mul(grad, inv_scale, out=view)
+                else:  # unscale in fp32: a low-precision product could underflow
+                    view.copy_(grad).mul_(inv_scale)
+        if self.max_grad_norm is not None:
+            self._norms2[k] = float(torch.linalg.vector_norm(self._grads[start:end])) ** 2
 
     def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
         """Turn bucket ``k``'s gathered gradients, in place, into what ``kind`` sends."""
 
+    def _header_for(self, k: int | None) -> Tensor:
+        """This rank's header for bucket ``k`` (``None``: a message that is not a gradient)."""
+        header = list(self._header)
+        header[2] = float(self._status)
+        header[3] = 0.0 if k is None else self._norms2[k]
+        return torch.tensor(header, device=self.device)
+
     def _launch(self, k: int, kind: str, fill: bool) -> None:
+        self._begin_step()
         grads = self._grad_buckets[k]
         if fill:
             self._fill_bucket(k)
             self._prepare_bucket_(k, kind, grads[: self.comms[k].numel])
+        header = self._header_for(k)
         if kind == "allreduce":
-            self._inflight[k] = MeanAllreduce(grads[: self.comms[k].numel], self.process_group)
+            # Only the bucket sent first carries the header slots, after the padded buffer.
+            last = k == len(self.comms) - 1
+            buffer = self._grads[self.layout.buckets[k][0] :] if last else grads
+            slots = self._grads[self.layout.padded_numel :]
+            if last:
+                slots.zero_()
+                slots[self.rank * HEADER_NUMEL : (self.rank + 1) * HEADER_NUMEL] = header
+            average = grads[: self.comms[k].numel]
+            self._inflight[k] = MeanAllreduce(buffer, self.process_group, average=average)
         else:
-            self._inflight[k] = self.comms[k].start(grads)
+            self._inflight[k] = self.comms[k].start(grads, header)
 
     def _communicate(
         self, kind: str, out: Tensor | None = None, fill: bool = True
@@ -186,8 +344,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         With ``fill`` each bucket is first gathered from ``.grad`` and passed through
         :meth:`_prepare_bucket_`; without it the caller has filled the gradient buffer.
         Returns (applied, bytes sent); not applied means some rank had a non-finite value and
-        nothing but the gradient buffer changed.
+        nothing but the gradient buffer changed. Raises on every rank, before anything is
+        committed, if the ranks' headers disagree.
         """
+        self._begin_step()
         for k in reversed(range(len(self.comms))):
             if k not in self._inflight:
                 self._launch(k, kind, fill)
@@ -197,14 +357,51 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if kind == "allreduce":
             for call in calls:
                 call.wait()
+            slots = self._grads[self.layout.padded_numel :]
+            self._check_headers(slots.view(self.world_size, HEADER_NUMEL))
             grads = self._grads[: self.layout.numel]
             # all_finite, not isfinite(grads).all(): no model-sized temporaries
             return all_finite([grads]), sum(c.bytes_sent for c in calls)
-        applied = finish_compressed_(self.comms, calls, self.layout.bucket_views(out))
+        return self._finish_compressed(calls, self.layout.bucket_views(out))
+
+    def _finish_compressed(self, calls: list[Any], outputs: list[Tensor]) -> tuple[bool, int]:
+        """Complete compressed calls started with headers: check the headers, note the ranks'
+        gradient norms, then serve and decompress (see :func:`~onebit.comm.finish_compressed_`)."""
+        for comm, call in zip(self.comms, calls):
+            comm.worker_scales(call)
+        headers = torch.stack([c.headers(call) for c, call in zip(self.comms, calls)])
+        first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
+        first[:, 2] = headers[:, :, 2].amax(0)
+        self._check_headers(first)
+        if self.max_grad_norm is not None:
+            local_norms = headers[:, :, 3].sum(0).sqrt()  # each rank's norm over all buckets
+            self.grad_norm = float(local_norms.mean())
+        applied = finish_compressed_(self.comms, calls, outputs)
         return applied, sum(c.bytes_per_call for c in self.comms)
 
+    def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
+        """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
+        gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
+        self._begin_step()
+        calls = [c.start(b, self._header_for(None)) for c, b in zip(self.comms, buffers)]
+        return self._finish_compressed(calls, outputs)
+
+    def _abandon_inflight(self) -> None:
+        """Complete the phase in flight of every launched bucket without committing anything,
+        so that raising leaves no collective half done."""
+        for k, call in self._inflight.items():
+            if isinstance(call, MeanAllreduce):
+                call.wait()
+            else:
+                self.comms[k].worker_scales(call)
+        self._inflight = {}
+        self._bucket_pending = list(self._bucket_sizes)
+        self._step_open = False
+
     def _gather_grads(self) -> Tensor:
-        """Copy every ``.grad`` into the flat gradient buffer; ``None`` counts as zero."""
+        """Copy (and unscale) every ``.grad`` into the flat gradient buffer; ``None`` counts as
+        zero."""
+        self._begin_step()
         for k in range(len(self.comms)):
             self._fill_bucket(k)
         return self._grads[: self.layout.numel]
@@ -218,6 +415,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
         into the flat buffer ``out``; return (applied, bytes sent). Not applied means some rank
         had a non-finite value, and nothing was changed."""
         return self._communicate("compressed", out, fill=False)
+
+    # Gradient clipping (max_grad_norm) and exp_avg_mask.
+
+    def _clip_averaged_(self, g: Tensor) -> None:
+        """Clip the averaged gradient ``g`` in place by its global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` does after DDP's allreduce."""
+        if self.max_grad_norm is None:
+            return
+        total = torch.linalg.vector_norm(layer_norms(self.layout.views(g)))
+        self.grad_norm = float(total)
+        g.mul_(clip_coefficient(total, self.max_grad_norm))
+
+    def _compressed_clip_coefficient(self) -> float:
+        """The clipping coefficient of a compressed step: ``max_grad_norm`` over the mean of the
+        ranks' local gradient norms (the same on every rank; 1 without clipping)."""
+        if self.max_grad_norm is None or self.grad_norm is None:
+            return 1.0
+        return float(clip_coefficient(torch.tensor(self.grad_norm), self.max_grad_norm))
+
+    def _apply_mask_(self, flat: Tensor) -> None:
+        """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""
+        for offset, mask in self._masks:
+            flat[offset : offset + mask.numel()].mul_(mask)
 
     # Overlap with backward.
 
@@ -233,15 +453,64 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if k in self._inflight:
                 raise RuntimeError(
                     "a gradient changed after its bucket was sent: with overlap_backward, run "
-                    "every backward but the last of a step inside optimizer.no_sync()"
+                    "every backward but the last of a step inside optimizer.no_sync() (or "
+                    "DistributedDataParallel.no_sync() with onebit.ddp_comm_hook)"
                 )
             self._bucket_pending[k] -= 1
+        launched = bool(self._inflight)
         for k in reversed(range(len(self.comms))):
             if k in self._inflight:
                 continue
             if self._bucket_pending[k] > 0:
                 break
             self._launch(k, kind, fill=True)
+        if self._inflight and not launched:
+            self._record_versions_after_backward()
+
+    def _record_versions_after_backward(self) -> None:
+        """Note each ``.grad``'s version once backward has finished (after DDP has written its
+        buckets back), so that :meth:`_check_unchanged` can tell an edit made after that."""
+        this = weakref.ref(self)
+
+        def record() -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._seen_versions = [
+                    None if p.grad is None else p.grad._version for p in optimizer.layout.params
+                ]
+
+        # A callback queued by a callback runs after every callback queued during backward.
+        Variable._execution_engine.queue_callback(
+            lambda: Variable._execution_engine.queue_callback(record)
+        )
+
+    def _check_unchanged(self) -> None:
+        """Raise if a ``.grad`` sent during backward was changed before ``step()``."""
+        seen, self._seen_versions = self._seen_versions, None
+        if not self._inflight or seen is None:
+            return
+        now = [None if p.grad is None else p.grad._version for p in self.layout.params]
+        sent = {k for k in self._inflight}
+        changed = [
+            i
+            for i, (a, b) in enumerate(zip(seen, now))
+            if a != b and sent.intersection(self._buckets_of_param[i])
+        ]
+        if changed:
+            self._abandon_inflight()
+            raise RuntimeError(
+                f"{len(changed)} gradient(s) were changed after backward, but overlap_backward "
+                "had already sent them. Clip with the optimizer's max_grad_norm, let the "
+                "optimizer unscale (scaler.step(optimizer) without scaler.unscale_), or use "
+                "overlap_backward=False"
+            )
+
+    def _start_step(self) -> None:
+        """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
+        no gradient sent during backward was changed since."""
+        self._begin_step()
+        self._read_grad_scale()
+        self._check_unchanged()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -258,16 +527,31 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         def hook(index: int) -> None:
             optimizer = this()
-            if optimizer is not None:
+            if optimizer is not None and not optimizer._hooked_by_ddp:
                 optimizer._on_grad_ready(index)
 
         for index, p in enumerate(self.layout.params):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
 
+    def _ddp_bucket_ready(self, params: list[Tensor]) -> None:
+        """Called by :func:`onebit.ddp_comm_hook` when DDP has a bucket of gradients ready.
+
+        From then on DDP, not the parameters' own hooks, says when gradients are final, so that
+        ``DistributedDataParallel.no_sync()`` governs accumulation.
+        """
+        self._hooked_by_ddp = True
+        if not self.overlap_backward:
+            return
+        for p in params:
+            index = self._index.get(id(p))
+            if index is not None and p.requires_grad:
+                self._on_grad_ready(index)
+
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
+        self._step_open = False
         self.comm_stats.record(stage, nbytes, round_skipped)
         if applied:
             self.num_steps += 1
@@ -277,34 +561,85 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # Checkpoints.
 
     def _extra_state(self) -> dict[str, Any]:
-        """Subclass state that is not per parameter (schedules, frozen scalars)."""
+        """Subclass state that is not per parameter and is the same on every rank."""
         return {}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
+    def _rank_state(self) -> dict[str, Any]:
+        """State that differs between ranks: the error buffers, and what subclasses add."""
+        return {"comms": [c.state_dict() for c in self.comms]}
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        comms = state["comms"]
+        if len(comms) != len(self.comms):
+            raise ValueError(f"{len(comms)} buckets saved, {len(self.comms)} here")
+        for comm, saved in zip(self.comms, comms):
+            comm.load_state_dict(saved)
+
+    def _layout_digest(self) -> str:
+        return _digest((self.layout.buckets, self.layout.numels, self.world_size))
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's whole state: per-parameter buffers, error buffers, schedules, counters.
 
-        Error buffers differ between ranks: save one file per rank for an exact resume.
+        What differs between ranks (the error buffers above all) sits under
+        ``["onebit"]["ranks"][rank]``: save one file per rank, or gather every rank's part into
+        one dict with :meth:`consolidated_state_dict`. ``torch.load(weights_only=True)`` loads
+        it.
         """
         state = super().state_dict()
         state["onebit"] = {
+            "optimizer": type(self).__name__,
             "world_size": self.world_size,
+            "layout": self._layout_digest(),
             "num_steps": self.num_steps,
             "skipped_steps": self.skipped_steps,
             "comm_stats": self.comm_stats.state_dict(),
-            "comms": [c.state_dict() for c in self.comms],
             **self._extra_state(),
+            "ranks": {self.rank: self._rank_state()},
         }
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` in place, keeping every buffer fp32 and flat.
+    def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """Every rank's state in one dict on rank ``to`` (``None`` on the others).
 
-        Error buffers saved with another world size or bucket layout cannot be reused: they are
-        reset to zero with a warning, and everything else is restored.
+        A collective: call it on every rank. Frameworks that save one optimizer file from rank 0
+        and load it on every rank (HF Trainer, Accelerate, Lightning) resume exactly with it:
+        :meth:`load_state_dict` takes each rank's own part.
         """
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
+        state = self.state_dict()
+        if self.world_size == 1:
+            return state
+        part = _to_cpu(state["onebit"]["ranks"][self.rank])
+        parts: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        dst = dist.get_global_rank(self.process_group, to) if self.process_group else to
+        dist.gather_object(part, parts, dst=dst, group=self.process_group)
+        if parts is None:
+            return None
+        state["onebit"]["ranks"] = dict(enumerate(parts))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer
+        fp32 and flat.
+
+        This rank's part (error buffers) is taken from the dict. If the dict has no part for
+        this rank (another rank's file), or it was saved with another world size or bucket
+        layout, the error buffers are reset to zero with a warning; everything else is restored.
+        """
+        name = type(self).__name__
+        saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
+        if saved_onebit is None:
+            raise ValueError(
+                f"not a onebit state dict: {name} can only load what a {name} saved (a "
+                "torch.optim state, say from AdamW, has no error buffers or freeze schedule)"
+            )
+        if saved_onebit.get("optimizer", name) != name:
+            raise ValueError(f"state dict of {saved_onebit['optimizer']} loaded into {name}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(saved["params"]) != len(g["params"]) for saved, g in zip(groups, self.param_groups)
@@ -317,24 +652,30 @@ class CompressedOptimizer(torch.optim.Optimizer):
         }
         for i, saved in state_dict["state"].items():
             p = index[i]
-            for name, buffer in self.state[p].items():
-                if buffer.shape != saved[name].shape:
+            for name_, buffer in self.state[p].items():
+                if name_ not in saved or buffer.shape != saved[name_].shape:
+                    got = tuple(saved[name_].shape) if name_ in saved else "nothing"
                     raise ValueError(
-                        f"state {name!r} of parameter {i} has shape "
-                        f"{tuple(saved[name].shape)}, expected {tuple(buffer.shape)}"
+                        f"state {name_!r} of parameter {i}: saved {got}, "
+                        f"expected {tuple(buffer.shape)}"
                     )
         for i, saved in state_dict["state"].items():
-            for name, buffer in self.state[index[i]].items():
-                buffer.copy_(saved[name])
+            for name_, buffer in self.state[index[i]].items():
+                buffer.copy_(saved[name_])
         for saved, g in zip(groups, self.param_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        extra = dict(state_dict["onebit"])
-        comms = extra.pop("comms")
+        extra = dict(saved_onebit)
+        ranks = extra.pop("ranks", {})
+        part = ranks.get(self.rank)
         try:
-            if len(comms) != len(self.comms):
-                raise ValueError(f"{len(comms)} buckets saved, {len(self.comms)} here")
-            for comm, saved in zip(self.comms, comms):
-                comm.load_state_dict(saved)
+            if part is None:
+                raise ValueError(
+                    f"the state holds rank(s) {sorted(ranks)}, this is rank {self.rank}; save "
+                    "with consolidated_state_dict() or one file per rank"
+                )
+            if extra.get("layout") != self._layout_digest():
+                raise ValueError("saved with another bucket layout or world size")
+            self._load_rank_state(part)
         except ValueError as err:
             warnings.warn(
                 f"error-feedback buffers reset ({err}); resume is not exact", stacklevel=2
@@ -344,22 +685,86 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
-        extra.pop("world_size")
+        for key in ("optimizer", "world_size", "layout"):
+            extra.pop(key, None)
         self._load_extra_state(extra)
 
 
-def _check_same_parameters(params: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks hold the same shapes."""
-    shapes = [tuple(p.shape) for p in params]
-    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-    mine = (len(params), sum(p.numel() for p in params), digest)
+def _group_hyperparameters(groups: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What every rank must agree on in each param group, as plain values."""
+    return [
+        tuple(_plain(g[key]) for key in ("lr", "weight_decay", "betas", "eps")) for g in groups
+    ]
+
+
+def _plain(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+
+def _to_cpu(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _check_parameters(params: list[Tensor]) -> None:
+    """Raise ``ValueError`` for parameters the flat fp32 layout cannot hold."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "parameters are on the meta device (no data yet): materialise the model "
+            "(model.to_empty(device=...) and load or initialise the weights) before building "
+            "the optimizer"
+        )
+    if any(not p.is_floating_point() for p in params):
+        raise ValueError("all parameters must be floating point")
+
+
+def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tuple[int, Tensor]]:
+    """Validate ``exp_avg_mask``; return ``(offset in the flat buffers, flat fp32 mask)``."""
+    where = {id(p): (p, o) for p, o in zip(layout.params, layout.offsets)}
+    checked = []
+    for p, mask in masks.items():
+        if id(p) not in where:
+            raise ValueError("exp_avg_mask has a tensor that is not one of the optimizer's params")
+        if not torch.is_tensor(mask) or mask.shape != p.shape:
+            raise ValueError(
+                f"exp_avg_mask of shape {tuple(getattr(mask, 'shape', ()))} for a parameter of "
+                f"shape {tuple(p.shape)}"
+            )
+        flat = mask.detach().to(device=p.device, dtype=torch.float32).reshape(-1)
+        checked.append((where[id(p)][1], flat))
+    return sorted(checked, key=lambda item: item[0])
+
+
+def _check_ranks_agree(settings: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks have the same settings."""
+    mine = {key: _digest(value) for key, value in settings.items()}
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    if any(g != gathered[0] for g in gathered):
-        table = ", ".join(
-            f"rank {r}: {c} params, {n} elements" for r, (c, n, _) in enumerate(gathered)
+    differ = sorted({key for g in gathered for key in g if g.get(key) != gathered[0].get(key)})
+    if differ:
+        ranks = [r for r, g in enumerate(gathered) if g != gathered[0]]
+        shown = {key: settings[key] for key in differ if key not in ("shapes", "buckets")}
+        raise ValueError(
+            f"settings differ across ranks: {', '.join(differ)} (rank(s) {ranks} differ from "
+            f"rank 0). Build the model and optimizer the same way on every rank. This rank has "
+            f"{shown}"
         )
-        raise ValueError(f"parameters differ across ranks (count, numel or shapes): {table}")
 
 
 def _broadcast_from_first_rank(params: list[Tensor], group: dist.ProcessGroup | None) -> None:

@@ -44,11 +44,20 @@ def allreduce_bytes(nbytes: int, world_size: int) -> int:
 class MeanAllreduce:
     """A full-precision allreduce that averages ``buffer`` in place, started at construction.
 
-    Call :meth:`wait` to complete it. ``bytes_sent`` is what this rank sends.
+    Call :meth:`wait` to complete it. ``bytes_sent`` is what this rank sends. With ``average``
+    (a view of the front of ``buffer``) only that part is divided by the world size; the rest is
+    left summed, which lets each rank contribute a slot of its own (a sum of one value and zeros
+    is exact).
     """
 
-    def __init__(self, buffer: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        buffer: Tensor,
+        group: dist.ProcessGroup | None = None,
+        average: Tensor | None = None,
+    ) -> None:
         self.buffer = buffer
+        self.average = buffer if average is None else average
         self.world_size, _ = group_size_and_rank(group)
         self.bytes_sent = allreduce_bytes(buffer.numel() * buffer.element_size(), self.world_size)
         self._work = None
@@ -59,7 +68,7 @@ class MeanAllreduce:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            self.buffer.div_(self.world_size)
+            self.average.div_(self.world_size)
         return self.buffer
 
 
@@ -89,6 +98,10 @@ class CompressedAllreduce:
         device: where the error buffers live; use the device of the tensors you will reduce.
         scale: ``"rms"`` (default, as the reference implementation) or ``"mean_abs"``
             (minimises each call's L2 error; try it if ``"rms"`` converges slowly).
+        header_numel: fp32 values each rank may attach to a call (:meth:`start`'s ``header``).
+            They travel uncompressed in the phase-1 message, after the scale, and every rank
+            receives every rank's header (:meth:`headers`). The optimizers use this to check,
+            at no extra collective, that all ranks are at the same step. Default 0.
 
     Attributes:
         worker_error: this rank's error, ``padded_numel`` elements (``numel`` rounded up to a
@@ -108,9 +121,13 @@ class CompressedAllreduce:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         scale: str = "rms",
+        header_numel: int = 0,
     ) -> None:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if not isinstance(header_numel, int) or header_numel < 0:
+            raise ValueError(f"header_numel must be a non-negative int, got {header_numel!r}")
+        self.header_numel = header_numel
         self.scale = check_scale(scale)
         self.group = group
         self.world_size, self.rank = group_size_and_rank(group)
@@ -129,8 +146,9 @@ class CompressedAllreduce:
     def bytes_per_call(self) -> int:
         if self.numel == 0:
             return 0
-        message = self._chunk_bytes + _SCALE_BYTES
-        return 2 * (self.world_size - 1) * message
+        phase1 = self._chunk_bytes + _SCALE_BYTES + 4 * self.header_numel
+        phase2 = self._chunk_bytes + _SCALE_BYTES
+        return (self.world_size - 1) * (phase1 + phase2)
 
     def __call__(self, tensor: Tensor) -> Tensor:
         if tensor.numel() != self.numel:
@@ -144,9 +162,10 @@ class CompressedAllreduce:
 
     # The three phases. reduce_compressed_ runs them over many buckets so they overlap.
 
-    def start(self, buffer: Tensor) -> _Call:
+    def start(self, buffer: Tensor, header: Tensor | None = None) -> _Call:
         """Worker compression of ``buffer`` (``padded_numel`` fp32, overwritten) and phase 1.
 
+        ``header`` (``header_numel`` fp32 values) goes to every rank with this rank's chunk.
         The worker error is not yet updated: :meth:`serve` commits it once every rank's scale is
         known to be finite.
         """
@@ -154,10 +173,16 @@ class CompressedAllreduce:
         y = buffer
         packed, scale = compress_(y, self.worker_error, self.scale)
         n, chunk = self.world_size, self._chunk_bytes
-        message = torch.empty(n, chunk + _SCALE_BYTES, dtype=torch.uint8, device=y.device)
+        extra = _SCALE_BYTES + 4 * self.header_numel
+        message = torch.empty(n, chunk + extra, dtype=torch.uint8, device=y.device)
+        if self.header_numel:
+            if header is None or header.numel() != self.header_numel:
+                raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
+            values = header.to(device=y.device, dtype=torch.float32).reshape(1, -1)
+            message[:, chunk + _SCALE_BYTES :] = values.view(torch.uint8)
         if self.numel:
             message[:, :chunk] = packed.view(n, chunk)
-            message[:, chunk:] = scale.reshape(1).to(y.device).view(torch.uint8)
+            message[:, chunk : chunk + _SCALE_BYTES] = scale.reshape(1).to(y.device).view(torch.uint8)
         if n == 1 or not self.numel:
             return _Call(y, scale, message, None, signs=packed)
         received = torch.empty_like(message)
@@ -170,6 +195,12 @@ class CompressedAllreduce:
             call.work.wait()
             call.work = None
         return _scales(call.received, self._chunk_bytes)
+
+    def headers(self, call: _Call) -> Tensor:
+        """Every rank's header of ``call``, ``[world_size, header_numel]`` fp32, after
+        :meth:`worker_scales`."""
+        start = self._chunk_bytes + _SCALE_BYTES
+        return call.received[:, start:].clone(memory_format=torch.contiguous_format).view(torch.float32)
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
@@ -185,7 +216,7 @@ class CompressedAllreduce:
         subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
         message = torch.empty(chunk + _SCALE_BYTES, dtype=torch.uint8, device=z.device)
         message[:chunk] = packed
-        message[chunk:] = sigma.reshape(1).to(z.device).view(torch.uint8)
+        message[chunk : chunk + _SCALE_BYTES] = sigma.reshape(1).to(z.device).view(torch.uint8)
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
@@ -239,7 +270,7 @@ class CompressedAllreduce:
 
 
 def _scales(messages: Tensor, chunk_bytes: int) -> Tensor:
-    return messages[:, chunk_bytes:].reshape(-1).clone().view(torch.float32)
+    return messages[:, chunk_bytes : chunk_bytes + _SCALE_BYTES].reshape(-1).clone().view(torch.float32)
 
 
 def reduce_compressed_(

@@ -173,6 +173,13 @@ class VarianceFreezeMixin:
             self._auto_freeze = None
         self._freeze_monitor = None
 
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),  # type: ignore[misc]
+            "freeze_step": self.freeze_step,
+            "auto_freeze": self._auto_freeze,
+        }
+
     def _start_freeze_monitor(self) -> None:
         if self._auto_freeze is not None:
             self._freeze_monitor = VarianceMonitor(

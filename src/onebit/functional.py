@@ -59,8 +59,12 @@ def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
     present = [t for t in tensors if t.numel()]
     if all(t.dtype == torch.float32 for t in present):
         norms = list(torch._foreach_norm(present, ord)) if present else []
-    else:
-        norms = [torch.linalg.vector_norm(t, ord, dtype=torch.float32) for t in present]
+    else:  # fp16/bf16 accumulate in fp32; fp64 in fp64, then rounds
+        norms = [
+            torch.linalg.vector_norm(t, ord, dtype=torch.promote_types(t.dtype, torch.float32))
+            .float()
+            for t in present
+        ]
     if len(present) < len(tensors):
         zero = torch.zeros((), device=tensors[0].device)
         it = iter(norms)
@@ -77,20 +81,31 @@ def all_finite(tensors: list[Tensor | None]) -> bool:
     return not present or bool(torch.isfinite(layer_norms(present, ord=math.inf)).all())
 
 
-def momentum_from_grads_(exp_avgs: list[Tensor], grads: list[Tensor | None], beta1: float) -> None:
-    """``m = β1·m + (1-β1)·g`` per parameter, reading ``.grad`` as it is.
+def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def momentum_from_grads_(
+    exp_avgs: list[Tensor], grads: list[Tensor | None], beta1: float, scale: float | None = None
+) -> None:
+    """``m = β1·m + (1-β1)·scale·g`` per parameter, reading ``.grad`` as it is.
 
     ``grads`` may be any floating dtype (promoted to fp32); ``None`` is a zero gradient.
+    ``scale`` (an inverse loss scale, a clipping coefficient) multiplies each gradient in fp32
+    first, one parameter at a time.
     """
     zero = None
     same = [(m, g) for m, g in zip(exp_avgs, grads) if g is not None and g.dtype == m.dtype]
-    if same:
+    if same and scale is None:
         torch._foreach_lerp_([m for m, _ in same], [g for _, g in same], 1 - beta1)
     for m, g in zip(exp_avgs, grads):
         if g is None:
             if zero is None:
                 zero = torch.zeros((), dtype=m.dtype, device=m.device)
             m.lerp_(zero, 1 - beta1)
+        elif scale is not None:
+            m.lerp_(g.to(m.dtype).mul(scale), 1 - beta1)
         elif g.dtype != m.dtype:
             m.lerp_(g.to(m.dtype), 1 - beta1)
 
