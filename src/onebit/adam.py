@@ -155,4 +155,3 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._load_freeze_state(state)
-

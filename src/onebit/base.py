@@ -275,11 +275,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # Buckets launch in a fixed order (last first, as backward produces them) on every rank,
     # so the collectives match across ranks however early each bucket is launched.
 
-    def _fill_bucket(self, k: int) -> None:
+    def _fill_bucket(self, k: int, norm: bool = False) -> None:
         """Copy (and unscale) the gradients overlapping bucket ``k`` into the gradient buffer.
 
-        Compressed steps with ``max_grad_norm`` also note the squared norm of what was copied,
-        which the bucket's header carries to every rank.
+        With ``norm`` (compressed steps) and ``max_grad_norm``, also note the squared norm of
+        what was copied, which the bucket's header carries to every rank.
         """
         start, end = self.layout.buckets[k]
         inv_scale = self._inv_scale
@@ -301,7 +301,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     torch.mul(grad, inv_scale, out=view)
                 else:  # unscale in fp32: a low-precision product could underflow
                     view.copy_(grad).mul_(inv_scale)
-        if self.max_grad_norm is not None:
+        if norm and self.max_grad_norm is not None:
             self._norms2[k] = float(torch.linalg.vector_norm(self._grads[start:end])) ** 2
 
     def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
@@ -318,7 +318,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._begin_step()
         grads = self._grad_buckets[k]
         if fill:
-            self._fill_bucket(k)
+            self._fill_bucket(k, norm=kind == "compressed")
             self._prepare_bucket_(k, kind, grads[: self.comms[k].numel])
         header = self._header_for(k)
         if kind == "allreduce":
@@ -398,12 +398,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._bucket_pending = list(self._bucket_sizes)
         self._step_open = False
 
-    def _gather_grads(self) -> Tensor:
+    def _gather_grads(self, norms: bool = False) -> Tensor:
         """Copy (and unscale) every ``.grad`` into the flat gradient buffer; ``None`` counts as
-        zero."""
+        zero. ``norms`` for a compressed step (see :meth:`_fill_bucket`)."""
         self._begin_step()
         for k in range(len(self.comms)):
-            self._fill_bucket(k)
+            self._fill_bucket(k, norms)
         return self._grads[: self.layout.numel]
 
     def _allreduce_grads(self) -> tuple[bool, int]:
@@ -692,9 +692,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
 def _group_hyperparameters(groups: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     """What every rank must agree on in each param group, as plain values."""
-    return [
-        tuple(_plain(g[key]) for key in ("lr", "weight_decay", "betas", "eps")) for g in groups
-    ]
+    return [tuple(_plain(g[key]) for key in ("lr", "weight_decay", "betas", "eps")) for g in groups]
 
 
 def _plain(value: Any) -> Any:

@@ -182,7 +182,9 @@ class CompressedAllreduce:
             message[:, chunk + _SCALE_BYTES :] = values.view(torch.uint8)
         if self.numel:
             message[:, :chunk] = packed.view(n, chunk)
-            message[:, chunk : chunk + _SCALE_BYTES] = scale.reshape(1).to(y.device).view(torch.uint8)
+            message[:, chunk : chunk + _SCALE_BYTES] = (
+                scale.reshape(1).to(y.device).view(torch.uint8)
+            )
         if n == 1 or not self.numel:
             return _Call(y, scale, message, None, signs=packed)
         received = torch.empty_like(message)
@@ -200,7 +202,11 @@ class CompressedAllreduce:
         """Every rank's header of ``call``, ``[world_size, header_numel]`` fp32, after
         :meth:`worker_scales`."""
         start = self._chunk_bytes + _SCALE_BYTES
-        return call.received[:, start:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        return (
+            call.received[:, start:]
+            .clone(memory_format=torch.contiguous_format)
+            .view(torch.float32)
+        )
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
@@ -270,7 +276,12 @@ class CompressedAllreduce:
 
 
 def _scales(messages: Tensor, chunk_bytes: int) -> Tensor:
-    return messages[:, chunk_bytes : chunk_bytes + _SCALE_BYTES].reshape(-1).clone().view(torch.float32)
+    return (
+        messages[:, chunk_bytes : chunk_bytes + _SCALE_BYTES]
+        .reshape(-1)
+        .clone()
+        .view(torch.float32)
+    )
 
 
 def reduce_compressed_(

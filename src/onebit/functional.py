@@ -61,8 +61,9 @@ def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
         norms = list(torch._foreach_norm(present, ord)) if present else []
     else:  # fp16/bf16 accumulate in fp32; fp64 in fp64, then rounds
         norms = [
-            torch.linalg.vector_norm(t, ord, dtype=torch.promote_types(t.dtype, torch.float32))
-            .float()
+            torch.linalg.vector_norm(
+                t, ord, dtype=torch.promote_types(t.dtype, torch.float32)
+            ).float()
             for t in present
         ]
     if len(present) < len(tensors):

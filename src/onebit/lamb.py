@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -47,7 +47,8 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
 
     Args:
         params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
-            ``betas`` and ``eps`` may not.
+            ``betas`` and ``eps`` are read from the groups at every step and must be the same in
+            every group.
         lr, betas, eps, weight_decay: as LAMB (decoupled weight decay inside the update).
         freeze_step: warmup length, or ``"auto"`` to freeze once the variance is stable (see
             :class:`~onebit.freeze.AutoFreeze`). The paper warms up for about 15% of the run.
@@ -65,6 +66,10 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         bucket_size: elements per communication bucket, rounded down to a multiple of
             ``8 * world_size``.
         auto_freeze: knobs of ``freeze_step="auto"``.
+        exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
+            applied to the averaged momentum in the compression stage.
+        max_grad_norm: clip gradients to this norm (``None``: no clipping); as
+            :class:`~onebit.OnebitAdam` (``docs/SPEC.md``).
 
     With weight decay the factor is blended towards 1 by the share of the update that does not
     depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
@@ -100,6 +105,8 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         auto_freeze: AutoFreeze | None = None,
+        exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if not 0.0 < min_coeff <= max_coeff < math.inf:
@@ -121,7 +128,14 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         self.factor_threshold = factor_threshold
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            bucket_size=bucket_size,
+            max_grad_norm=max_grad_norm,
+            exp_avg_mask=exp_avg_mask,
+        )
         self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")
         self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
@@ -134,6 +148,13 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         self._scaling = torch.ones(layers)
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
+
+    def _settings(self) -> dict[str, Any]:
+        knobs = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min")
+        return {
+            **super()._settings(),
+            "lamb": tuple(getattr(self, k) for k in (*knobs, "factor_threshold")),
+        }
 
     @property
     def stage(self) -> str:
@@ -151,6 +172,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._start_step()
         if self.in_warmup:
             self._warmup_step()
         else:
@@ -158,15 +180,16 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         return loss
 
     def _warmup_step(self) -> None:
-        beta1, beta2 = self.defaults["betas"]
+        beta1, beta2 = self._beta1, self._beta2
         m, v = self._exp_avg, self._exp_avg_sq
         g = self._gather_grads()
         applied, nbytes = self._allreduce_grads()
         if applied:
             t = self.num_steps + 1
+            self._clip_averaged_(g)
             adam_moments_(m, v, g, beta1, beta2)
             bc2 = bias_correction(beta2, t, self.bias_correction)
-            denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            denom = adam_denominator(v, bc2, self._eps, out=g)
             self._observe_variance(t, denom)
             update = torch.div(m, denom, out=g).div_(
                 bias_correction(beta1, t, self.bias_correction)
@@ -186,11 +209,10 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
     def _compression_step(self) -> None:
         if not self._frozen:
             self._freeze()
-        beta1, beta2 = self.defaults["betas"]
-        eps = self.defaults["eps"]
+        beta1, beta2, eps = self._beta1, self._beta2, self._eps
         m, frozen_denom, v_fresh = self._exp_avg, self._exp_avg_sq, self._exp_avg_sq_fresh
         assert v_fresh is not None
-        g = self._gather_grads()
+        g = self._gather_grads(norms=True)
         views = self.layout.views(g)
         scaling = self._scaling.tolist()
         torch.lerp(m, g, 1 - beta1, out=g)
@@ -200,8 +222,13 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             t = self.num_steps + 1
             torch._foreach_div_(views, scaling)
             m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
+            clip = self._compressed_clip_coefficient()
+            if clip < 1.0:  # m = β1·m + (1-β1)·clip·g̃, SPEC 3 and 5
+                m.mul_(clip)
+                g.sub_(m, alpha=(1 - beta1) * (1 - clip) / clip)
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
+            self._apply_mask_(m)
             bc2 = bias_correction(beta2, t, self.bias_correction)
             fresh = adam_denominator(v_fresh, bc2, eps, out=g)
             torch.div(frozen_denom, fresh, out=g)
@@ -245,7 +272,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
 
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
-        beta2, eps = self.defaults["betas"][1], self.defaults["eps"]
+        beta2, eps = self._beta2, self._eps
         self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
         bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from .base import (
+    _STATUS,
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
     check_step_count,
 )
-from .comm import reduce_compressed_
 from .freeze import set_state_views
 from .functional import (
     adam_denominator,
@@ -22,6 +23,8 @@ from .functional import (
     adamw_update_,
     all_finite,
     bias_correction,
+    clip_coefficient,
+    layer_norms,
     momentum_from_grads_,
 )
 
@@ -53,7 +56,8 @@ class ZeroOneAdam(CompressedOptimizer):
 
     Args:
         params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
-            ``betas`` and ``eps`` may not.
+            ``betas`` and ``eps`` are read from the groups at every step and must be the same in
+            every group.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         var_freeze_step: last step of phase A. Like 1-bit Adam's ``freeze_step`` but much less
             critical, since phase A already compresses most steps; the paper freezes after
@@ -72,6 +76,13 @@ class ZeroOneAdam(CompressedOptimizer):
             process if ``torch.distributed`` is not initialised.
         bucket_size: elements per communication bucket, rounded down to a multiple of
             ``8 * world_size``.
+        exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
+            applied to the momentum after every compressed or local update (1-bit compression
+            cannot send exact zeros).
+        max_grad_norm: clip gradients to this norm (``None``: no clipping): the averaged
+            gradient on variance steps, as DDP + ``clip_grad_norm_``; the 1-bit average on
+            compressed steps by the mean of the ranks' local norms; each rank's own gradient on
+            local steps (``docs/SPEC.md``).
 
     Weight decay in phase B is applied to the parameters every local step exactly as AdamW does
     and is kept out of the momentum that a sync rebuilds (the reference folded
@@ -111,6 +122,8 @@ class ZeroOneAdam(CompressedOptimizer):
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
@@ -119,7 +132,14 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, process_group=process_group, bucket_size=bucket_size)
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            bucket_size=bucket_size,
+            max_grad_norm=max_grad_norm,
+            exp_avg_mask=exp_avg_mask,
+        )
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
         self._exp_avg = self.layout.zeros(padded=True, device=self.device)
         set_state_views(self, "exp_avg", self._exp_avg)
@@ -135,6 +155,17 @@ class ZeroOneAdam(CompressedOptimizer):
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
         self.comm_stats.freeze_step = self.var_freeze_step
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            **super()._settings(),
+            "schedules": (
+                self.var_freeze_step,
+                self.var_update_scaler,
+                self.local_step_scaler,
+                self.local_step_clipper,
+            ),
+        }
 
     @property
     def stage(self) -> str:
@@ -152,6 +183,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._start_step()
         if self.num_steps < self.var_freeze_step:
             self._variance_phase_step()
         else:
@@ -168,16 +200,17 @@ class ZeroOneAdam(CompressedOptimizer):
         """
         if self._frozen and any(lrs > 0 for lrs in self._lrs):
             synced, nbytes = self._sync()
+            self._step_open = False
             self.comm_stats.record("synchronize", nbytes)
             self.skipped_steps += not synced
 
     def _variance_phase_step(self) -> None:
-        beta1, beta2 = self.defaults["betas"]
+        beta1, beta2 = self._beta1, self._beta2
         n = self.layout.numel
         m, v = self._exp_avg[:n], self._exp_avg_sq
         t = self.num_steps + 1
         update_variance = t % self.var_interval == 0
-        g = self._gather_grads()
+        g = self._gather_grads(norms=not update_variance)
         if update_variance:
             stage = "variance"
             applied, nbytes = self._allreduce_grads()
@@ -185,7 +218,13 @@ class ZeroOneAdam(CompressedOptimizer):
             stage = "compression"
             applied, nbytes = self._compressed_allreduce(g)  # in place: g is now the estimate
         if applied:
+            if update_variance:
+                self._clip_averaged_(g)
+            elif self.max_grad_norm is not None:
+                g.mul_(self._compressed_clip_coefficient())
             adam_moments_(m, v if update_variance else None, g, beta1, beta2)
+            if not update_variance:
+                self._apply_mask_(m)
             if update_variance:
                 self._var_updates += 1
                 self._var_counter += 1
@@ -193,7 +232,7 @@ class ZeroOneAdam(CompressedOptimizer):
                     self._var_counter = 0
                     self.var_interval *= 2
             bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
-            denom = adam_denominator(v, bc2, self.defaults["eps"], out=g)
+            denom = adam_denominator(v, bc2, self._eps, out=g)
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
@@ -202,17 +241,19 @@ class ZeroOneAdam(CompressedOptimizer):
     def _local_phase_step(self) -> None:
         if not self._frozen:
             self._freeze()
-        beta1 = self.defaults["betas"][0]
+        beta1 = self._beta1
         n = self.layout.numel
         m, denom = self._exp_avg[:n], self._exp_avg_sq
         t = self.num_steps + 1
         params = self.layout.params
         grads = [p.grad for p in params]
-        if any(g is not None and g.is_sparse for g in grads):
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if self._status:
+            self._step_open = False
+            raise RuntimeError(f"{type(self).__name__}.step(): {_STATUS[self._status]}")
         step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
         if all_finite(grads):
-            momentum_from_grads_(self.layout.views(m), grads, beta1)
+            momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
+            self._apply_mask_(m)
             for group, ps, ms, denoms in self._per_group(m, denom):
                 adamw_update_(ps, ms, denoms, group["lr"], group["weight_decay"], step_scale)
         else:
@@ -229,9 +270,20 @@ class ZeroOneAdam(CompressedOptimizer):
         self._end_step("sync" if sync else "local", nbytes, True, round_skipped=not sync)
         self.skipped_steps += not synced
 
+    def _local_grad_scale(self, grads: list[Tensor | None]) -> float | None:
+        """What multiplies this rank's gradient in a local step: the inverse loss scale, times
+        the coefficient that clips the unscaled local gradient to ``max_grad_norm``."""
+        scale = self._inv_scale
+        if self.max_grad_norm is not None:
+            present = [g for g in grads if g is not None]
+            norm = torch.linalg.vector_norm(layer_norms(present)) * (scale or 1.0)
+            self.grad_norm = float(norm)
+            scale = (scale or 1.0) * float(clip_coefficient(norm, self.max_grad_norm))
+        return scale
+
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
-        beta2, eps = self.defaults["betas"][1], self.defaults["eps"]
+        beta2, eps = self._beta2, self._eps
         bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
         for comm in self.comms:
@@ -264,8 +316,7 @@ class ZeroOneAdam(CompressedOptimizer):
         for (start, end), decay in zip(self._ranges, self._decay):
             progress[start:end].sub_(anchor[start:end], alpha=decay)
         progress.mul_(denom)
-        synced = reduce_compressed_(
-            self.comms,
+        synced, nbytes = self._reduce_compressed(
             self.layout.bucket_views(self._exp_avg, padded=True),
             self.layout.bucket_views(progress),
         )
@@ -276,6 +327,7 @@ class ZeroOneAdam(CompressedOptimizer):
             anchor.addcdiv_(progress, denom)
             for (start, end), lrs in zip(self._ranges, self._lrs):
                 progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
+            self._apply_mask_(progress)
         else:
             progress.zero_()
         torch._foreach_copy_(params, anchors)
@@ -284,7 +336,7 @@ class ZeroOneAdam(CompressedOptimizer):
             torch._foreach_copy_([a for a, _ in low_precision], [p for _, p in low_precision])
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
-        return synced, sum(c.bytes_per_call for c in self.comms)
+        return synced, nbytes
 
     def _extra_state(self) -> dict[str, Any]:
         return {
@@ -296,8 +348,28 @@ class ZeroOneAdam(CompressedOptimizer):
             "frozen": self._frozen,
             "lrs": list(self._lrs),
             "decay": list(self._decay),
-            "local_skipped_steps": self.local_skipped_steps,
         }
+
+    def _rank_state(self) -> dict[str, Any]:
+        """Besides the error buffers: in phase B this rank's local momentum and parameters,
+        which differ between ranks until the next sync."""
+        state = {**super()._rank_state(), "local_skipped_steps": self.local_skipped_steps}
+        if self._frozen:
+            n = self.layout.numel
+            state["exp_avg"] = self._exp_avg[:n].clone()
+            params = [p.detach().reshape(-1).float() for p in self.layout.params]
+            state["params"] = torch.cat(params)
+        return state
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        super()._load_rank_state(state)
+        self.local_skipped_steps = state["local_skipped_steps"]
+        if "exp_avg" in state:
+            self._exp_avg[: self.layout.numel].copy_(state["exp_avg"])
+        if "params" in state:
+            flat = state["params"].to(self.device)
+            with torch.no_grad():
+                torch._foreach_copy_(self.layout.params, self.layout.views(flat))
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.var_interval = state["var_interval"]
@@ -307,11 +379,12 @@ class ZeroOneAdam(CompressedOptimizer):
         self._local_step_counter = state["local_step_counter"]
         self._lrs = list(state["lrs"])
         self._decay = list(state["decay"])
-        self.local_skipped_steps = state["local_skipped_steps"]
         self.comm_stats.freeze_step = self.var_freeze_step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of this rank, schedules and error buffers included."""
+        """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, schedules and error
+        buffers included. In phase B this also sets the parameters to this rank's saved local
+        ones when the dict holds them, so load it after the model's own state."""
         self._set_frozen(bool(state_dict["onebit"]["frozen"]))
         super().load_state_dict(state_dict)
 
