@@ -5,11 +5,13 @@ Layers, each depending only on those before it:
 * :mod:`onebit.compress`: sign, scale and 8-per-byte packing;
 * :mod:`onebit.comm`: :class:`CompressedAllreduce`, the error-compensated 1-bit allreduce;
 * the optimizers: :class:`OnebitAdam`, :class:`ZeroOneAdam`, :class:`OnebitLamb`
-  (``freeze_step="auto"``: :class:`AutoFreeze`).
+  (``freeze_step="auto"``: :class:`AutoFreeze`);
+* :func:`ddp_comm_hook`, for models a framework wraps in ``DistributedDataParallel``.
 """
 
 from .adam import OnebitAdam
 from .comm import CompressedAllreduce
+from .ddp_hook import ddp_comm_hook
 from .freeze import AutoFreeze
 from .lamb import OnebitLamb
 from .stats import CommStats
@@ -22,5 +24,6 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "ZeroOneAdam",
+    "ddp_comm_hook",
 ]
 __version__ = "0.1.0"

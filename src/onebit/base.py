@@ -527,8 +527,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         def hook(index: int) -> None:
             optimizer = this()
-            if optimizer is not None and not optimizer._hooked_by_ddp:
-                optimizer._on_grad_ready(index)
+            # From the second step: by then a DDP-wrapped model has shown itself through
+            # ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
+            if optimizer is not None and optimizer.num_steps + optimizer.skipped_steps > 0:
+                if not optimizer._hooked_by_ddp:
+                    optimizer._on_grad_ready(index)
 
         for index, p in enumerate(self.layout.params):
             if p.requires_grad:
