@@ -1,0 +1,111 @@
+"""torch.amp.GradScaler and autocast with the three optimizers, on 2 gloo ranks."""
+
+import pytest
+import torch
+from distributed import run_ranks
+from family import NAMES, all_equal, loss_of, make_model, make_optimizer, params_of
+
+STEPS = 8
+
+
+def _scaled_run(rank, world_size, name, mode, inject):
+    """Train STEPS steps. ``mode``: "plain" (no scaler), "scaler" (scaler.step), "unscale"
+    (scaler.unscale_ first). ``inject``: steps where rank 1's gradient gets an inf."""
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=10**6)
+    history, skipped = [], []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss = loss_of(model, step, rank)
+        (loss if mode == "plain" else scaler.scale(loss)).backward()
+        if step in inject and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        before = params_of(model)
+        if mode == "plain":
+            opt.step()
+        else:
+            if mode == "unscale":
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        history.append(params_of(model))
+        if step in inject:
+            skipped.append(all_equal(before, history[-1]))
+    return history, opt.skipped_steps, skipped, opt.comm_stats.steps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_constant_power_of_two_loss_scale_is_bitwise_the_unscaled_run(name):
+    plain = run_ranks(_scaled_run, 2, name, "plain", ())
+    for mode in ("scaler", "unscale"):
+        scaled = run_ranks(_scaled_run, 2, name, mode, ())
+        for (want, *_), (got, *_) in zip(plain, scaled):
+            for step, (a, b) in enumerate(zip(want, got)):
+                assert all_equal(a, b), f"{mode}: step {step + 1} differs"
+    stages = plain[0][3]
+    assert set(stages) - {"warmup", "variance"}, "the run must cross the freeze"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inf_on_one_rank_makes_every_rank_skip_the_step(name):
+    # One inf before the freeze and one after (0/1 Adam: both in phase A, where it skips
+    # together; in phase B a rank drops its own bad gradient by design).
+    inject = (2, 3) if name == "zero_one" else (2, 6)
+    results = run_ranks(_scaled_run, 2, name, "scaler", inject)
+    for history, skipped_steps, unchanged, _ in results:
+        assert skipped_steps == len(inject)
+        assert unchanged == [True] * len(inject)
+        assert all(torch.isfinite(p).all() for p in history[-1])
+    stages = results[0][3]
+    for step in range(STEPS):
+        if name != "zero_one" or step < 4:
+            assert all_equal(results[0][0][step], results[1][0][step])
+
+
+def _bf16_autocast(rank, world_size, name):
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    losses = []
+    for step in range(1, 13):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, step % 2, rank)  # two batches, seen again and again
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if name == "zero_one":
+        opt.synchronize()
+    return losses, params_of(model), opt.comm_stats.steps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_autocast_without_a_scaler_trains(name):
+    results = run_ranks(_bf16_autocast, 2, name)
+    for losses, _, _ in results:
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert losses[-2] < losses[0]  # the same batch, 10 steps later
+    assert all_equal(results[0][1], results[1][1])
+    assert set(results[0][2]) - {"warmup", "variance"}
+
+
+def _overlap_with_scaler(rank, world_size):
+    model = make_model()
+    opt = make_optimizer("adam", model.parameters(), overlap_backward=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for step in range(1, 4):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step, rank)).backward()
+        try:
+            scaler.step(opt)
+        except RuntimeError as err:
+            return step, str(err)
+        scaler.update()
+    return None
+
+
+def test_overlap_backward_with_a_grad_scaler_is_a_clear_error_on_every_rank():
+    for result in run_ranks(_overlap_with_scaler, 2, timeout=120):
+        # The first step is never overlapped; the second has its buckets in flight.
+        assert result is not None and result[0] == 2
+        assert "overlap_backward=False with a GradScaler" in result[1]
