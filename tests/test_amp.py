@@ -57,7 +57,6 @@ def test_inf_on_one_rank_makes_every_rank_skip_the_step(name):
         assert skipped_steps == len(inject)
         assert unchanged == [True] * len(inject)
         assert all(torch.isfinite(p).all() for p in history[-1])
-    stages = results[0][3]
     for step in range(STEPS):
         if name != "zero_one" or step < 4:
             assert all_equal(results[0][0][step], results[1][0][step])

@@ -39,10 +39,15 @@ def _groups(params):
     ]
 
 
-def _train_onebit(rank, world_size, steps, freeze_step, bucket_size):
+def _train_onebit(rank, world_size, steps, freeze_step, bucket_size, max_grad_norm=None):
     params = _params()
     opt = onebit.OnebitAdam(
-        _groups(params), lr=1e-2, weight_decay=0.1, freeze_step=freeze_step, bucket_size=bucket_size
+        _groups(params),
+        lr=1e-2,
+        weight_decay=0.1,
+        freeze_step=freeze_step,
+        bucket_size=bucket_size,
+        max_grad_norm=max_grad_norm,
     )
     history = []
     for step in range(1, steps + 1):
@@ -52,8 +57,17 @@ def _train_onebit(rank, world_size, steps, freeze_step, bucket_size):
     return history, opt.comm_stats, [c.bytes_per_call for c in opt.comms]
 
 
-def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size):
+def _clip_coefficient(norm, max_grad_norm):
+    if max_grad_norm is None:
+        return 1.0
+    return float(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0))
+
+
+def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad_norm=None):
     """SPEC section 3 for all ranks at once; parameters are the same on every rank.
+
+    With ``max_grad_norm``, the averaged gradient is clipped by its norm in warmup, and in the
+    compression stage the momentum's gradient part by the mean of the ranks' local norms.
 
     The arithmetic is written with AdamW's primitives (lerp, addcmul, addcdiv): a 1-bit sign is
     a discontinuous function of its input, so rounding differences of 1 ulp would make two
@@ -71,13 +85,18 @@ def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size):
             torch.cat([_grad(t, r, i, p).view(-1) for i, p in enumerate(params)])
             for r in range(world_size)
         ]
+        sizes = [p.numel() for p in params]
         if t <= freeze_step:
             g = torch.stack(grads).sum(0) / world_size
+            norm = torch.stack([s.norm() for s in g.split(sizes)]).norm()
+            g = g * _clip_coefficient(norm, max_grad_norm)
             m = m.lerp(g, 1 - beta1)
             v = v.mul(beta2).addcmul(g, g, value=1 - beta2)
             bc2 = 1 - beta2**t
         else:
-            m = allreduce([m.lerp(g_r, 1 - beta1) for g_r in grads])
+            compressed = allreduce([m.lerp(g_r, 1 - beta1) for g_r in grads])
+            norm = sum(g_r.norm() for g_r in grads) / world_size
+            m = m.mul(beta1).lerp(compressed, _clip_coefficient(norm, max_grad_norm))
             bc2 = 1 - beta2**freeze_step
         denom = (v.sqrt() / math.sqrt(bc2)).add(eps)
         offset = 0
@@ -91,11 +110,19 @@ def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size):
     return history
 
 
-@pytest.mark.parametrize("world_size,bucket_size", [(2, 10**6), (4, 64)])
-def test_compression_stage_matches_reference_simulation(world_size, bucket_size):
+@pytest.mark.parametrize(
+    "world_size,bucket_size,max_grad_norm", [(2, 10**6, None), (4, 64, None), (2, 32, 2.0)]
+)
+def test_compression_stage_matches_reference_simulation(world_size, bucket_size, max_grad_norm):
     steps, freeze_step = 10, 4
-    results = run_ranks(_train_onebit, world_size, steps, freeze_step, bucket_size)
-    expected = _reference_onebit_adam(world_size, steps, freeze_step, bucket_size)
+    results = run_ranks(_train_onebit, world_size, steps, freeze_step, bucket_size, max_grad_norm)
+    expected = _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad_norm)
+    if max_grad_norm is not None:  # the clipping really clips, before and after the freeze
+        unclipped = _reference_onebit_adam(world_size, steps, freeze_step, bucket_size)
+        assert not torch.allclose(expected[1][0], unclipped[1][0])
+        assert not torch.allclose(
+            expected[-1][0] - expected[-2][0], unclipped[-1][0] - unclipped[-2][0]
+        )
     for t in range(steps):
         for history, *_ in results:
             for got, want in zip(history[t], expected[t]):

@@ -229,15 +229,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _read_grad_scale(self) -> None:
         """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
         ``scaler.unscale_`` has already unscaled ``.grad``)."""
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None:
+        if not hasattr(self, "found_inf"):  # GradScaler sets both, grad_scale maybe to None
             return
         if self._inflight:
             self._abandon_inflight()
             raise RuntimeError(
                 "overlap_backward sends gradients during backward, before torch.amp.GradScaler "
-                "passes its scale to step(): use overlap_backward=False with a GradScaler"
+                "unscales them or passes its scale to step(): use overlap_backward=False with a "
+                "GradScaler"
             )
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:
+            return
         inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
         self._inv_scale = None if inv_scale == 1.0 else inv_scale
 
