@@ -4,11 +4,12 @@ Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
 
 Every collective a step sends carries a small header per rank (:data:`HEADER_NUMEL` fp32
-values: the step() call number, a digest of the hyperparameters, a status code and the local
-gradient norm). In the compressed allreduce it rides in the phase-1 message next to the scale;
-in the fp32 allreduce each rank writes it into a slot of its own at the end of the buffer. Every
-rank therefore sees every rank's header before anything is committed, and all ranks raise the
-same error together when they disagree, instead of hanging or diverging.
+values: the step() call number, a digest of the hyperparameters, a status code, the local
+gradient norm and the number of backward passes run). In the compressed allreduce it rides
+in the phase-1 message next to the scale; in the fp32 allreduce each rank writes it into a slot
+of its own at the end of the buffer. Every rank therefore sees every rank's header before
+anything is committed, and all ranks raise the same error together when they disagree, instead
+of hanging or diverging.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
 send fewer messages."""
 
-HEADER_NUMEL = 4
+HEADER_NUMEL = 5
 """Per-rank header of every step's messages: call number, hyperparameter digest, status, the
-squared norm of the bucket's local gradient."""
+squared norm of the bucket's local gradient, backward passes so far."""
 
 _COUNTER = 1 << 24  # integers below this are exact in fp32
 _STATUS = {
@@ -157,8 +158,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._hooked_by_ddp = False
         self._seen_versions: list[int | None] | None = None
         self._index = {id(p): i for i, p in enumerate(params)}
-        if self.overlap_backward:
-            self._install_overlap_hooks()
+        self._backward_passes = 0
+        self._in_backward = False
+        self._install_hooks()
         self.comm_stats = CommStats()
         self.skipped_steps = 0
         self.num_steps = 0
@@ -171,7 +173,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "shapes": [tuple(p.shape) for p in self.layout.params],
             "dtypes": [str(p.dtype) for p in self.layout.params],
             "device type": self.device.type,
-            "buckets": self.layout.buckets,
+            "bucket_size": self.layout.bucket_size,
             "param groups": _group_hyperparameters(self.param_groups),
             "max_grad_norm": self.max_grad_norm,
             "bias_correction": getattr(self, "bias_correction", None),
@@ -223,8 +225,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._status = 2 if not uniform else 1 if sparse else 0
         self._inv_scale = None
         digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
-        call = (self.num_steps + self.skipped_steps + 1) % _COUNTER
-        self._header = [float(call), float(digest), 0.0, 0.0]
+        call = (self._calls_done() + 1) % _COUNTER
+        passes = self._backward_passes % _COUNTER
+        self._header = [float(call), float(digest), 0.0, 0.0, float(passes)]
 
     def _read_grad_scale(self) -> None:
         """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
@@ -247,13 +250,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _check_headers(self, headers: Tensor) -> None:
         """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]``,
         identical on every rank) show different steps, hyperparameters or a local problem."""
-        calls, digests, status = headers[:, 0], headers[:, 1], headers[:, 2]
+        calls, digests, status, passes = headers[:, 0], headers[:, 1], headers[:, 2], headers[:, 4]
         error = None
-        if not bool((calls == calls[0]).all()):
-            at = ", ".join(f"rank {r}: call {int(c)}" for r, c in enumerate(calls.tolist()))
+        if not bool((calls == calls[0]).all() and (passes == passes[0]).all()):
+            at = ", ".join(
+                f"rank {r}: call {int(c)} of step() after {int(b)} backward passes"
+                for r, (c, b) in enumerate(zip(calls.tolist(), passes.tolist()))
+            )
             error = (
-                f"ranks are at different steps ({at}). Every rank must call step() the same "
-                "number of times: do not skip step() on some ranks only"
+                f"ranks are at different steps ({at}). Every rank must run the same number of "
+                "backward passes and call step() after each the same way: do not skip step() "
+                "on some ranks only"
             )
         elif not bool((digests == digests[0]).all()):
             ranks = [r for r, d in enumerate(digests.tolist()) if d != digests[0]]
@@ -314,7 +321,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """This rank's header for bucket ``k`` (``None``: a message that is not a gradient)."""
         header = list(self._header)
         header[2] = float(self._status)
-        header[3] = 0.0 if k is None else self._norms2[k]
+        header[3] = 0.0 if k is None else self._norms2[k]  # header[4]: backward passes
         return torch.tensor(header, device=self.device)
 
     def _launch(self, k: int, kind: str, fill: bool) -> None:
@@ -525,20 +532,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
         finally:
             self._no_sync = previous
 
-    def _install_overlap_hooks(self) -> None:
+    def _install_hooks(self) -> None:
+        """Count backward passes (the header's step check), and with ``overlap_backward`` launch
+        buckets as their gradients become final."""
         this = weakref.ref(self)  # the hooks must not keep the optimizer alive
 
         def hook(index: int) -> None:
             optimizer = this()
-            # From the second step: by then a DDP-wrapped model has shown itself through
-            # ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
-            if optimizer is not None and optimizer.num_steps + optimizer.skipped_steps > 0:
-                if not optimizer._hooked_by_ddp:
-                    optimizer._on_grad_ready(index)
+            if optimizer is not None:
+                optimizer._on_grad_accumulated(index)
 
         for index, p in enumerate(self.layout.params):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
+
+    def _on_grad_accumulated(self, index: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_passes += 1
+            Variable._execution_engine.queue_callback(self._backward_done)
+        # Overlap from the second step: by then a DDP-wrapped model has shown itself through
+        # ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
+        if self.overlap_backward and not self._hooked_by_ddp and self._calls_done():
+            self._on_grad_ready(index)
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+
+    def _calls_done(self) -> int:
+        return self.num_steps + self.skipped_steps
 
     def _ddp_bucket_ready(self, params: list[Tensor]) -> None:
         """Called by :func:`onebit.ddp_comm_hook` when DDP has a bucket of gradients ready.
@@ -602,6 +624,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "layout": self._layout_digest(),
             "num_steps": self.num_steps,
             "skipped_steps": self.skipped_steps,
+            "backward_passes": self._backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
             **self._extra_state(),
             "ranks": {self.rank: self._rank_state()},
@@ -690,6 +713,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 comm.reset()
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")
+        self._backward_passes = extra.pop("backward_passes")
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
         for key in ("optimizer", "world_size", "layout"):
             extra.pop(key, None)
@@ -763,7 +787,7 @@ def _check_ranks_agree(settings: dict[str, Any], group: dist.ProcessGroup | None
     differ = sorted({key for g in gathered for key in g if g.get(key) != gathered[0].get(key)})
     if differ:
         ranks = [r for r, g in enumerate(gathered) if g != gathered[0]]
-        shown = {key: settings[key] for key in differ if key not in ("shapes", "buckets")}
+        shown = {key: settings[key] for key in differ if key not in ("shapes", "dtypes")}
         raise ValueError(
             f"settings differ across ranks: {', '.join(differ)} (rank(s) {ranks} differ from "
             f"rank 0). Build the model and optimizer the same way on every rank. This rank has "

@@ -1,0 +1,120 @@
+"""Checkpoints that frameworks write from rank 0 only: consolidated state, rank checks, and
+states that are not ours."""
+
+import warnings
+
+import pytest
+import torch
+from distributed import run_ranks
+from family import NAMES, all_equal, loss_of, make_model, make_optimizer, params_of
+
+import onebit
+
+STEPS, SAVE_AT = 10, 7  # ZeroOneAdam: step 7 is a local step, so the replicas differ there
+
+
+def _train(model, opt, rank, start, stop):
+    for step in range(start, stop + 1):
+        opt.zero_grad()
+        loss_of(model, step, rank).backward()
+        opt.step()
+
+
+def _straight(rank, world_size, name):
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    _train(model, opt, rank, 1, STEPS)
+    return params_of(model), opt.comm_stats
+
+
+def _save_consolidated(rank, world_size, name, path):
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    _train(model, opt, rank, 1, SAVE_AT)
+    state = opt.consolidated_state_dict(to=0)
+    if rank == 0:  # as HF Trainer, Accelerate and Lightning do: one file, from rank 0
+        torch.save({"model": model.state_dict(), "optimizer": state}, path)
+    return state is None, params_of(model)
+
+
+def _resume_consolidated(rank, world_size, name, path):
+    checkpoint = torch.load(path, weights_only=True)  # torch's safe default loads it
+    model = make_model(seed=123)
+    opt = make_optimizer(name, model.parameters())
+    model.load_state_dict(checkpoint["model"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rank that loads its own part is not warned
+        opt.load_state_dict(checkpoint["optimizer"])
+    _train(model, opt, rank, SAVE_AT + 1, STEPS)
+    return params_of(model), opt.comm_stats
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_from_one_consolidated_file_is_bitwise_exact(name, tmp_path):
+    path = str(tmp_path / "checkpoint.pt")
+    straight = run_ranks(_straight, 2, name)
+    saved = run_ranks(_save_consolidated, 2, name, path)
+    assert [none for none, _ in saved] == [False, True]  # the dict only on rank `to`
+    if name == "zero_one":  # saved mid phase B: rank 1's parameters are not rank 0's
+        assert not all_equal(saved[0][1], saved[1][1])
+    resumed = run_ranks(_resume_consolidated, 2, name, path)
+    for (want, want_stats), (got, got_stats) in zip(straight, resumed):
+        assert all_equal(want, got)
+        assert got_stats == want_stats
+
+
+def _load_rank0_file(rank, world_size, path):
+    model = make_model()
+    opt = make_optimizer("adam", model.parameters())
+    _train(model, opt, rank, 1, 5)
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    torch.distributed.barrier()
+    state = torch.load(path, weights_only=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(state)
+    errors = sum(float(c.worker_error.abs().sum() + c.server_error.abs().sum()) for c in opt.comms)
+    return list(state["onebit"]["ranks"]), [str(w.message) for w in caught], errors
+
+
+def test_loading_another_ranks_state_warns_and_resets_the_error_buffers(tmp_path):
+    results = run_ranks(_load_rank0_file, 2, str(tmp_path / "rank0.pt"))
+    (ranks0, warned0, errors0), (ranks1, warned1, errors1) = results
+    assert ranks0 == ranks1 == [0]  # a plain state_dict holds this rank's part only
+    assert warned0 == [] and errors0 > 0  # rank 0 loads its own errors
+    assert len(warned1) == 1 and "error-feedback buffers reset" in warned1[0]
+    assert "rank(s) [0], this is rank 1" in warned1[0] and errors1 == 0
+
+
+def test_another_layout_warns_and_resets_the_error_buffers():
+    model = make_model()
+    opt = make_optimizer("adam", model.parameters(), bucket_size=64)
+    _train(model, opt, 0, 1, 5)
+    other = make_optimizer("adam", model.parameters(), bucket_size=128)
+    with pytest.warns(UserWarning, match="another bucket layout"):
+        other.load_state_dict(opt.state_dict())
+    assert all(float(c.worker_error.abs().sum()) == 0 for c in other.comms)
+    assert torch.equal(other._exp_avg, opt._exp_avg)  # the rest is restored
+
+
+def test_states_of_other_optimizers_are_refused():
+    model = make_model()
+    adamw = torch.optim.AdamW(model.parameters())
+    loss_of(model, 1, 0).backward()
+    adamw.step()
+    lamb = make_optimizer("lamb", model.parameters())
+    lamb.step()
+    opt = make_optimizer("adam", model.parameters())
+    with pytest.raises(ValueError, match="not a onebit state dict"):
+        opt.load_state_dict(adamw.state_dict())
+    with pytest.raises(ValueError, match="OnebitLamb loaded into OnebitAdam"):
+        opt.load_state_dict(lamb.state_dict())
+    assert opt.num_steps == 0
+
+
+def test_consolidated_state_dict_checks_its_rank():
+    opt = onebit.OnebitAdam(make_model().parameters(), freeze_step=2)
+    assert opt.consolidated_state_dict()["onebit"]["ranks"].keys() == {0}
+    with pytest.raises(ValueError, match="to must be a rank"):
+        opt.consolidated_state_dict(to=1)
