@@ -12,6 +12,7 @@ from distributed import run_ranks
 from reference import RefBucketedAllreduce, bucket_bounds
 
 import onebit
+from onebit.base import HEADER_NUMEL
 
 SHAPES = [(7, 5), (13,), (3, 3, 2)]
 
@@ -132,10 +133,10 @@ def test_compression_stage_matches_reference_simulation(world_size, bucket_size,
     stats, bytes_per_call = results[0][1], results[0][2]
     numel = sum(math.prod(s) for s in SHAPES)
     assert stats.steps == {"warmup": freeze_step, "compression": steps - freeze_step}
-    # fp32 allreduce of each bucket; the last also carries its padding and one 4-value header
+    # fp32 allreduce of each bucket; the last also carries its padding and one header
     # per rank (the step check).
     sizes = [e - s for s, e in bucket_bounds(numel, bucket_size, world_size)]
-    sizes[-1] = -(-sizes[-1] // (8 * world_size)) * 8 * world_size + 4 * world_size
+    sizes[-1] = -(-sizes[-1] // (8 * world_size)) * 8 * world_size + HEADER_NUMEL * world_size
     warmup_bytes = sum(2 * (world_size - 1) * 4 * size // world_size for size in sizes)
     assert stats.total_bytes["warmup"] == freeze_step * warmup_bytes
     assert stats.last_step_bytes == sum(bytes_per_call)

@@ -12,6 +12,7 @@ from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
+from onebit.base import HEADER_NUMEL
 from onebit.comm import allreduce_bytes
 
 SHAPES = [(7, 5), (13,), (0,), (3, 3, 2)]
@@ -240,12 +241,12 @@ def _check_against_reference(results, world_size):
     assert stats.steps == counts
     assert stats.rounds_skipped == counts["local"]
     assert stats.total_bytes["local"] == 0
-    # The last bucket is sent padded, with one 4-value header per rank (the step check).
-    last = -(-(NUMEL - 64) // (8 * world_size)) * 8 * world_size + 4 * world_size
+    # The last bucket is sent padded, with one header per rank (the step check).
+    last = -(-(NUMEL - 64) // (8 * world_size)) * 8 * world_size + HEADER_NUMEL * world_size
     fp32_bytes = sum(allreduce_bytes(4 * size, world_size) for size in [32, 32, last])
     assert stats.total_bytes["variance"] == counts["variance"] * fp32_bytes
     compressed = sum(results[0]["bytes_per_call"])
-    headers = 3 * (world_size - 1) * 16  # each bucket's phase-1 message carries 16 bytes more
+    headers = 3 * (world_size - 1) * 4 * HEADER_NUMEL  # in each bucket's phase-1 message
     assert 0 < compressed - headers < fp32_bytes / 4  # tiny buckets: the scales weigh a lot
     assert stats.total_bytes["compression"] == counts["compression"] * compressed
     assert stats.total_bytes["sync"] == counts["sync"] * compressed
