@@ -3,21 +3,21 @@
 import pytest
 import torch
 from distributed import run_ranks
-from family import NAMES, all_equal, loss_of, make_model, make_optimizer, params_of
+from family import NAMES, all_equal, batch, loss_of, make_model, make_optimizer, params_of
 
 STEPS = 8
 
 
-def _scaled_run(rank, world_size, name, mode, inject):
+def _scaled_run(rank, world_size, name, mode, inject, dtype=torch.float32):
     """Train STEPS steps. ``mode``: "plain" (no scaler), "scaler" (scaler.step), "unscale"
     (scaler.unscale_ first). ``inject``: steps where rank 1's gradient gets an inf."""
-    model = make_model()
+    model = make_model().to(dtype)
     opt = make_optimizer(name, model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=10**6)
     history, skipped = [], []
     for step in range(1, STEPS + 1):
         opt.zero_grad()
-        loss = loss_of(model, step, rank)
+        loss = loss_of(model, step, rank) if dtype == torch.float32 else _loss(model, step, rank)
         (loss if mode == "plain" else scaler.scale(loss)).backward()
         if step in inject and rank == 1:
             next(model.parameters()).grad[0, 0] = float("inf")
@@ -35,11 +35,19 @@ def _scaled_run(rank, world_size, name, mode, inject):
     return history, opt.skipped_steps, skipped, opt.comm_stats.steps
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_constant_power_of_two_loss_scale_is_bitwise_the_unscaled_run(name):
-    plain = run_ranks(_scaled_run, 2, name, "plain", ())
+def _loss(model, step, rank):
+    x, y = batch(step, rank)
+    return torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(n, torch.float32) for n in NAMES] + [("adam", torch.bfloat16), ("zero_one", torch.bfloat16)],
+)
+def test_constant_power_of_two_loss_scale_is_bitwise_the_unscaled_run(name, dtype):
+    plain = run_ranks(_scaled_run, 2, name, "plain", (), dtype)
     for mode in ("scaler", "unscale"):
-        scaled = run_ranks(_scaled_run, 2, name, mode, ())
+        scaled = run_ranks(_scaled_run, 2, name, mode, (), dtype)
         for (want, *_), (got, *_) in zip(plain, scaled):
             for step, (a, b) in enumerate(zip(want, got)):
                 assert all_equal(a, b), f"{mode}: step {step + 1} differs"

@@ -98,19 +98,31 @@ def test_another_layout_warns_and_resets_the_error_buffers():
     assert torch.equal(other._exp_avg, opt._exp_avg)  # the rest is restored
 
 
-def test_states_of_other_optimizers_are_refused():
+@pytest.mark.parametrize("name", NAMES)
+def test_states_of_other_optimizers_are_refused_and_change_nothing(name):
     model = make_model()
     adamw = torch.optim.AdamW(model.parameters())
-    loss_of(model, 1, 0).backward()
-    adamw.step()
-    lamb = make_optimizer("lamb", model.parameters())
-    lamb.step()
-    opt = make_optimizer("adam", model.parameters())
+    _train(model, adamw, 0, 1, 1)
+    opt = make_optimizer(name, model.parameters())
+    _train(model, opt, 0, 1, 7)  # past the freeze: the state has changed shape
+    before = opt.state_dict()
     with pytest.raises(ValueError, match="not a onebit state dict"):
         opt.load_state_dict(adamw.state_dict())
-    with pytest.raises(ValueError, match="OnebitLamb loaded into OnebitAdam"):
-        opt.load_state_dict(lamb.state_dict())
-    assert opt.num_steps == 0
+    for other in NAMES:
+        if other != name:
+            foreign = make_optimizer(other, model.parameters())
+            with pytest.raises(ValueError, match=f"loaded into {type(opt).__name__}"):
+                opt.load_state_dict(foreign.state_dict())
+    # A state of this optimizer that does not fit (saved before the freeze, other shapes).
+    fresh = make_optimizer(name, make_model().double().parameters()).state_dict()
+    fresh["state"][0]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="state 'exp_avg' of parameter 0"):
+        opt.load_state_dict(fresh)
+    after = opt.state_dict()
+    assert after["onebit"]["num_steps"] == 7 and before["state"].keys() == after["state"].keys()
+    for i, buffers in before["state"].items():
+        assert buffers.keys() == after["state"][i].keys()
+        assert all(torch.equal(v, after["state"][i][k]) for k, v in buffers.items())
 
 
 def test_consolidated_state_dict_checks_its_rank():

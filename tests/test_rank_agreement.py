@@ -13,6 +13,7 @@ CONSTRUCTION_CASES = {
     "betas": ("lamb", lambda rank: dict(betas=(0.9, 0.999 - 0.009 * rank))),
     "schedules": ("zero_one", lambda rank: dict(var_freeze_step=5 + rank)),
     "dtypes": ("adam", lambda rank: {}),
+    "meta": ("adam", lambda rank: {}),  # rank 1 alone fails its own checks
 }
 
 
@@ -22,6 +23,8 @@ def _construct(rank, world_size):
         model = make_model()
         if case == "dtypes" and rank == 1:
             model = model.double()
+        if case == "meta" and rank == 1:
+            model = model.to("meta")
         try:
             make_optimizer(name, model.parameters(), **kwargs(rank))
             messages[case] = None
@@ -33,8 +36,11 @@ def _construct(rank, world_size):
 def test_settings_that_differ_across_ranks_fail_construction_on_every_rank():
     for messages in run_ranks(_construct, 2, timeout=120):
         for case, message in messages.items():
-            key = "param groups" if case in ("lr", "betas") else case
             assert message is not None, f"{case}: no error"
+            if case == "meta":
+                assert message.startswith("rank 1: parameters are on the meta device"), message
+                continue
+            key = "param groups" if case in ("lr", "betas") else case
             assert "settings differ across ranks" in message and key in message, message
 
 

@@ -19,7 +19,7 @@ import math
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,7 +92,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         skipped_steps: steps skipped on every rank because some rank had a non-finite gradient.
         grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
             without clipping): the averaged gradient's in full-precision steps, the mean of the
-            ranks' local norms in compressed ones.
+            ranks' local norms in compressed ones, the rank's own in 0/1 Adam's local steps.
     """
 
     _step_supports_amp_scaling = True
@@ -109,28 +109,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         overlap_backward: bool = False,
     ) -> None:
         super().__init__(params, defaults)
-        check_step_count("bucket_size", bucket_size)
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
-        ):
-            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        for key in ("betas", "eps"):
-            values = {repr(g[key]) for g in self.param_groups}
-            if len(values) > 1:
-                raise ValueError(f"{key} must be the same in every param group, got {values}")
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError(f"{type(self).__name__} got no parameters")
-        _check_parameters(params)
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
-        self.device = params[0].device
-        self.layout = FlatLayout(params, bucket_size, self.world_size)
-        self._masks = _check_masks(exp_avg_mask or {}, self.layout)
         self.overlap_backward = bool(overlap_backward)
+        try:
+            self._lay_out(bucket_size, max_grad_norm, exp_avg_mask)
+            problem = None
+        except ValueError as err:
+            if self.world_size == 1:
+                raise
+            problem = str(err)  # raised on every rank below, not here alone
         if self.world_size > 1:
-            _check_ranks_agree(self._settings(), process_group)
+            _check_ranks_agree(self._settings() if problem is None else problem, process_group)
+        params = self.layout.params
+        if self.world_size > 1:
             _broadcast_from_first_rank(params, process_group)
         self.comms = [
             CompressedAllreduce(
@@ -153,7 +145,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for k in buckets:
                 self._bucket_sizes[k] += p.requires_grad
         self._bucket_pending = list(self._bucket_sizes)
-        self._norms2 = [0.0] * len(self.comms)
+        self._norms2: list[Tensor | None] = [None] * len(self.comms)
         self._step_open = False
         self._hooked_by_ddp = False
         self._seen_versions: list[int | None] | None = None
@@ -164,7 +156,34 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.comm_stats = CommStats()
         self.skipped_steps = 0
         self.num_steps = 0
+        self._calls = 0
+        self._calls_here = 0  # step() calls in this process; not in checkpoints
         self.grad_norm: float | None = None
+
+    def _lay_out(
+        self,
+        bucket_size: int,
+        max_grad_norm: float | None,
+        exp_avg_mask: Mapping[Tensor, Tensor] | None,
+    ) -> None:
+        """Check this rank's parameters and settings; lay out the flat buffers and masks."""
+        check_step_count("bucket_size", bucket_size)
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
+        ):
+            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        for key in ("betas", "eps"):
+            values = {repr(g[key]) for g in self.param_groups}
+            if len(values) > 1:
+                raise ValueError(f"{key} must be the same in every param group, got {values}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError(f"{type(self).__name__} got no parameters")
+        _check_parameters(params)
+        self.device = params[0].device
+        self.layout = FlatLayout(params, bucket_size, self.world_size)
+        self._masks = _check_masks(exp_avg_mask or {}, self.layout)
 
     def _settings(self) -> dict[str, Any]:
         """What every rank must agree on; subclasses add their own knobs."""
@@ -225,9 +244,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._status = 2 if not uniform else 1 if sparse else 0
         self._inv_scale = None
         digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
-        call = (self._calls_done() + 1) % _COUNTER
+        call = (self._calls + 1) % _COUNTER
         passes = self._backward_passes % _COUNTER
         self._header = [float(call), float(digest), 0.0, 0.0, float(passes)]
+        self._norms2 = [None] * len(self.comms)
 
     def _read_grad_scale(self) -> None:
         """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
@@ -311,8 +331,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     torch.mul(grad, inv_scale, out=view)
                 else:  # unscale in fp32: a low-precision product could underflow
                     view.copy_(grad).mul_(inv_scale)
-        if norm and self.max_grad_norm is not None:
-            self._norms2[k] = float(torch.linalg.vector_norm(self._grads[start:end])) ** 2
+        if norm and self.max_grad_norm is not None:  # stays on the device: no sync per bucket
+            self._norms2[k] = torch.linalg.vector_norm(self._grads[start:end]).square()
 
     def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
         """Turn bucket ``k``'s gathered gradients, in place, into what ``kind`` sends."""
@@ -321,8 +341,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """This rank's header for bucket ``k`` (``None``: a message that is not a gradient)."""
         header = list(self._header)
         header[2] = float(self._status)
-        header[3] = 0.0 if k is None else self._norms2[k]  # header[4]: backward passes
-        return torch.tensor(header, device=self.device)
+        header = torch.tensor(header, device=self.device)
+        norm2 = None if k is None else self._norms2[k]
+        if norm2 is not None:
+            header[3] = norm2
+        return header
 
     def _launch(self, k: int, kind: str, fill: bool) -> None:
         self._begin_step()
@@ -372,21 +395,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
             grads = self._grads[: self.layout.numel]
             # all_finite, not isfinite(grads).all(): no model-sized temporaries
             return all_finite([grads]), sum(c.bytes_sent for c in calls)
-        return self._finish_compressed(calls, self.layout.bucket_views(out))
+        return self._finish_compressed(calls, self.layout.bucket_views(out), gradients=True)
 
-    def _finish_compressed(self, calls: list[Any], outputs: list[Tensor]) -> tuple[bool, int]:
-        """Complete compressed calls started with headers: check the headers, note the ranks'
-        gradient norms, then serve and decompress (see :func:`~onebit.comm.finish_compressed_`)."""
+    def _finish_compressed(
+        self, calls: list[Any], outputs: list[Tensor], gradients: bool
+    ) -> tuple[bool, int]:
+        """Complete compressed calls started with headers: check the headers, then serve and
+        decompress (see :func:`~onebit.comm.finish_compressed_`). For ``gradients``, note the
+        mean of the ranks' gradient norms that ``max_grad_norm`` clips with."""
         for comm, call in zip(self.comms, calls):
             comm.worker_scales(call)
         headers = torch.stack([c.headers(call) for c, call in zip(self.comms, calls)])
         first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
         first[:, 2] = headers[:, :, 2].amax(0)
         self._check_headers(first)
-        if self.max_grad_norm is not None:
+        applied = finish_compressed_(self.comms, calls, outputs)
+        if applied and gradients and self.max_grad_norm is not None:
             local_norms = headers[:, :, 3].sum(0).sqrt()  # each rank's norm over all buckets
             self.grad_norm = float(local_norms.mean())
-        applied = finish_compressed_(self.comms, calls, outputs)
         return applied, sum(c.bytes_per_call for c in self.comms)
 
     def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
@@ -394,7 +420,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
         self._begin_step()
         calls = [c.start(b, self._header_for(None)) for c, b in zip(self.comms, buffers)]
-        return self._finish_compressed(calls, outputs)
+        return self._finish_compressed(calls, outputs, gradients=False)
 
     def _abandon_inflight(self) -> None:
         """Complete the phase in flight of every launched bucket without committing anything,
@@ -461,6 +487,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         for k in self._buckets_of_param[index]:
             if k in self._inflight:
+                self._abandon_inflight()
                 raise RuntimeError(
                     "a gradient changed after its bucket was sent: with overlap_backward, run "
                     "every backward but the last of a step inside optimizer.no_sync() (or "
@@ -551,16 +578,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._in_backward = True
             self._backward_passes += 1
             Variable._execution_engine.queue_callback(self._backward_done)
-        # Overlap from the second step: by then a DDP-wrapped model has shown itself through
-        # ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
-        if self.overlap_backward and not self._hooked_by_ddp and self._calls_done():
+        # Overlap from this process's second step: by then a DDP-wrapped model has shown itself
+        # through ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
+        if self.overlap_backward and not self._hooked_by_ddp and self._calls_here:
             self._on_grad_ready(index)
 
     def _backward_done(self) -> None:
         self._in_backward = False
-
-    def _calls_done(self) -> int:
-        return self.num_steps + self.skipped_steps
 
     def _ddp_bucket_ready(self, params: list[Tensor]) -> None:
         """Called by :func:`onebit.ddp_comm_hook` when DDP has a bucket of gradients ready.
@@ -580,6 +604,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
         self._step_open = False
+        self._calls += 1
+        self._calls_here += 1
         self.comm_stats.record(stage, nbytes, round_skipped)
         if applied:
             self.num_steps += 1
@@ -624,6 +650,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "layout": self._layout_digest(),
             "num_steps": self.num_steps,
             "skipped_steps": self.skipped_steps,
+            "calls": self._calls,
             "backward_passes": self._backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
             **self._extra_state(),
@@ -634,9 +661,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """Every rank's state in one dict on rank ``to`` (``None`` on the others).
 
-        A collective: call it on every rank. Frameworks that save one optimizer file from rank 0
-        and load it on every rank (HF Trainer, Accelerate, Lightning) resume exactly with it:
-        :meth:`load_state_dict` takes each rank's own part.
+        A collective: call it on every rank. Where one optimizer file is saved from rank 0 and
+        loaded on every rank (as HF Trainer, Accelerate and Lightning do with ``state_dict()``),
+        save this instead and the run resumes exactly: :meth:`load_state_dict` takes each
+        rank's own part.
         """
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
@@ -652,6 +680,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state["onebit"]["ranks"] = dict(enumerate(parts))
         return state
 
+    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        """Put the state into the shape ``saved`` (the ``"onebit"`` entry) was saved in, before
+        its buffers are checked and copied; return what undoes that if the load fails."""
+        return lambda: None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer
         fp32 and flat.
@@ -659,6 +692,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         This rank's part (error buffers) is taken from the dict. If the dict has no part for
         this rank (another rank's file), or it was saved with another world size or bucket
         layout, the error buffers are reset to zero with a warning; everything else is restored.
+        A state of another optimizer raises ``ValueError`` and changes nothing.
         """
         name = type(self).__name__
         saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
@@ -679,22 +713,31 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for saved, g in zip(groups, self.param_groups)
             for i, p in zip(saved["params"], g["params"])
         }
+        undo = self._before_load(saved_onebit)
+        try:
+            for i, saved in state_dict["state"].items():
+                for key, buffer in self.state[index[i]].items():
+                    if key not in saved or buffer.shape != saved[key].shape:
+                        got = tuple(saved[key].shape) if key in saved else "nothing"
+                        raise ValueError(
+                            f"state {key!r} of parameter {i}: saved {got}, "
+                            f"expected {tuple(buffer.shape)}"
+                        )
+        except ValueError:
+            undo()
+            raise
         for i, saved in state_dict["state"].items():
-            p = index[i]
-            for name_, buffer in self.state[p].items():
-                if name_ not in saved or buffer.shape != saved[name_].shape:
-                    got = tuple(saved[name_].shape) if name_ in saved else "nothing"
-                    raise ValueError(
-                        f"state {name_!r} of parameter {i}: saved {got}, "
-                        f"expected {tuple(buffer.shape)}"
-                    )
-        for i, saved in state_dict["state"].items():
-            for name_, buffer in self.state[index[i]].items():
-                buffer.copy_(saved[name_])
+            for key, buffer in self.state[index[i]].items():
+                buffer.copy_(saved[key])
         for saved, g in zip(groups, self.param_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         extra = dict(saved_onebit)
-        ranks = extra.pop("ranks", {})
+        ranks = extra.pop("ranks", None)
+        if ranks is None:  # onebit 0.1.0 saved one rank's state without naming the rank
+            ranks = {
+                self.rank: {k: extra.pop(k) for k in ("comms", "local_skipped_steps") if k in extra}
+            }
+            extra.setdefault("layout", self._layout_digest())
         part = ranks.get(self.rank)
         try:
             if part is None:
@@ -713,7 +756,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 comm.reset()
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")
-        self._backward_passes = extra.pop("backward_passes")
+        self._calls = extra.pop("calls", self.num_steps + self.skipped_steps)
+        self._backward_passes = extra.pop("backward_passes", 0)
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
         for key in ("optimizer", "world_size", "layout"):
             extra.pop(key, None)
@@ -779,11 +823,18 @@ def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tup
     return sorted(checked, key=lambda item: item[0])
 
 
-def _check_ranks_agree(settings: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks have the same settings."""
-    mine = {key: _digest(value) for key, value in settings.items()}
+def _check_ranks_agree(settings: dict[str, Any] | str, group: dist.ProcessGroup | None) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks have the same settings.
+
+    ``settings`` is a string where this rank's own checks failed: every rank then raises it.
+    """
+    mine = settings if isinstance(settings, str) else {k: _digest(v) for k, v in settings.items()}
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
+    problems = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
+    if problems:
+        raise ValueError("; ".join(problems))
+    assert isinstance(settings, dict)
     differ = sorted({key for g in gathered for key in g if g.get(key) != gathered[0].get(key)})
     if differ:
         ranks = [r for r, g in enumerate(gathered) if g != gathered[0]]

@@ -223,9 +223,9 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             torch._foreach_div_(views, scaling)
             m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
             clip = self._compressed_clip_coefficient()
-            if clip < 1.0:  # m = β1·m + (1-β1)·clip·g̃, SPEC 3 and 5
+            if clip < 1.0:  # m = β1·m + (1-β1)·clip·g̃ (SPEC 6), and g̃ clipped
+                g.sub_(m, alpha=(1 - beta1) * (1 - clip))
                 m.mul_(clip)
-                g.sub_(m, alpha=(1 - beta1) * (1 - clip) / clip)
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
             self._apply_mask_(m)
@@ -314,7 +314,12 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         self._last_factors = state["last_factors"].clone()
         self._coeffs = state["coeffs"].clone()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of this rank, frozen coefficients included."""
-        self._set_frozen(bool(state_dict["onebit"]["frozen"]))
-        super().load_state_dict(state_dict)
+    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        frozen, fresh = self._frozen, self._exp_avg_sq_fresh
+        self._set_frozen(bool(saved["frozen"]))
+
+        def undo() -> None:
+            self._exp_avg_sq_fresh = fresh
+            self._set_frozen(frozen)
+
+        return undo

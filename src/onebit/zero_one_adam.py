@@ -51,8 +51,10 @@ class ZeroOneAdam(CompressedOptimizer):
 
     **Between sync steps the parameters differ across ranks**: that is the point of local steps.
     Right after each sync step they are identical, bit for bit, on every rank. To evaluate or
-    export a consistent model mid-phase-B, call :meth:`synchronize` on every rank. To resume
-    exactly, save the model as well as the optimizer on every rank.
+    export a consistent model mid-phase-B, call :meth:`synchronize` on every rank. In phase B
+    :meth:`state_dict` also holds this rank's parameters, and :meth:`load_state_dict` restores
+    them, so that one :meth:`consolidated_state_dict` file resumes exactly: load it after the
+    model's own state.
 
     Args:
         params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
@@ -279,7 +281,7 @@ class ZeroOneAdam(CompressedOptimizer):
             norm = torch.linalg.vector_norm(layer_norms(present)) * (scale or 1.0)
             self.grad_norm = float(norm)
             scale = (scale or 1.0) * float(clip_coefficient(norm, self.max_grad_norm))
-        return scale
+        return None if scale == 1.0 else scale
 
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
@@ -363,7 +365,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         super()._load_rank_state(state)
-        self.local_skipped_steps = state["local_skipped_steps"]
+        self.local_skipped_steps = state.get("local_skipped_steps", 0)
         if "exp_avg" in state:
             self._exp_avg[: self.layout.numel].copy_(state["exp_avg"])
         if "params" in state:
@@ -381,12 +383,10 @@ class ZeroOneAdam(CompressedOptimizer):
         self._decay = list(state["decay"])
         self.comm_stats.freeze_step = self.var_freeze_step
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, schedules and error
-        buffers included. In phase B this also sets the parameters to this rank's saved local
-        ones when the dict holds them, so load it after the model's own state."""
-        self._set_frozen(bool(state_dict["onebit"]["frozen"]))
-        super().load_state_dict(state_dict)
+    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        frozen = self._frozen
+        self._set_frozen(bool(saved["frozen"]))
+        return lambda: self._set_frozen(frozen)
 
 
 def _group_ranges(param_groups: list[dict[str, Any]]) -> list[tuple[int, int]]:

@@ -1,0 +1,97 @@
+"""Optimizer step and backward cost at world size 1, against torch.optim.AdamW(fused=True).
+
+Measures, side by side in one run on the same parameters:
+
+* ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup and in the compression stage
+  (with and without ``max_grad_norm``);
+* forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
+  backward passes for the step check).
+
+Two models: few large tensors (the kernels dominate) and many small ones (the per-tensor Python
+work dominates). Prints medians in ms and ratios to AdamW.
+
+    python benchmarks/step.py [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from machine import cpu_name
+
+import onebit
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "large":  # 16.8M parameters in 4 tensors
+        return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))
+    layers = [torch.nn.Linear(64, 64) for _ in range(150)]  # 300 tensors, 0.6M parameters
+    return torch.nn.Sequential(*layers)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _set_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread, {cpu_name()}")
+    print("model  | what                          | median ms | / AdamW fused")
+    for kind in ("large", "many"):
+        base = _model(kind)
+        rows = {}
+        adamw_model = copy.deepcopy(base)
+        _set_grads(adamw_model)
+        adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-4, fused=True)
+        rows["AdamW(fused=True) step"] = _median_ms(adamw.step, args.repeats)
+        for stage, clip in (("warmup", None), ("compression", None), ("compression", 1.0)):
+            model = copy.deepcopy(base)
+            _set_grads(model)
+            freeze = 10**9 if stage == "warmup" else 1
+            opt = onebit.OnebitAdam(
+                model.parameters(), lr=1e-4, freeze_step=freeze, max_grad_norm=clip
+            )
+            opt.step()
+            name = f"OnebitAdam {stage} step" + (" + clip" if clip else "")
+            rows[name] = _median_ms(opt.step, args.repeats)
+        x = torch.randn(64, base[0].in_features)
+        plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
+        onebit.OnebitAdam(hooked.parameters(), freeze_step=10)  # installs its hooks
+
+        def backward(model):
+            model.zero_grad(set_to_none=False)
+            model(x).sum().backward()
+
+        rows["forward+backward, no hooks"] = _median_ms(lambda: backward(plain), args.repeats)
+        rows["forward+backward, onebit hooks"] = _median_ms(
+            lambda: backward(hooked), args.repeats
+        )
+        reference = rows["AdamW(fused=True) step"]
+        for name, ms in rows.items():
+            ratio = f"{ms / reference:.2f}" if "step" in name else ""
+            print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}")
+        hooks = rows["forward+backward, onebit hooks"] / rows["forward+backward, no hooks"]
+        print(f"{kind:6} | backward with hooks / without: {hooks:.3f}")
+
+
+if __name__ == "__main__":
+    main()
