@@ -51,13 +51,18 @@ def test_an_empty_param_group_is_accepted(name):
         make_optimizer(name, [{"params": []}])
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_exp_avg_mask_keeps_masked_momentum_at_zero(name):
+def _masked(name):
+    """A model and an optimizer whose mask zeroes the first 4 rows of the first weight."""
     model = make_model()
     weight = model[0].weight
     mask = torch.ones_like(weight)
     mask[:4] = 0
-    opt = make_optimizer(name, model.parameters(), exp_avg_mask={weight: mask})
+    return model, weight, make_optimizer(name, model.parameters(), exp_avg_mask={weight: mask})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exp_avg_mask_keeps_masked_momentum_at_zero(name):
+    model, weight, opt = _masked(name)
     _steps(model, opt, 8)
     assert set(opt.comm_stats.steps) - {"warmup", "variance"}
     exp_avg = opt.state[weight]["exp_avg"]
@@ -68,11 +73,7 @@ def test_exp_avg_mask_keeps_masked_momentum_at_zero(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_skipped_step_leaves_the_masked_momentum_untouched(name):
-    model = make_model()
-    weight = model[0].weight
-    mask = torch.ones_like(weight)
-    mask[:4] = 0
-    opt = make_optimizer(name, model.parameters(), exp_avg_mask={weight: mask})
+    model, weight, opt = _masked(name)
     before_bad = 6 if name == "zero_one" else 4  # 0/1 Adam: step 7 is a local step
     _steps(model, opt, before_bad)
     opt.zero_grad()
