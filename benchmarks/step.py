@@ -77,7 +77,7 @@ def main() -> None:
         plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
         onebit.OnebitAdam(hooked.parameters(), freeze_step=10)  # installs its hooks
 
-        def backward(model):
+        def backward(model, x=x):
             model.zero_grad(set_to_none=False)
             model(x).sum().backward()
 
