@@ -28,9 +28,7 @@ def make_optimizer(name: str, params, **kwargs) -> onebit.base.CompressedOptimiz
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
 
 
 def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ CONSTRUCTION_CASES = {
     "schedules": ("zero_one", lambda rank: dict(var_freeze_step=5 + rank)),
     "dtypes": ("adam", lambda rank: {}),
     "meta": ("adam", lambda rank: {}),  # rank 1 alone fails its own checks
+    "invalid": ("lamb", lambda rank: dict(freeze_step=3 - 3 * rank)),
+    "invalid schedule": ("zero_one", lambda rank: dict(local_step_clipper=1 - rank)),
 }
 
 
@@ -37,8 +39,13 @@ def test_settings_that_differ_across_ranks_fail_construction_on_every_rank():
     for messages in run_ranks(_construct, 2, timeout=120):
         for case, message in messages.items():
             assert message is not None, f"{case}: no error"
-            if case == "meta":
-                assert message.startswith("rank 1: parameters are on the meta device"), message
+            if case in ("meta", "invalid", "invalid schedule"):
+                want = {
+                    "meta": "parameters are on the meta device",
+                    "invalid": "freeze_step must be an int >= 1",
+                    "invalid schedule": "local_step_clipper must be an int >= 1",
+                }[case]
+                assert message.startswith(f"rank 1: {want}"), message
                 continue
             key = "param groups" if case in ("lr", "betas") else case
             assert "settings differ across ranks" in message and key in message, message

@@ -13,6 +13,7 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
+    problem_of,
 )
 from .freeze import AutoFreeze, VarianceFreezeMixin
 from .functional import adam_denominator, adam_moments_, adamw_update_, bias_correction
@@ -83,8 +84,11 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         max_grad_norm: float | None = None,
         overlap_backward: bool = False,
     ) -> None:
-        check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        self._init_freeze_step(freeze_step, auto_freeze)
+        def check() -> None:
+            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            self._init_freeze_step(freeze_step, auto_freeze)
+
+        problem = problem_of(check)
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
@@ -95,6 +99,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             overlap_backward=overlap_backward,
+            problem=problem,
         )
         self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")

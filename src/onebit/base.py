@@ -66,6 +66,20 @@ def check_adam_hyperparameters(
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def problem_of(check: Callable[[], None]) -> str | None:
+    """Run a subclass's argument checks and return the ``ValueError`` message, if any.
+
+    The base class raises it on every rank (see ``problem`` in
+    :class:`CompressedOptimizer`), so that an argument invalid on one rank alone does not leave
+    the other ranks waiting in the construction's collective.
+    """
+    try:
+        check()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def check_step_count(name: str, value: Any, minimum: int = 1) -> int:
     """Return ``value`` if it is an int ``>= minimum``, else raise ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -107,14 +121,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
+        problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
         try:
+            if problem is not None:  # the subclass's own argument checks failed
+                raise ValueError(problem)
             self._lay_out(bucket_size, max_grad_norm, exp_avg_mask)
-            problem = None
         except ValueError as err:
             if self.world_size == 1:
                 raise

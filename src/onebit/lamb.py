@@ -10,7 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_adam_hyperparameters
+from .base import (
+    DEFAULT_BUCKET_SIZE,
+    CompressedOptimizer,
+    check_adam_hyperparameters,
+    problem_of,
+)
 from .freeze import AutoFreeze, VarianceFreezeMixin, set_state_views
 from .functional import (
     adam_denominator,
@@ -108,21 +113,25 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        if not 0.0 < min_coeff <= max_coeff < math.inf:
-            raise ValueError(
-                f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}"
-            )
-        if not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"Invalid coeff_beta: {coeff_beta}")
-        if not 0.0 < factor_min <= factor_max < math.inf:
-            raise ValueError(
-                f"need 0 < factor_min <= factor_max, got factor_min={factor_min}, "
-                f"factor_max={factor_max}"
-            )
-        if not 0.0 <= factor_threshold < 1.0:
-            raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
-        self._init_freeze_step(freeze_step, auto_freeze)
+        def check() -> None:
+            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            if not 0.0 < min_coeff <= max_coeff < math.inf:
+                raise ValueError(
+                    f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, "
+                    f"max_coeff={max_coeff}"
+                )
+            if not 0.0 <= coeff_beta < 1.0:
+                raise ValueError(f"Invalid coeff_beta: {coeff_beta}")
+            if not 0.0 < factor_min <= factor_max < math.inf:
+                raise ValueError(
+                    f"need 0 < factor_min <= factor_max, got factor_min={factor_min}, "
+                    f"factor_max={factor_max}"
+                )
+            if not 0.0 <= factor_threshold < 1.0:
+                raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
+            self._init_freeze_step(freeze_step, auto_freeze)
+
+        problem = problem_of(check)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
@@ -135,6 +144,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             bucket_size=bucket_size,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
+            problem=problem,
         )
         self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")

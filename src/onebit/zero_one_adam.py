@@ -15,6 +15,7 @@ from .base import (
     CompressedOptimizer,
     check_adam_hyperparameters,
     check_step_count,
+    problem_of,
 )
 from .freeze import set_state_views
 from .functional import (
@@ -127,11 +128,14 @@ class ZeroOneAdam(CompressedOptimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
-        self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
-        self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler)
-        self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
+        def check() -> None:
+            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
+            self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
+            self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler)
+            self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
+
+        problem = problem_of(check)
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
@@ -141,6 +145,7 @@ class ZeroOneAdam(CompressedOptimizer):
             bucket_size=bucket_size,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
+            problem=problem,
         )
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
         self._exp_avg = self.layout.zeros(padded=True, device=self.device)
