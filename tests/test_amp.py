@@ -116,3 +116,29 @@ def test_overlap_backward_with_a_grad_scaler_is_a_clear_error_on_every_rank():
         # The first step is never overlapped; the second has its buckets in flight.
         assert result is not None and result[0] == 2
         assert "overlap_backward=False with a GradScaler" in result[1]
+
+
+def test_a_step_that_raises_under_a_scaler_leaves_no_stale_scale():
+    model = make_model()
+    params = list(model.parameters())
+    opt = make_optimizer("adam", [{"params": params[:2]}, {"params": params[2:]}])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=10**6)
+    opt.param_groups[1]["betas"] = (0.8, 0.999)
+    scaler.scale(loss_of(model, 1, 0)).backward()
+    with pytest.raises(RuntimeError, match="differ between param groups"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    opt.param_groups[1]["betas"] = (0.9, 0.999)
+    scaler.update()
+    ref = make_model()
+    ref_opt = make_optimizer("adam", ref.parameters())
+    for net, o, scaled in ((model, opt, True), (ref, ref_opt, False)):
+        o.zero_grad()
+        loss = loss_of(net, 1, 0)
+        if scaled:  # the retried step unscales by this scale alone, not the stale one too
+            scaler.scale(loss).backward()
+            scaler.step(o)
+        else:
+            loss.backward()
+            o.step()
+    assert all_equal(params_of(model), params_of(ref))

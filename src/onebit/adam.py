@@ -13,6 +13,7 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
+    closes_step_on_error,
     problem_of,
 )
 from .freeze import AutoFreeze, VarianceFreezeMixin
@@ -118,6 +119,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             start, end = self.layout.buckets[k]
             torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
 
+    @closes_step_on_error
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step on every rank. Call it on all ranks of the group."""

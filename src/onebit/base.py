@@ -14,6 +14,7 @@ of hanging or diverging.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import warnings
@@ -78,6 +79,25 @@ def problem_of(check: Callable[[], None]) -> str | None:
     except ValueError as err:
         return str(err)
     return None
+
+
+def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an optimizer's ``step`` so that an exception leaves nothing of the step behind: the
+    step is closed, and ``grad_scale``/``found_inf`` that a ``GradScaler`` set (and would only
+    have removed after a successful step) are dropped, so the next ``scaler.step`` starts clean.
+    """
+
+    @functools.wraps(step)
+    def wrapper(self: CompressedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            self._step_open = False
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+
+    return wrapper
 
 
 def check_step_count(name: str, value: Any, minimum: int = 1) -> int:

@@ -14,6 +14,7 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
+    closes_step_on_error,
     problem_of,
 )
 from .freeze import AutoFreeze, VarianceFreezeMixin, set_state_views
@@ -175,6 +176,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         """Each parameter's trust ratio in the last step, in parameter order (a copy)."""
         return self._coeffs.tolist()
 
+    @closes_step_on_error
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step on every rank. Call it on all ranks of the group."""

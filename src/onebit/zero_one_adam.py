@@ -15,6 +15,7 @@ from .base import (
     CompressedOptimizer,
     check_adam_hyperparameters,
     check_step_count,
+    closes_step_on_error,
     problem_of,
 )
 from .freeze import set_state_views
@@ -183,6 +184,7 @@ class ZeroOneAdam(CompressedOptimizer):
             return "variance" if t % self.var_interval == 0 else "compression"
         return "sync" if t % self.local_step_interval == 0 else "local"
 
+    @closes_step_on_error
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step. Call it on every rank of the group, even on local steps."""
