@@ -167,8 +167,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for start, end in self.layout.buckets
         ]
         # The gradient scratch buffer, padded for the buckets, then one header slot per rank.
-        self._slots = HEADER_NUMEL * self.world_size
-        self._grads = torch.zeros(self.layout.padded_numel + self._slots, device=self.device)
+        slots = HEADER_NUMEL * self.world_size
+        self._grads = torch.zeros(self.layout.padded_numel + slots, device=self.device)
         self._grad_buckets = self.layout.bucket_views(self._grads, padded=True)
         self._inflight: dict[int, Any] = {}
         self._no_sync = False
