@@ -130,3 +130,20 @@ def test_consolidated_state_dict_checks_its_rank():
     assert opt.consolidated_state_dict()["onebit"]["ranks"].keys() == {0}
     with pytest.raises(ValueError, match="to must be a rank"):
         opt.consolidated_state_dict(to=1)
+
+
+def _consolidate_then_step(rank, world_size):
+    model = make_model()
+    opt = make_optimizer("adam", model.parameters())
+    _train(model, opt, rank, 1, 5)
+    opt.consolidate_state_dict(to=1)  # ZeroRedundancyOptimizer's protocol, as Lightning calls it
+    gathered = sorted(opt.state_dict()["onebit"]["ranks"])
+    _train(model, opt, rank, 6, 6)
+    after_step = sorted(opt.state_dict()["onebit"]["ranks"])
+    return gathered, after_step
+
+
+def test_consolidate_state_dict_fills_the_next_state_dict_on_its_rank_until_a_step():
+    (gathered0, after0), (gathered1, after1) = run_ranks(_consolidate_then_step, 2)
+    assert gathered0 == [0] and gathered1 == [0, 1]
+    assert after0 == [0] and after1 == [1]  # a step makes the gathered parts stale

@@ -195,6 +195,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._calls = 0
         self._calls_here = 0  # step() calls in this process; not in checkpoints
         self.grad_norm: float | None = None
+        self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
 
     def _lay_out(
         self,
@@ -676,9 +677,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         What differs between ranks (the error buffers above all) sits under
         ``["onebit"]["ranks"][rank]``: save one file per rank, or gather every rank's part into
-        one dict with :meth:`consolidated_state_dict`. ``torch.load(weights_only=True)`` loads
-        it.
+        one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
+        this). ``torch.load(weights_only=True)`` loads it.
         """
+        ranks = {self.rank: self._rank_state()}
+        if self._gathered is not None and self._gathered[0] == self._calls:
+            ranks = self._gathered[1]
         state = super().state_dict()
         state["onebit"] = {
             "optimizer": type(self).__name__,
@@ -690,9 +694,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "backward_passes": self._backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
             **self._extra_state(),
-            "ranks": {self.rank: self._rank_state()},
+            "ranks": ranks,
         }
         return state
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's part of the state on rank ``to``, for its next :meth:`state_dict`.
+
+        A collective: call it on every rank. Until the next ``step()``, ``state_dict()`` on rank
+        ``to`` then holds every rank's part, so one file saved from there resumes exactly on
+        every rank. This is ``ZeroRedundancyOptimizer``'s protocol, which Lightning's and
+        Fabric's checkpointing call on every rank before saving from rank 0.
+        """
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
+        self._gathered = None
+        if self.world_size == 1:
+            return
+        part = _to_cpu(self._rank_state())
+        parts: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        dst = dist.get_global_rank(self.process_group, to) if self.process_group else to
+        dist.gather_object(part, parts, dst=dst, group=self.process_group)
+        if parts is not None:
+            self._gathered = (self._calls, dict(enumerate(parts)))
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """Every rank's state in one dict on rank ``to`` (``None`` on the others).
@@ -702,19 +726,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         save this instead and the run resumes exactly: :meth:`load_state_dict` takes each
         rank's own part.
         """
-        if not isinstance(to, int) or not 0 <= to < self.world_size:
-            raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
-        state = self.state_dict()
-        if self.world_size == 1:
-            return state
-        part = _to_cpu(state["onebit"]["ranks"][self.rank])
-        parts: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dst = dist.get_global_rank(self.process_group, to) if self.process_group else to
-        dist.gather_object(part, parts, dst=dst, group=self.process_group)
-        if parts is None:
-            return None
-        state["onebit"]["ranks"] = dict(enumerate(parts))
-        return state
+        self.consolidate_state_dict(to)
+        return self.state_dict() if self.rank == to else None
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         """Put the state into the shape ``saved`` (the ``"onebit"`` entry) was saved in, before
@@ -749,6 +762,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for saved, g in zip(groups, self.param_groups)
             for i, p in zip(saved["params"], g["params"])
         }
+        self._gathered = None
         undo = self._before_load(saved_onebit)
         try:
             for i, saved in state_dict["state"].items():
