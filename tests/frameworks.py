@@ -1,0 +1,51 @@
+"""What the framework tests share: a tiny GPT-2 built from a config, byte-level text that ships
+with Python, and the environment a launcher would give each rank."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import torch
+
+BLOCK = 32
+FREEZE = 3  # OnebitAdam freezes after 3 steps: every run here crosses it
+
+
+def launched_as(rank: int, world_size: int) -> None:
+    """Set the variables torchrun sets, for frameworks that read them (the process group is
+    already up: ``run_ranks`` started it)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        WANDB_MODE="disabled",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer byte-level GPT-2 (about 30k parameters), without dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def text_windows(count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` consecutive ``BLOCK``-byte windows of ``difflib.py``, as causal-LM examples."""
+    data = torch.tensor(list(Path(difflib.__file__).read_bytes()[: count * BLOCK]))
+    return [{"input_ids": w, "labels": w} for w in data.view(count, BLOCK)]
+
+
+def fp32_bytes(model: torch.nn.Module) -> int:
+    return 4 * sum(p.numel() for p in model.parameters())

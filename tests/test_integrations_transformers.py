@@ -1,0 +1,141 @@
+"""HF Trainer with a onebit optimizer, on 2 gloo ranks: 1-bit traffic, the same training as a
+plain loop, exact resume through Trainer's checkpoints, bf16, and an inf on one rank."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
+
+STEPS, SAVE_AT, BATCH = 8, 4, 4
+
+
+def _trainer(rank, world_size, out, *, bf16=False, inf_at=None, max_grad_norm=1.0):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from onebit.integrations.transformers import OnebitCallback, create_optimizer
+
+    launched_as(rank, world_size)
+    args = TrainingArguments(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
+        lr_scheduler_type="constant", max_grad_norm=max_grad_norm, save_steps=SAVE_AT,
+        logging_steps=1, report_to=[], use_cpu=True, bf16=bf16, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    model = tiny_gpt2()
+    optimizer = create_optimizer(model, args, freeze_step=FREEZE)
+    batches = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: batches.append((kwargs["input_ids"], kwargs["labels"])),
+        with_kwargs=True,
+    )
+
+    class InfOnRank1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step + 1 == inf_at:
+                p = model.transformer.wte.weight
+                handle = p.register_hook(lambda g: (handle.remove(), g * float("inf"))[1])
+
+    trainer = Trainer(
+        model=model, args=args, train_dataset=text_windows(64), optimizers=(optimizer, None),
+        callbacks=[InfOnRank1()],
+    )  # fmt: skip
+    trainer.add_callback(OnebitCallback(trainer))
+    return trainer, model, optimizer, batches
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_then_replay(rank, world_size, out):
+    """Trainer, then the same optimizer in a plain loop on the batches Trainer fed each rank."""
+    trainer, model, optimizer, batches = _trainer(rank, world_size, out)
+    trainer.train()
+    assert trainer.args.max_grad_norm == 1.0  # handed to the optimizer for the run, then back
+    every = [None] * world_size
+    dist.all_gather_object(every, batches)
+
+    from transformers import TrainingArguments
+
+    from onebit.integrations.transformers import create_optimizer
+
+    plain = tiny_gpt2()
+    args = TrainingArguments(output_dir=out, learning_rate=1e-2, use_cpu=True, report_to=[])
+    plain_opt = create_optimizer(plain, args, freeze_step=FREEZE)
+    for step in range(STEPS):
+        # Trainer's loss: summed over the tokens, divided by the labels of all ranks (counted
+        # unshifted for GPT-2, whose config names no loss_type), times the world size.
+        tokens = sum(labels.ne(-100).sum() for b in every for _, labels in [b[step]]) / 1
+        input_ids, labels = batches[step]
+        loss = plain(input_ids=input_ids, labels=labels, num_items_in_batch=tokens).loss
+        (loss * world_size).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    return _params(model), _params(plain), optimizer.comm_stats, fp32_bytes(model)
+
+
+def _resume(rank, world_size, out):
+    trainer, model, optimizer, _ = _trainer(rank, world_size, out)
+    trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_AT}")
+    return _params(model), optimizer.num_steps
+
+
+def test_trainer_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
+    out = str(tmp_path / "run")
+    results = run_ranks(_train_then_replay, 2, out, timeout=240)
+    for trained, plain, stats, fp32 in results:
+        # Same batches, same loss, same optimizer: bitwise, so Trainer adds and drops nothing
+        # (no second allreduce through DDP, no local clipping, no extra step).
+        assert all(torch.equal(a, b) for a, b in zip(trained, plain))
+        assert stats.steps == {"warmup": FREEZE, "compression": STEPS - FREEZE}
+        assert stats.mean_bytes_per_step("compression") < fp32 / 25  # 1 bit, with scales
+        assert stats.mean_bytes_per_step("warmup") >= fp32
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+
+    resumed = run_ranks(_resume, 2, out, timeout=240)
+    for (trained, *_), (params, num_steps) in zip(results, resumed):
+        assert num_steps == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(trained, params))
+
+
+def _bf16_with_inf(rank, world_size, out, inf_at):
+    trainer, model, optimizer, _ = _trainer(rank, world_size, out, bf16=True, inf_at=inf_at)
+    trainer.train()
+    return _params(model), optimizer.skipped_steps, optimizer.num_steps
+
+
+@pytest.mark.parametrize("inf_at", [2, FREEZE + 2], ids=["warmup", "compression"])
+def test_bf16_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path, inf_at):
+    results = run_ranks(_bf16_with_inf, 2, str(tmp_path / "run"), inf_at, timeout=240)
+    (params0, skipped0, steps0), (params1, skipped1, steps1) = results
+    assert skipped0 == skipped1 == 1 and steps0 == steps1 == STEPS - 1
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+    assert all(bool(torch.isfinite(p).all()) for p in params0)
+
+
+def _unrouted_clipping(rank, world_size, out):
+    from transformers import Trainer, TrainingArguments
+
+    import onebit
+    from onebit.integrations.transformers import OnebitCallback
+
+    launched_as(rank, world_size)
+    args = TrainingArguments(output_dir=out, max_steps=2, use_cpu=True, report_to=[])
+    model = tiny_gpt2()
+    optimizer = onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE)  # no max_grad_norm
+    trainer = Trainer(
+        model=model, args=args, train_dataset=text_windows(16), optimizers=(optimizer, None)
+    )
+    trainer.add_callback(OnebitCallback(trainer))
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+
+
+def test_trainer_clipping_the_optimizer_does_not_do_is_a_clear_error_on_every_rank(tmp_path):
+    errors = run_ranks(_unrouted_clipping, 2, str(tmp_path / "run"), timeout=240)
+    assert all("TrainingArguments(max_grad_norm=1.0) would clip each rank" in e for e in errors)
