@@ -1,0 +1,93 @@
+"""Accelerate with a onebit optimizer, on 2 gloo ranks: 1-bit traffic, the same training as a
+plain loop, exact resume through save_state/load_state, bf16, and an inf on one rank."""
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
+
+import onebit  # noqa: E402
+
+STEPS, SAVE_AT, BATCH = 8, 4, 4
+
+
+def _optimizer(model):
+    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=1.0)
+
+
+def _run(rank, world_size, out, *, resume=False, mixed_precision="no", inf_at=None):
+    """What a user's Accelerate script does, saving its state at step SAVE_AT."""
+    from accelerate import Accelerator
+
+    from onebit.integrations.accelerate import prepare
+
+    launched_as(rank, world_size)
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    model = tiny_gpt2(seed=1 if resume else 0)
+    optimizer = _optimizer(model)
+    loader = torch.utils.data.DataLoader(text_windows(64), batch_size=BATCH)
+    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+    start = 0
+    if resume:
+        accelerator.load_state(out)
+        start = SAVE_AT
+        loader = accelerator.skip_first_batches(loader, SAVE_AT)
+    batches = []
+    for step, batch in enumerate(loader, start=start + 1):
+        batches.append(batch)
+        loss = model(**batch).loss
+        if rank == 1 and step == inf_at:
+            loss = loss * float("inf")
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == SAVE_AT and not resume:
+            accelerator.save_state(out)
+        if step == STEPS:
+            break
+    inner = optimizer.optimizer
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return params, batches, inner.comm_stats, inner.skipped_steps
+
+
+def _train_then_replay(rank, world_size, out):
+    params, batches, stats, _ = _run(rank, world_size, out)
+    plain = tiny_gpt2()
+    optimizer = _optimizer(plain)
+    for batch in batches:
+        plain(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params, [p.detach().clone() for p in plain.parameters()], stats, fp32_bytes(plain)
+
+
+def _resume(rank, world_size, out):
+    return _run(rank, world_size, out, resume=True)[0]
+
+
+def test_accelerate_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
+    out = str(tmp_path / "state")
+    results = run_ranks(_train_then_replay, 2, out, timeout=240)
+    for trained, plain, stats, fp32 in results:
+        assert all(torch.equal(a, b) for a, b in zip(trained, plain))  # same batches: bitwise
+        assert stats.steps == {"warmup": FREEZE, "compression": STEPS - FREEZE}
+        assert stats.mean_bytes_per_step("compression") < fp32 / 25
+    resumed = run_ranks(_resume, 2, out, timeout=240)
+    for (trained, *_), params in zip(results, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(trained, params))
+
+
+def _bf16_with_inf(rank, world_size, out, inf_at):
+    params, _, _, skipped = _run(rank, world_size, out, mixed_precision="bf16", inf_at=inf_at)
+    return params, skipped
+
+
+def test_bf16_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    results = run_ranks(_bf16_with_inf, 2, str(tmp_path / "state"), FREEZE + 2, timeout=240)
+    (params0, skipped0), (params1, skipped1) = results
+    assert skipped0 == skipped1 == 1
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+    assert all(bool(torch.isfinite(p).all()) for p in params0)

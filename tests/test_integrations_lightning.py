@@ -1,0 +1,115 @@
+"""PyTorch Lightning with a onebit optimizer, on 2 gloo ranks (DDP on CPU, where Lightning
+ignores ``ddp_comm_hook``): 1-bit traffic, the same training as a plain loop, exact resume
+from Lightning's checkpoints, 16-mixed with its GradScaler, and an inf on one rank."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
+
+import onebit  # noqa: E402
+
+EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 4  # 32 windows over 2 ranks
+STEPS = EPOCHS * STEPS_PER_EPOCH
+
+
+def _optimizer(model, clip=1.0):
+    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=clip)
+
+
+def _fit(rank, world_size, out, *, resume=None, precision="32-true", inf_at=None, clip=1.0):
+    import lightning.pytorch as pl
+
+    from onebit.integrations.lightning import OnebitCallback
+
+    launched_as(rank, world_size)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2(seed=1 if resume else 0)
+            self.batches = []
+
+        def training_step(self, batch, index):
+            self.batches.append(batch)
+            loss = self.model(**batch).loss
+            if rank == 1 and self.global_step + 1 == inf_at:
+                loss = loss * float("inf")
+            return loss
+
+        def configure_optimizers(self):
+            return _optimizer(self, clip)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(text_windows(32), batch_size=BATCH)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ddp", max_epochs=EPOCHS,
+        precision=precision, gradient_clip_val=1.0, default_root_dir=out, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[
+            OnebitCallback(),
+            pl.callbacks.ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1),
+        ],
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=resume)
+    assert trainer.gradient_clip_val == 1.0  # handed to the optimizer for the run, then back
+    optimizer = trainer.optimizers[0]
+    params = [p.detach().clone() for p in module.model.parameters()]
+    return params, module.batches, optimizer.comm_stats, optimizer.skipped_steps
+
+
+def _fit_then_replay(rank, world_size, out):
+    params, batches, stats, _ = _fit(rank, world_size, out)
+    plain = tiny_gpt2()
+    optimizer = _optimizer(plain)
+    for batch in batches:
+        plain(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params, [p.detach().clone() for p in plain.parameters()], stats, fp32_bytes(plain)
+
+
+def _resume(rank, world_size, out):
+    return _fit(rank, world_size, out, resume=f"{out}/epoch=0-step={STEPS_PER_EPOCH}.ckpt")[0]
+
+
+def test_lightning_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
+    out = str(tmp_path / "checkpoints")
+    results = run_ranks(_fit_then_replay, 2, out, timeout=240)
+    for trained, plain, stats, fp32 in results:
+        assert all(torch.equal(a, b) for a, b in zip(trained, plain))  # same batches: bitwise
+        assert stats.steps == {"warmup": FREEZE, "compression": STEPS - FREEZE}
+        assert stats.mean_bytes_per_step("compression") < fp32 / 25
+    resumed = run_ranks(_resume, 2, out, timeout=240)
+    for (trained, *_), params in zip(results, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(trained, params))
+
+
+def _fp16_with_inf(rank, world_size, out, inf_at):
+    params, _, _, skipped = _fit(rank, world_size, out, precision="16-mixed", inf_at=inf_at)
+    return params, skipped
+
+
+def test_16_mixed_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    results = run_ranks(_fp16_with_inf, 2, str(tmp_path / "checkpoints"), FREEZE + 2, timeout=240)
+    (params0, skipped0), (params1, skipped1) = results
+    assert skipped0 == skipped1 == 1
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+    assert all(bool(torch.isfinite(p).all()) for p in params0)
+
+
+def _local_clipping(rank, world_size, out):
+    try:
+        _fit(rank, world_size, out, clip=None)
+    except ValueError as err:
+        return str(err)
+
+
+def test_lightning_clipping_the_optimizer_does_not_do_is_a_clear_error_on_every_rank(tmp_path):
+    errors = run_ranks(_local_clipping, 2, str(tmp_path / "checkpoints"), timeout=240)
+    assert all("gradient_clip_val=1.0) would clip each rank" in e for e in errors)
