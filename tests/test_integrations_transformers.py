@@ -8,12 +8,13 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from distributed import run_ranks  # noqa: E402
+from family import NAMES, SETTINGS  # noqa: E402
 from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
 
 STEPS, SAVE_AT, BATCH = 8, 4, 4
 
 
-def _trainer(rank, world_size, out, *, bf16=False, inf_at=None, max_grad_norm=1.0):
+def _trainer(rank, world_size, out, *, name="adam", bf16=False, inf_at=None, max_grad_norm=1.0):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from onebit.integrations.transformers import OnebitCallback, create_optimizer
@@ -25,7 +26,8 @@ def _trainer(rank, world_size, out, *, bf16=False, inf_at=None, max_grad_norm=1.
         logging_steps=1, report_to=[], use_cpu=True, bf16=bf16, seed=0, disable_tqdm=True,
     )  # fmt: skip
     model = tiny_gpt2()
-    optimizer = create_optimizer(model, args, freeze_step=FREEZE)
+    cls, settings = SETTINGS[name]  # each crosses its stages within STEPS
+    optimizer = create_optimizer(model, args, cls, **settings)
     batches = []
     model.register_forward_pre_hook(
         lambda _, args, kwargs: batches.append((kwargs["input_ids"], kwargs["labels"])),
@@ -50,9 +52,9 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_then_replay(rank, world_size, out):
+def _train_then_replay(rank, world_size, out, name):
     """Trainer, then the same optimizer in a plain loop on the batches Trainer fed each rank."""
-    trainer, model, optimizer, batches = _trainer(rank, world_size, out)
+    trainer, model, optimizer, batches = _trainer(rank, world_size, out, name=name)
     trainer.train()
     assert trainer.args.max_grad_norm == 1.0  # handed to the optimizer for the run, then back
     every = [None] * world_size
@@ -64,7 +66,8 @@ def _train_then_replay(rank, world_size, out):
 
     plain = tiny_gpt2()
     args = TrainingArguments(output_dir=out, learning_rate=1e-2, use_cpu=True, report_to=[])
-    plain_opt = create_optimizer(plain, args, freeze_step=FREEZE)
+    cls, settings = SETTINGS[name]
+    plain_opt = create_optimizer(plain, args, cls, **settings)
     for step in range(STEPS):
         # Trainer's loss: summed over the tokens, divided by the labels of all ranks (counted
         # unshifted for GPT-2, whose config names no loss_type), times the world size.
@@ -77,25 +80,26 @@ def _train_then_replay(rank, world_size, out):
     return _params(model), _params(plain), optimizer.comm_stats, fp32_bytes(model)
 
 
-def _resume(rank, world_size, out):
-    trainer, model, optimizer, _ = _trainer(rank, world_size, out)
+def _resume(rank, world_size, out, name):
+    trainer, model, optimizer, _ = _trainer(rank, world_size, out, name=name)
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_AT}")
     return _params(model), optimizer.num_steps
 
 
-def test_trainer_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("name", NAMES)
+def test_trainer_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path, name):
     out = str(tmp_path / "run")
-    results = run_ranks(_train_then_replay, 2, out, timeout=240)
+    results = run_ranks(_train_then_replay, 2, out, name, timeout=240)
     for trained, plain, stats, fp32 in results:
         # Same batches, same loss, same optimizer: bitwise, so Trainer adds and drops nothing
         # (no second allreduce through DDP, no local clipping, no extra step).
         assert all(torch.equal(a, b) for a, b in zip(trained, plain))
-        assert stats.steps == {"warmup": FREEZE, "compression": STEPS - FREEZE}
+        assert stats.steps["compression"] >= 2
         assert stats.mean_bytes_per_step("compression") < fp32 / 25  # 1 bit, with scales
-        assert stats.mean_bytes_per_step("warmup") >= fp32
+        assert max(map(stats.mean_bytes_per_step, stats.steps)) >= fp32  # the fp32 stage
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
 
-    resumed = run_ranks(_resume, 2, out, timeout=240)
+    resumed = run_ranks(_resume, 2, out, name, timeout=240)
     for (trained, *_), (params, num_steps) in zip(results, resumed):
         assert num_steps == STEPS
         assert all(torch.equal(a, b) for a, b in zip(trained, params))

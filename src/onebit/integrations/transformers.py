@@ -107,7 +107,9 @@ class OnebitCallback(TrainerCallback):
             self._max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
         hand_gradients_to(self.trainer.model_wrapped, optimizer)
 
-    def _before_save(self, args: TrainingArguments, control: TrainerControl, optimizer: Any) -> None:
+    def _before_save(
+        self, args: TrainingArguments, control: TrainerControl, optimizer: Any
+    ) -> None:
         if control.should_save and not args.save_only_model:
             self._optimizer(optimizer).consolidate_state_dict(to=0)
 
