@@ -1,0 +1,117 @@
+"""What the examples share: a tiny byte-level GPT-2, training text that ships with Python, and
+the closing report of the loss and the bytes 1-bit Adam saved.
+
+The scripts run as ``torchrun ... examples/<name>.py``, which puts ``examples/`` on ``sys.path``,
+so they ``from common import ...``.
+"""
+
+import argparse
+import difflib
+import os
+import textwrap
+from pathlib import Path
+
+import torch
+
+# Nothing here needs the network: keep Hugging Face and Weights & Biases offline.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Share the cores between the ranks on this machine instead of oversubscribing them.
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+BLOCK = 64  # bytes per example, the model's context
+
+# 1-bit compression sends one scale per bucket. The default bucket (4M elements) would put this
+# whole 0.12M-parameter model under one scale; buckets of 16k elements give its parts scales of
+# their own, which brings the loss close to AdamW's. Models of millions of parameters fill many
+# default buckets: leave bucket_size out there.
+BUCKET_SIZE = 2**14
+
+
+def arguments(description, steps=100, freeze_step=30, lr=3e-3, batch_size=8):
+    """The command line every example takes; each adds its own options to the parser."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    parser.add_argument("--freeze-step", type=int, default=freeze_step,
+                        help="fp32 warmup steps before 1-bit compression")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
+    return parser
+
+
+def tiny_gpt2(seed=0):
+    """A 2-layer byte-level GPT-2 (0.12M parameters), built from a config: no download.
+
+    Dropout is off: a model this small trained for a hundred steps underfits, so dropout would
+    only slow it down and add noise to the loss the examples print."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)  # the same weights on every rank (the optimizer broadcasts anyway)
+    config = GPT2Config(
+        vocab_size=256, n_positions=BLOCK, n_layer=2, n_embd=64, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # what transformers picks for GPT-2 anyway, minus a warning
+    return model
+
+
+def text_data(val_fraction=0.1):
+    """The source of three stdlib modules as ``BLOCK``-byte causal-LM examples
+    ``{"input_ids": t, "labels": t}``: (train, validation), the last tenth held out."""
+    text = b"".join(Path(m.__file__).read_bytes() for m in (difflib, textwrap, argparse))
+    data = torch.tensor(list(text), dtype=torch.long)
+    windows = data[: len(data) // BLOCK * BLOCK].view(-1, BLOCK)
+    split = int(len(windows) * (1 - val_fraction))
+    examples = [{"input_ids": w, "labels": w} for w in windows]
+    return examples[:split], examples[split:]
+
+
+@torch.no_grad()
+def evaluate(model, examples, batch_size=32, device="cpu"):
+    """Mean loss of ``model`` (not DDP-wrapped) over ``examples``."""
+    model.eval()
+    losses = []
+    for i in range(0, len(examples), batch_size):
+        ids = torch.stack([e["input_ids"] for e in examples[i : i + batch_size]]).to(device)
+        losses.append(model(input_ids=ids, labels=ids).loss.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def is_rank0():
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def log_step(step, loss, optimizer):
+    """One progress line, on rank 0: the loss, the optimizer's stage and what this step sent."""
+    stats = getattr(optimizer, "optimizer", optimizer).comm_stats  # Accelerate wraps it
+    if is_rank0():
+        print(f"step {step:4d} | loss {loss:.3f} | {stats.last_step_stage:11s} | "
+              f"sent {stats.last_step_bytes / 1e3:.1f} kB")  # fmt: skip
+
+
+def report(optimizer, final_loss):
+    """Print, on rank 0, the final validation loss and the bytes this rank sent, against what
+    an fp32 allreduce every step would have sent: the warmup steps are such allreduces, so
+    their measured bytes per step times all the steps."""
+    stats = getattr(optimizer, "optimizer", optimizer).comm_stats  # Accelerate wraps it
+    if not is_rank0():
+        return
+    head = f"final validation loss {final_loss:.3f}"
+    if not stats.bytes_total:
+        print(f"{head} | one process sends nothing: run it with torchrun, 2+ ranks")
+        return
+    steps, warmup = sum(stats.steps.values()), stats.steps.get("warmup", 0)
+    fp32_step = stats.mean_bytes_per_step("warmup")  # measured: warmup is an fp32 allreduce
+    line = (
+        f"{head} | sent {stats.bytes_total / 1e6:.2f} MB, an fp32 allreduce every step would "
+        f"send {fp32_step * steps / 1e6:.2f} MB: {fp32_step * steps / stats.bytes_total:.1f}x "
+        "fewer bytes"
+    )
+    if steps > warmup:
+        compressed_step = (stats.bytes_total - stats.total_bytes["warmup"]) / (steps - warmup)
+        line += f" ({fp32_step / compressed_step:.0f}x fewer per step after warmup)"
+    print(line)
