@@ -143,3 +143,25 @@ def _unrouted_clipping(rank, world_size, out):
 def test_trainer_clipping_the_optimizer_does_not_do_is_a_clear_error_on_every_rank(tmp_path):
     errors = run_ranks(_unrouted_clipping, 2, str(tmp_path / "run"), timeout=240)
     assert all("TrainingArguments(max_grad_norm=1.0) would clip each rank" in e for e in errors)
+
+
+def test_create_optimizer_takes_the_settings_trainer_gives_adamw(tmp_path):
+    from transformers import TrainingArguments
+
+    from onebit.integrations.transformers import create_optimizer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95,
+        adam_epsilon=1e-6, weight_decay=0.1, max_grad_norm=0.5, use_cpu=True, report_to=[],
+    )  # fmt: skip
+    model = tiny_gpt2()
+    optimizer = create_optimizer(model, args, freeze_step=FREEZE)
+    decay, no_decay = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(".bias" not in names[id(p)] and "ln_" not in names[id(p)] for p in decay["params"])
+    assert all(".bias" in names[id(p)] or "ln_" in names[id(p)] for p in no_decay["params"])
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert all(g["lr"] == 3e-4 and g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 for g in [decay])
+    assert optimizer.max_grad_norm == 0.5
+    other = create_optimizer(model, args, freeze_step=FREEZE, weight_decay=0.3, max_grad_norm=2.0)
+    assert other.param_groups[0]["weight_decay"] == 0.3 and other.max_grad_norm == 2.0

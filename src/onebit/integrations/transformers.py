@@ -60,17 +60,18 @@ def create_optimizer(
     builds the optimizer in the same process group.
     """
     args.device  # noqa: B018 - initialises the process group under torchrun
+    weight_decay = kwargs.pop("weight_decay", args.weight_decay)
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], _NO_DECAY))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
-        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
     settings: dict[str, Any] = {
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),
         "eps": args.adam_epsilon,
-        "max_grad_norm": args.max_grad_norm if args.max_grad_norm else None,
+        "max_grad_norm": args.max_grad_norm if args.max_grad_norm > 0 else None,
     }
     return optimizer_class([g for g in groups if g["params"]], **{**settings, **kwargs})
 
