@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 300  # seconds; each takes about 15 on 2 CPU cores
 REPORT = re.compile(

@@ -4,6 +4,7 @@ plain loop, exact resume through save_state/load_state, bf16, and an inf on one 
 import pytest
 
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402

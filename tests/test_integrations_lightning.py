@@ -5,6 +5,7 @@ from Lightning's checkpoints, 16-mixed with its GradScaler, and an inf on one ra
 import pytest
 
 pytest.importorskip("lightning")
+pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402
