@@ -23,6 +23,9 @@ What :func:`create_optimizer` and :class:`OnebitCallback` configure:
   ``optimizer.pt`` that rank 0 writes, so ``trainer.train(resume_from_checkpoint=...)`` resumes
   every rank exactly.
 
+Trainer's logged ``grad_norm`` is rank 0's local gradient norm, since gradients are averaged
+inside ``optimizer.step()``; ``optimizer.grad_norm`` is the norm the clipping used.
+
 What the user still does: pick ``freeze_step`` (or ``"auto"``), pass ``optimizers=(optimizer,
 None)`` and add the callback. Trainer's schedulers, ``bf16``/``fp16``, gradient accumulation
 and logging work unchanged. ``save_on_each_node`` is refused: only global rank 0 holds the
