@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from family import all_equal
 
 BLOCK = 32
 FREEZE = 3  # OnebitAdam freezes after 3 steps: every run here crosses it
@@ -49,3 +50,27 @@ def text_windows(count: int) -> list[dict[str, torch.Tensor]]:
 
 def fp32_bytes(model: torch.nn.Module) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
+
+
+def assert_trained_as_a_plain_loop(results: list[tuple]) -> None:
+    """Each rank's (framework's parameters, plain loop's parameters on the same batches, comm
+    stats, fp32 bytes of the model): bitwise the same training, so the framework adds nothing
+    (no second allreduce through DDP, no local clipping, no extra step), and 1-bit traffic
+    after the fp32 stage."""
+    for trained, plain, stats, fp32 in results:
+        assert all_equal(trained, plain)
+        assert stats.steps["compression"] >= 2
+        assert stats.mean_bytes_per_step("compression") < fp32 / 25  # 1 bit, with scales
+        assert max(map(stats.mean_bytes_per_step, stats.steps)) >= fp32  # the fp32 stage
+
+
+def assert_resumed_exactly(results: list[tuple], resumed: list[list[torch.Tensor]]) -> None:
+    for (trained, *_), params in zip(results, resumed):
+        assert all_equal(trained, params)
+
+
+def assert_skipped_on_every_rank(params: list[list[torch.Tensor]], skipped: list[int]) -> None:
+    """One step skipped on every rank, replicas identical and finite."""
+    assert list(skipped) == [1] * len(skipped)
+    assert all(all_equal(params[0], other) for other in params[1:])
+    assert all(bool(torch.isfinite(p).all()) for p in params[0])

@@ -9,12 +9,20 @@ pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402
-from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
+from frameworks import (  # noqa: E402
+    FREEZE,
+    assert_resumed_exactly,
+    assert_skipped_on_every_rank,
+    assert_trained_as_a_plain_loop,
+    fp32_bytes,
+    launched_as,
+    text_windows,
+    tiny_gpt2,
+)
 
 import onebit  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 4  # 32 windows over 2 ranks
-STEPS = EPOCHS * STEPS_PER_EPOCH
 
 
 def _optimizer(model, clip=1.0):
@@ -82,13 +90,8 @@ def _resume(rank, world_size, out):
 def test_lightning_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
     out = str(tmp_path / "checkpoints")
     results = run_ranks(_fit_then_replay, 2, out, timeout=240)
-    for trained, plain, stats, fp32 in results:
-        assert all(torch.equal(a, b) for a, b in zip(trained, plain))  # same batches: bitwise
-        assert stats.steps == {"warmup": FREEZE, "compression": STEPS - FREEZE}
-        assert stats.mean_bytes_per_step("compression") < fp32 / 25
-    resumed = run_ranks(_resume, 2, out, timeout=240)
-    for (trained, *_), params in zip(results, resumed):
-        assert all(torch.equal(a, b) for a, b in zip(trained, params))
+    assert_trained_as_a_plain_loop(results)
+    assert_resumed_exactly(results, run_ranks(_resume, 2, out, timeout=240))
 
 
 def _fp16_with_inf(rank, world_size, out, inf_at):
@@ -98,10 +101,7 @@ def _fp16_with_inf(rank, world_size, out, inf_at):
 
 def test_16_mixed_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     results = run_ranks(_fp16_with_inf, 2, str(tmp_path / "checkpoints"), FREEZE + 2, timeout=240)
-    (params0, skipped0), (params1, skipped1) = results
-    assert skipped0 == skipped1 == 1
-    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
-    assert all(bool(torch.isfinite(p).all()) for p in params0)
+    assert_skipped_on_every_rank(*zip(*results))
 
 
 def _local_clipping(rank, world_size, out):

@@ -10,7 +10,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from family import NAMES, SETTINGS  # noqa: E402
-from frameworks import FREEZE, fp32_bytes, launched_as, text_windows, tiny_gpt2  # noqa: E402
+from frameworks import (  # noqa: E402
+    FREEZE,
+    assert_resumed_exactly,
+    assert_skipped_on_every_rank,
+    assert_trained_as_a_plain_loop,
+    fp32_bytes,
+    launched_as,
+    text_windows,
+    tiny_gpt2,
+)
 
 STEPS, SAVE_AT, BATCH = 8, 4, 4
 
@@ -91,33 +100,22 @@ def _resume(rank, world_size, out, name):
 def test_trainer_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path, name):
     out = str(tmp_path / "run")
     results = run_ranks(_train_then_replay, 2, out, name, timeout=240)
-    for trained, plain, stats, fp32 in results:
-        # Same batches, same loss, same optimizer: bitwise, so Trainer adds and drops nothing
-        # (no second allreduce through DDP, no local clipping, no extra step).
-        assert all(torch.equal(a, b) for a, b in zip(trained, plain))
-        assert stats.steps["compression"] >= 2
-        assert stats.mean_bytes_per_step("compression") < fp32 / 25  # 1 bit, with scales
-        assert max(map(stats.mean_bytes_per_step, stats.steps)) >= fp32  # the fp32 stage
+    assert_trained_as_a_plain_loop(results)
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
-
     resumed = run_ranks(_resume, 2, out, name, timeout=240)
-    for (trained, *_), (params, num_steps) in zip(results, resumed):
-        assert num_steps == STEPS
-        assert all(torch.equal(a, b) for a, b in zip(trained, params))
+    assert [num_steps for _, num_steps in resumed] == [STEPS, STEPS]
+    assert_resumed_exactly(results, [params for params, _ in resumed])
 
 
 def _bf16_with_inf(rank, world_size, out, inf_at):
     trainer, model, optimizer, _ = _trainer(rank, world_size, out, bf16=True, inf_at=inf_at)
     trainer.train()
-    return _params(model), optimizer.skipped_steps, optimizer.num_steps
+    return _params(model), optimizer.skipped_steps
 
 
 def test_bf16_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     results = run_ranks(_bf16_with_inf, 2, str(tmp_path / "run"), FREEZE + 2, timeout=240)
-    (params0, skipped0, steps0), (params1, skipped1, steps1) = results
-    assert skipped0 == skipped1 == 1 and steps0 == steps1 == STEPS - 1
-    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
-    assert all(bool(torch.isfinite(p).all()) for p in params0)
+    assert_skipped_on_every_rank(*zip(*results))
 
 
 def _unrouted_clipping(rank, world_size, out):
