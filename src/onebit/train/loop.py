@@ -100,7 +100,7 @@ def spawn_worker(
     try:
         run_all(configs, torch.device("cpu"), resume)
     finally:
-        dist.destroy_process_group()
+        _close_process_group()
 
 
 def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
@@ -115,7 +115,19 @@ def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
     try:
         run_all(configs, device, resume)
     finally:
-        dist.destroy_process_group()
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Destroy the process group, then give gloo's worker threads time to finish.
+
+    A gloo worker drops a finished collective (and its tensors, which needs the GIL) after the
+    waiting thread has already moved on. If the interpreter shuts down first, that worker is
+    killed while taking the GIL and the process aborts with "terminate called without an
+    active exception" (pytorch/pytorch#179291). Sleeping releases the GIL to it.
+    """
+    dist.destroy_process_group()
+    time.sleep(0.2)
 
 
 def _loopback_interface() -> str | None:
