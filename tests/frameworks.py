@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import torch
-from family import all_equal
+from family import all_equal, params_of
+
+import onebit
 
 BLOCK = 32
 FREEZE = 3  # OnebitAdam freezes after 3 steps: every run here crosses it
@@ -50,6 +52,23 @@ def text_windows(count: int) -> list[dict[str, torch.Tensor]]:
 
 def fp32_bytes(model: torch.nn.Module) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
+
+
+def onebit_adam(model: torch.nn.Module, clip: float | None = 1.0) -> onebit.OnebitAdam:
+    """The optimizer the Accelerate and Lightning tests train with, framework or not."""
+    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=clip)
+
+
+def replay(batches: list[dict[str, torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
+    """:func:`onebit_adam` on a bare :func:`tiny_gpt2` in a plain loop over ``batches`` (those a
+    framework fed this rank): its final parameters and the model's fp32 bytes."""
+    plain = tiny_gpt2()
+    optimizer = onebit_adam(plain)
+    for batch in batches:
+        plain(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params_of(plain), fp32_bytes(plain)
 
 
 def assert_trained_as_a_plain_loop(results: list[tuple]) -> None:

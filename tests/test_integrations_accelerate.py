@@ -13,19 +13,14 @@ from frameworks import (  # noqa: E402
     assert_resumed_exactly,
     assert_skipped_on_every_rank,
     assert_trained_as_a_plain_loop,
-    fp32_bytes,
     launched_as,
+    onebit_adam,
+    replay,
     text_windows,
     tiny_gpt2,
 )
 
-import onebit  # noqa: E402
-
 STEPS, SAVE_AT, BATCH = 8, 4, 4
-
-
-def _optimizer(model):
-    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=1.0)
 
 
 def _run(rank, world_size, out, *, resume=False, mixed_precision="no", inf_at=None):
@@ -37,7 +32,7 @@ def _run(rank, world_size, out, *, resume=False, mixed_precision="no", inf_at=No
     launched_as(rank, world_size)
     accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
     model = tiny_gpt2(seed=1 if resume else 0)
-    optimizer = _optimizer(model)
+    optimizer = onebit_adam(model)
     loader = torch.utils.data.DataLoader(text_windows(64), batch_size=BATCH)
     model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
     start = 0
@@ -65,13 +60,8 @@ def _run(rank, world_size, out, *, resume=False, mixed_precision="no", inf_at=No
 
 def _train_then_replay(rank, world_size, out):
     params, batches, stats, _ = _run(rank, world_size, out)
-    plain = tiny_gpt2()
-    optimizer = _optimizer(plain)
-    for batch in batches:
-        plain(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return params, [p.detach().clone() for p in plain.parameters()], stats, fp32_bytes(plain)
+    plain, fp32 = replay(batches)
+    return params, plain, stats, fp32
 
 
 def _resume(rank, world_size, out):

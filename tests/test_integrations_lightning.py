@@ -14,19 +14,14 @@ from frameworks import (  # noqa: E402
     assert_resumed_exactly,
     assert_skipped_on_every_rank,
     assert_trained_as_a_plain_loop,
-    fp32_bytes,
     launched_as,
+    onebit_adam,
+    replay,
     text_windows,
     tiny_gpt2,
 )
 
-import onebit  # noqa: E402
-
 EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 4  # 32 windows over 2 ranks
-
-
-def _optimizer(model, clip=1.0):
-    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=clip)
 
 
 def _fit(rank, world_size, out, *, resume=None, precision="32-true", inf_at=None, clip=1.0):
@@ -50,7 +45,7 @@ def _fit(rank, world_size, out, *, resume=None, precision="32-true", inf_at=None
             return loss
 
         def configure_optimizers(self):
-            return _optimizer(self, clip)
+            return onebit_adam(self, clip)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(text_windows(32), batch_size=BATCH)
@@ -74,13 +69,8 @@ def _fit(rank, world_size, out, *, resume=None, precision="32-true", inf_at=None
 
 def _fit_then_replay(rank, world_size, out):
     params, batches, stats, _ = _fit(rank, world_size, out)
-    plain = tiny_gpt2()
-    optimizer = _optimizer(plain)
-    for batch in batches:
-        plain(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return params, [p.detach().clone() for p in plain.parameters()], stats, fp32_bytes(plain)
+    plain, fp32 = replay(batches)
+    return params, plain, stats, fp32
 
 
 def _resume(rank, world_size, out):
