@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import optim
+from . import checkpoint, loggers, optim
+from .checkpoint import CheckpointError
 from .data import DataError, prepare
-from .loop import RunConfig, checkpoint_dir, latest_checkpoint
+from .loop import RunConfig
 
 DEFAULT_STEPS = 300
 DEFAULT_WORKERS = 4
@@ -33,32 +37,62 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
+_positive = _integer(1)
+_non_negative = _integer(0)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+def _number(low: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low`` (or equal to it if ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (value == low and not inclusive):
+            bound = "at least" if inclusive else "above"
+            raise argparse.ArgumentTypeError(f"must be {bound} {low:g}, got {text}")
+        return value
+
+    return parse
 
 
 def _freeze_step(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
+
+
+def _resume(text: str) -> Path | str:
+    return AUTO if text == AUTO else Path(text)
+
+
+def _log(text: str) -> tuple[str, ...]:
+    try:
+        return loggers.parse_backends(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+AUTO = "auto"
+SEED_MAX = 2**32 - 1
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,10 +117,26 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=_positive, default=16, metavar="N", help="sequences per worker (16)"
     )
     run.add_argument(
-        "--lr", type=_positive_float, help="peak learning rate (default 1e-3, LAMB 1e-2)"
+        "--lr",
+        type=_number(0, inclusive=False),
+        help="peak learning rate (default 1e-3, LAMB 1e-2)",
     )
     run.add_argument(
-        "--weight-decay", type=float, default=0.1, help="decoupled, on matrices only (0.1)"
+        "--weight-decay",
+        type=_number(0, inclusive=True),
+        default=0.1,
+        help="decoupled, on matrices only (0.1)",
+    )
+    run.add_argument(
+        "--amp",
+        choices=("bf16", "fp16"),
+        help="autocast the forward pass to bf16, or to fp16 with a GradScaler (default: fp32)",
+    )
+    run.add_argument(
+        "--grad-clip",
+        type=_number(0, inclusive=False),
+        metavar="NORM",
+        help="clip the averaged gradients to this global norm (default: no clipping)",
     )
     run.add_argument(
         "--freeze-step",
@@ -109,7 +159,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="zero-one-adam: steps between doublings of its local-step interval (default 32768, "
         "so short runs sync every step)",
     )
-    run.add_argument("--seed", type=int, default=0, help="model init and data order (0)")
+    run.add_argument(
+        "--seed", type=_integer(0, SEED_MAX), default=0, help="model init and data order (0)"
+    )
     run.add_argument(
         "--compare",
         metavar="OPT,OPT,...",
@@ -175,11 +227,36 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint every N steps and at the end (default 0: never)",
     )
     output.add_argument(
+        "--keep",
+        type=_positive,
+        metavar="K",
+        help="keep the newest K checkpoints, delete older ones (default 3)",
+    )
+    output.add_argument(
         "--resume",
-        type=Path,
-        metavar="DIR",
-        help="continue a run exactly from a run folder (its newest checkpoint) or a checkpoint "
-        "folder; only --out, --steps and --save-every may be changed",
+        type=_resume,
+        metavar="DIR|auto",
+        help="continue a run exactly from a run folder (its newest usable checkpoint) or a "
+        "checkpoint folder; only --out, --steps, --save-every, --keep, --log and --max-restarts "
+        "may be changed. auto: continue the run in --out if it has a checkpoint, else start it, "
+        "so that the same command starts a run and continues it after a crash",
+    )
+    output.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="if a local worker dies, stop the others and continue from the last checkpoint, up "
+        "to N times (needs --save-every; under torchrun use torchrun's --max-restarts and "
+        "--resume auto)",
+    )
+    output.add_argument(
+        "--log",
+        type=_log,
+        default=("jsonl",),
+        metavar="jsonl,csv,tensorboard,wandb",
+        help="where rank 0 logs each step's metrics, any combination (jsonl, which the summary "
+        "and --resume read, is always written)",
     )
     output.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
@@ -214,37 +291,100 @@ def train_main(argv: list[str] | None = None) -> None:
     sys.exit(run(parser.parse_args(argv), parser.prog))
 
 
+@dataclass
+class Plan:
+    """What to run: the configurations, the checkpoint folder to continue from, the workers, and
+    ``finished``, a message if there is nothing left to do."""
+
+    configs: list[RunConfig]
+    resume: str | None
+    workers: int
+    finished: str | None = None
+
+
 def run(args: argparse.Namespace, prog: str) -> int:
     """Check everything, then train; return the exit status."""
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    talk = not torchrun or os.environ.get("RANK") == "0"
+
+    def warn(message: str) -> None:
+        if talk:
+            print(f"{prog}: warning: {message}", file=sys.stderr)
+
     try:
         _require_extras()
-        configs, resume, workers = resolve(args, torchrun)
-    except (UsageError, DataError, optim.OptimizerUnavailable) as err:
-        if not torchrun or os.environ.get("RANK") == "0":
+        loggers.check_available(args.log)
+        plan = resolve(args, torchrun, warn)
+    except (
+        UsageError,
+        DataError,
+        CheckpointError,
+        optim.OptimizerUnavailable,
+        loggers.LoggerUnavailable,
+    ) as err:
+        if talk:
             print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    from .loop import spawn_worker, torchrun_worker
+    if plan.finished:
+        if talk:
+            print(f"{prog}: {plan.finished}", file=sys.stderr)
+        return 0
+    from .loop import torchrun_worker
 
     if torchrun:
-        torchrun_worker(configs, resume)
+        torchrun_worker(plan.configs, plan.resume)
         return 0
+    return _launch(plan, args.max_restarts, prog, warn)
+
+
+def _launch(plan: Plan, max_restarts: int, prog: str, warn: Callable[[str], None]) -> int:
+    """Run the workers locally; if one dies, stop the others and start them all again from the
+    newest usable checkpoint, up to ``max_restarts`` times."""
     import torch.multiprocessing as mp
 
+    from .loop import spawn_worker
+
+    configs, resume = plan.configs, plan.resume
     where = configs[0].out if len(configs) == 1 else str(Path(configs[0].out).parent)
-    print(f"{prog}: {workers} workers, results in {where}", file=sys.stderr)
+    print(f"{prog}: {plan.workers} workers, results in {where}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.start_processes(
-                spawn_worker,
-                args=(workers, f"{tmp}/store", configs, resume),
-                nprocs=workers,
-                start_method="spawn",
-            )
-        except KeyboardInterrupt:
-            print(f"{prog}: interrupted", file=sys.stderr)
-            return 130
-    return 0
+        for attempt in range(max_restarts + 1):
+            try:
+                mp.start_processes(
+                    spawn_worker,
+                    args=(plan.workers, f"{tmp}/store{attempt}", configs, resume),
+                    nprocs=plan.workers,
+                    start_method="spawn",
+                )
+                return 0
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 130
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
+                failure = _failure(err)
+                if attempt == max_restarts:
+                    print(f"{prog}: error: {failure}", file=sys.stderr)
+                    return 1
+            try:
+                found = checkpoint.newest_usable(Path(configs[0].out), warn)
+            except CheckpointError as bad:
+                print(f"{prog}: error: {failure}; cannot restart: {bad}", file=sys.stderr)
+                return 1
+            resume = str(found.folder) if found else None
+            start = f"step {found.step}" if found else "the start"
+            warn(f"{failure}; restart {attempt + 1} of {max_restarts}, from {start}")
+    raise AssertionError("unreachable")
+
+
+def _failure(err: Exception) -> str:
+    """What happened to a worker, in a line (a Python error keeps its traceback)."""
+    import torch.multiprocessing as mp
+
+    if isinstance(err, mp.ProcessExitedException):
+        if err.signal_name:
+            return f"worker {err.error_index} was killed by {err.signal_name}"
+        return f"worker {err.error_index} exited with status {err.exit_code}"
+    return str(err).strip()
 
 
 def _require_extras() -> None:
@@ -258,34 +398,83 @@ def _require_extras() -> None:
         raise UsageError(f"onebit train needs {' and '.join(missing)}: pip install 'onebit[train]'")
 
 
-def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], str | None, int]:
-    """Turn the options into run configurations; return (configs, checkpoint to resume, workers).
+def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None] = print) -> Plan:
+    """Turn the options into a :class:`Plan`; ``warn`` gets one line per checkpoint skipped.
 
-    Raises :class:`UsageError` or :class:`DataError` with a one-line message.
+    Raises :class:`UsageError`, :class:`DataError` or :class:`CheckpointError` with a one-line
+    message.
     """
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.workers or DEFAULT_WORKERS
     if torchrun and args.workers is not None and args.workers != world_size:
         raise UsageError(f"--workers {args.workers} but torchrun started {world_size} ranks")
-    if args.resume is not None:
-        return _resume(args, torchrun, world_size)
+    if torchrun and args.max_restarts:
+        raise UsageError(
+            "under torchrun, restarts are torchrun's: give torchrun --max-restarts, and "
+            "onebit --resume auto"
+        )
+    if args.compare and args.resume is not None:
+        raise UsageError("--resume continues one run; it cannot be combined with --compare")
+    if args.compare and args.max_restarts:
+        raise UsageError("--max-restarts continues one run; it cannot be combined with --compare")
+    if args.resume is not None and args.resume != AUTO:
+        plan = _resume_from(args, torchrun, world_size, warn)
+    else:
+        plan = _new_run(args, torchrun, world_size, warn)
+    config = plan.configs[0]
+    if args.max_restarts and not config.save_every:
+        raise UsageError(
+            "--max-restarts needs --save-every N: a restart continues from a checkpoint"
+        )
+    if args.keep is not None and not config.save_every:
+        raise UsageError("--keep needs --save-every N")
+    return plan
+
+
+def _new_run(
+    args: argparse.Namespace, torchrun: bool, world_size: int, warn: Callable[[str], None]
+) -> Plan:
+    """A fresh run, or with ``--resume auto`` the continuation of the one in ``--out``."""
     if args.compare and args.optimizer:
         raise UsageError("give either --optimizer or --compare, not both")
     runs = (
         _parse_compare(args.compare) if args.compare else [(args.optimizer or "onebit-adam", True)]
     )
-    for name, _ in runs:
+    names = [name for name, _ in runs]
+    for name in names:
         optim.optimizer_class(name)
-    if not args.error_feedback and not any(optim.is_compressed(n) for n, _ in runs):
-        raise UsageError("--no-error-feedback applies only to the 1-bit optimizers")
-    dataset = prepare(args.data, _cache_dir(args))
-    dataset.check_context(args.block_size)
+    if not any(optim.is_compressed(n) for n in names):
+        for flag, value in (
+            ("--no-error-feedback", not args.error_feedback),
+            ("--freeze-step", args.freeze_step),
+        ):
+            if value:
+                raise UsageError(f"{flag} applies only to the 1-bit optimizers")
+    if args.local_step_scaler and "zero-one-adam" not in names:
+        raise UsageError("--local-step-scaler applies only to zero-one-adam")
+    steps = args.steps or DEFAULT_STEPS
+    if isinstance(args.freeze_step, int) and args.freeze_step >= steps:
+        raise UsageError(
+            f"--freeze-step {args.freeze_step} is not below --steps {steps}: the run would never "
+            "compress"
+        )
     if args.width % args.heads:
         raise UsageError(f"--width {args.width} is not a multiple of --heads {args.heads}")
-    steps = args.steps or DEFAULT_STEPS
-    # Under torchrun every rank must pick the same folder, so no time stamp there.
-    stamp = "" if torchrun else time.strftime("-%Y%m%d-%H%M%S")
+    for name in names:
+        lr = args.lr or optim.default_lr(name)
+        if lr * args.weight_decay >= 1:
+            raise UsageError(
+                f"--weight-decay {args.weight_decay:g} with a learning rate of {lr:g} would "
+                "zero or flip the weights at every step (lr x weight decay must be below 1)"
+            )
+    cache = _cache_dir(args)
+    _check_folder(cache, "--cache-dir")
+    dataset = prepare(args.data, cache)
+    dataset.check_context(args.block_size)
+    # Every torchrun rank, and every launch of a --resume auto command, must pick the same folder.
+    stamp = "" if torchrun or args.resume == AUTO else time.strftime("-%Y%m%d-%H%M%S")
     if args.compare:
         root = args.out or Path("runs") / f"compare-{args.model}{stamp}"
+        _check_folder(root, "--out")
     configs = []
     for name, error_feedback in runs:
         error_feedback = error_feedback and args.error_feedback and optim.is_compressed(name)
@@ -303,6 +492,7 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
                 optimizer=name,
                 model=args.model,
                 steps=steps,
+                schedule_steps=steps,
                 batch_size=args.batch_size,
                 block_size=args.block_size,
                 n_layer=args.layers,
@@ -315,14 +505,193 @@ def resolve(args: argparse.Namespace, torchrun: bool) -> tuple[list[RunConfig], 
                 bucket_size=args.bucket_size,
                 local_step_scaler=args.local_step_scaler,
                 error_feedback=error_feedback,
+                amp=args.amp,
+                grad_clip=args.grad_clip,
                 eval_every=args.eval_every or max(1, steps // 20),
                 eval_windows=args.eval_windows,
                 seed=args.seed,
                 save_every=args.save_every,
+                keep=args.keep or 3,
+                log=args.log,
                 progress=args.progress,
             )
         )
-    return configs, None, world_size
+    if args.resume == AUTO:
+        return _resume_auto(configs[0], args, world_size, warn)
+    for config in configs:
+        _check_new_run_folder(Path(config.out))
+    return Plan(configs, None, world_size)
+
+
+_RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "model.pt", "checkpoints")
+
+
+def _check_folder(path: Path, flag: str) -> None:
+    """``path`` is a folder, or can be made one."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file, not a folder")
+    parent = next(p for p in [path, *path.parents] if p.exists())
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {parent}")
+
+
+def _check_new_run_folder(out: Path) -> None:
+    """A fresh run never writes over another run's files."""
+    _check_folder(out, "--out")
+    if any((out / name).exists() for name in _RUN_FILES):
+        saved = checkpoint.steps(out)
+        held = f"checkpoints up to step {saved[0]}" if saved else "its results"
+        raise UsageError(
+            f"{out} already holds a run ({held}); continue it with --resume auto, or choose "
+            "another --out"
+        )
+
+
+_SAME_RUN = {
+    "data_digest": "--data",
+    "optimizer": "--optimizer",
+    "label": "--no-error-feedback",
+    "model": "--model",
+    "batch_size": "--batch-size",
+    "block_size": "--block-size",
+    "n_layer": "--layers",
+    "n_head": "--heads",
+    "n_embd": "--width",
+    "lr": "--lr",
+    "weight_decay": "--weight-decay",
+    "bucket_size": "--bucket-size",
+    "local_step_scaler": "--local-step-scaler",
+    "amp": "--amp",
+    "grad_clip": "--grad-clip",
+    "eval_windows": "--eval-windows",
+    "seed": "--seed",
+}
+"""The settings a ``--resume auto`` command must share with the run it continues, and their
+flags. ``--freeze-step`` and ``--eval-every`` are compared when given."""
+
+
+def _resume_auto(
+    fresh: RunConfig, args: argparse.Namespace, world_size: int, warn: Callable[[str], None]
+) -> Plan:
+    out = Path(fresh.out)
+    _check_folder(out, "--out")
+    if not (out / "config.json").exists():
+        _check_new_run_folder(out)
+        return Plan([fresh], None, world_size)
+    saved = _read_config(out)
+    fields = dict(_SAME_RUN)
+    if args.freeze_step is not None:
+        fields["freeze_step"] = "--freeze-step"
+    if args.eval_every is not None:
+        fields["eval_every"] = "--eval-every"
+    changed = [
+        f"{flag} {getattr(saved, name)} there, {getattr(fresh, name)} here"
+        for name, flag in fields.items()
+        if getattr(saved, name) != getattr(fresh, name)
+    ]
+    if changed:
+        raise UsageError(
+            f"{out} holds a different run ({'; '.join(changed)}); choose another --out"
+        )
+    summary = out / "summary.json"
+    if summary.exists():
+        done = json.loads(summary.read_text())["steps"]
+        if done >= fresh.steps:
+            return Plan([saved], None, world_size, f"{out} already finished {done} steps")
+    found = checkpoint.newest_usable(out, warn)
+    if found is None:
+        return Plan([fresh], None, world_size)
+    return _continue(saved, found, args, world_size, out)
+
+
+_RESUME_MAY_CHANGE = {
+    "command",
+    "out",
+    "steps",
+    "save_every",
+    "keep",
+    "log",
+    "max_restarts",
+    "resume",
+    "workers",
+    "progress",
+    "cache_dir",
+}
+
+
+def _resume_from(
+    args: argparse.Namespace, torchrun: bool, world_size: int, warn: Callable[[str], None]
+) -> Plan:
+    """``--resume DIR``: continue the run in DIR (a run folder or one of its checkpoints)."""
+    given = [
+        name
+        for name, value in vars(args).items()
+        if name not in _RESUME_MAY_CHANGE and value != build_parser().get_default(name)
+    ]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"--resume continues the saved run: {flags} cannot be changed")
+    path = args.resume
+    if (path / checkpoint.MARKER).exists():
+        found = checkpoint.verify(path)
+        run_dir = path.parent.parent
+    elif (path / "config.json").exists():
+        run_dir = path
+        found = checkpoint.newest_usable(run_dir, warn)
+        if found is None:
+            raise UsageError(f"{path} has no complete checkpoint (train with --save-every N)")
+    else:
+        raise UsageError(f"{path} is neither a run folder nor a checkpoint folder")
+    out = args.out or run_dir
+    if out.resolve() == run_dir.resolve():
+        newer = [s for s in checkpoint.steps(run_dir) if s > found.step]
+        if newer and path != run_dir:
+            raise UsageError(
+                f"{run_dir} has checkpoints after step {found.step} (step {newer[0]}), which "
+                "continuing from it would overwrite; resume into another --out"
+            )
+    else:
+        _check_new_run_folder(out)
+    if args.workers is None and not torchrun:
+        world_size = found.world_size
+    return _continue(_read_config(run_dir), found, args, world_size, out)
+
+
+def _read_config(run_dir: Path) -> RunConfig:
+    try:
+        return RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"{run_dir / 'config.json'} is unreadable ({err})") from None
+
+
+def _continue(
+    config: RunConfig,
+    found: checkpoint.Checkpoint,
+    args: argparse.Namespace,
+    world_size: int,
+    out: Path,
+) -> Plan:
+    """``config`` continued from ``found`` into ``out``: only where it stops, how often it saves
+    and where it logs may change; the schedule and the freeze step stay the saved run's."""
+    if world_size != found.world_size:
+        raise UsageError(
+            f"the checkpoint was saved by {found.world_size} workers, not {world_size}: "
+            "error-feedback buffers are per rank"
+        )
+    if not (Path(config.data) / "train.bin").exists():
+        raise UsageError(f"the run's data {config.data} is gone; it cannot be resumed exactly")
+    config.schedule_steps = config.horizon()
+    config.out = str(out)
+    config.steps = args.steps or config.steps
+    if config.steps < found.step:
+        raise UsageError(f"the checkpoint is at step {found.step}, past --steps {config.steps}")
+    config.save_every = args.save_every or config.save_every
+    config.keep = args.keep or config.keep
+    config.log = args.log if args.log != ("jsonl",) else tuple(config.log)
+    config.progress = args.progress
+    return Plan([config], str(found.folder), world_size)
 
 
 def _cache_dir(args: argparse.Namespace) -> Path:
@@ -351,58 +720,3 @@ def _parse_compare(text: str) -> list[tuple[str, bool]]:
     if len(set(runs)) != len(runs):
         raise UsageError(f"--compare lists a run twice: {text}")
     return runs
-
-
-_RESUME_MAY_CHANGE = {
-    "command",
-    "out",
-    "steps",
-    "save_every",
-    "resume",
-    "workers",
-    "progress",
-    "cache_dir",
-}
-
-
-def _resume(
-    args: argparse.Namespace, torchrun: bool, world_size: int
-) -> tuple[list[RunConfig], str, int]:
-    given = [
-        name
-        for name, value in vars(args).items()
-        if name not in _RESUME_MAY_CHANGE and value != build_parser().get_default(name)
-    ]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise UsageError(f"--resume continues the saved run: {flags} cannot be changed")
-    path = args.resume
-    if (path / "complete").exists():
-        checkpoint = path
-    elif (path / "config.json").exists():
-        checkpoint = latest_checkpoint(path)
-        if checkpoint is None:
-            raise UsageError(f"{path} has no complete checkpoint (train with --save-every N)")
-    else:
-        raise UsageError(f"{path} is neither a run folder nor a checkpoint folder")
-    run_dir = checkpoint.parent.parent
-    config = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-    saved_world = int((checkpoint / "complete").read_text())
-    if args.workers is None and not torchrun:
-        world_size = saved_world
-    if world_size != saved_world:
-        raise UsageError(
-            f"the checkpoint was saved by {saved_world} workers, not {world_size}: "
-            "error-feedback buffers are per rank"
-        )
-    if not (Path(config.data) / "train.bin").exists():
-        raise UsageError(f"the run's data {config.data} is gone; it cannot be resumed exactly")
-    step = int(checkpoint.name.removeprefix("step_"))
-    assert checkpoint == checkpoint_dir(run_dir, step)
-    config.out = str(args.out or run_dir)
-    config.steps = args.steps or config.steps
-    if config.steps <= step:
-        raise UsageError(f"the checkpoint is at step {step}: nothing left of {config.steps} steps")
-    config.save_every = args.save_every or config.save_every
-    config.progress = args.progress
-    return [config], str(checkpoint), world_size

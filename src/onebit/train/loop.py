@@ -9,10 +9,10 @@ resumed run continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass, fields
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import onebit
 
-from . import optim, report
+from . import checkpoint, loggers, optim, report
+from .checkpoint import atomic_write
 from .data import get_batch, read_split, val_starts, windows
 from .model import ModelConfig, Transformer
 
@@ -58,7 +59,17 @@ class RunConfig:
     eval_windows: int = 256
     seed: int = 0
     save_every: int = 0
+    keep: int = 3
+    amp: str | None = None
+    grad_clip: float | None = None
+    log: tuple[str, ...] = ("jsonl",)
+    schedule_steps: int | None = None
     progress: bool = True
+
+    def horizon(self) -> int:
+        """The steps the learning-rate schedule and the default freeze step are laid out over:
+        the first launch's ``steps``. A resumed run that changes ``steps`` only moves its end."""
+        return self.schedule_steps or self.steps
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.block_size, self.n_layer, self.n_head, self.n_embd)
@@ -73,10 +84,11 @@ class RunConfig:
 
 
 def lr_at(step: int, config: RunConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to a tenth of ``lr``."""
+    """Linear warmup over ``warmup_steps``, then cosine decay to a tenth of ``lr`` at step
+    ``config.horizon()``, and a tenth after it."""
     if step <= config.warmup_steps:
         return config.lr * step / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = (step - config.warmup_steps) / max(1, config.horizon() - config.warmup_steps)
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -156,7 +168,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     out = Path(config.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=1) + "\n")
+        atomic_write(out / "config.json", (json.dumps(config.to_dict(), indent=1) + "\n").encode())
     train_data = read_split(Path(config.data), "train")
     val_data = read_split(Path(config.data), "val")
     eval_x, eval_y = _eval_set(val_data, config)
@@ -171,25 +183,42 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         model.param_groups(config.weight_decay),
         lr=config.lr,
         freeze_step=config.freeze_step,
-        steps=config.steps,
+        steps=config.horizon(),
         bucket_size=config.bucket_size,
         local_step_scaler=config.local_step_scaler,
+        max_grad_norm=config.grad_clip,
+        scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
     )
     opt = trainer.optimizer
+    kept: list[dict[str, Any]] = []
     if resume is not None:
         # After the optimizer's broadcast from rank 0: 0/1 Adam's replicas may differ.
         state = torch.load(Path(resume) / f"rank{rank}.pt", map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+        trainer.load_state_dict(state["trainer"])
         generator.set_state(state["generator"])
         start_step, elapsed, sent = state["step"], state["elapsed"], state["bytes_sent"]
-    metrics = _open_metrics(out, resume, start_step) if rank == 0 else None
+        source = Path(resume).parent.parent
+        if rank == 0 and (source / "metrics.jsonl").exists():
+            kept = [r for r in report.read_metrics(source) if r["step"] <= start_step]
+    logger = None
+    if rank == 0:
+        logger = loggers.MetricLogger(
+            tuple(config.log),
+            out,
+            kept=kept,
+            start_step=start_step,
+            config=config.to_dict(),
+            name=f"{out.name}",
+        )
 
     dummy = torch.zeros(config.batch_size, config.block_size, dtype=torch.long, device=device)
     trainer.settle(dummy, dummy)
     numel = sum(p.numel() for p in model.parameters())
     samples_per_step = config.batch_size * world_size
     bar = _progress(config, start_step) if rank == 0 else None
+    autocast = _autocast(config.amp, device)
     dist.barrier()
     t0 = time.perf_counter() - elapsed
     for step in range(start_step + 1, config.steps + 1):
@@ -197,24 +226,24 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = get_batch(train_data, config.batch_size, config.block_size, config.model, generator)
-        _, loss = trainer.model(x.to(device), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with autocast:
+            _, loss = trainer.model(x.to(device), y.to(device))
+        trainer.step(loss)
         if not config.error_feedback:
             optim.drop_error_feedback(opt)
         stage, nbytes = trainer.stage(), trainer.last_step_bytes()
         sent[stage] = sent.get(stage, 0) + nbytes
-        loss = loss.detach().clone()
+        loss = loss.detach().float()
         dist.all_reduce(loss)
         record = {
             "step": step,
             "samples": step * samples_per_step,
-            "loss": loss.item() / world_size,
-            "lr": lr,
-            "stage": stage,
-            "bytes": nbytes,
-            "bytes_sent": sum(sent.values()),
+            "loss/train": loss.item() / world_size,
+            "optim/lr": lr,
+            "optim/skipped_steps": trainer.skipped_steps(),
+            "comm/stage": stage,
+            "comm/bytes": nbytes,
+            "comm/bytes_total": sum(sent.values()),
         }
         if step % config.eval_every == 0 or step == config.steps:
             synced = trainer.synchronize()
@@ -222,21 +251,30 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
                 if not config.error_feedback:
                     optim.drop_error_feedback(opt)
                 sent["synchronize"] = sent.get("synchronize", 0) + synced
-                record["bytes"] += synced
-                record["bytes_sent"] += synced
-            record["val_loss"] = evaluate(model, eval_x, eval_y, config.batch_size, device)
-        record["time"] = time.perf_counter() - t0
-        record["samples_per_s"] = (
-            (step - start_step) * samples_per_step / (record["time"] - elapsed)
+                record["comm/bytes"] += synced
+                record["comm/bytes_total"] += synced
+            with autocast:
+                record["loss/val"] = evaluate(model, eval_x, eval_y, config.batch_size, device)
+        record["time/elapsed_s"] = time.perf_counter() - t0
+        record["throughput/samples_per_s"] = (
+            (step - start_step) * samples_per_step / (record["time/elapsed_s"] - elapsed)
         )
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        if logger is not None:
+            logger.log(record)
         if bar is not None:
             bar.set_postfix(_postfix(record), refresh=False)
             bar.update()
         if config.save_every and (step % config.save_every == 0 or step == config.steps):
-            save_checkpoint(out, step, model, opt, generator, sent, time.perf_counter() - t0)
+            state = {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "trainer": trainer.state_dict(),
+                "generator": generator.get_state(),
+                "bytes_sent": dict(sent),
+                "elapsed": time.perf_counter() - t0,
+            }
+            checkpoint.save(out, step, state, config.keep)
     if bar is not None:
         bar.close()
     wall_time = time.perf_counter() - t0
@@ -244,14 +282,22 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     dist.all_gather_object(per_rank, sum(sent.values()))
     if rank != 0:
         return {}
-    metrics.close()
-    torch.save(model.state_dict(), out / "model.pt")
+    logger.close()
+    atomic_write(out / "model.pt", checkpoint.to_bytes(model.state_dict()))
     summary = _summary(config, trainer, numel, world_size, per_rank, sent, wall_time, device)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    atomic_write(out / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
     records = report.read_metrics(out)
     report.plot_runs({config.label: records}, out / "loss.png", summary["model"])
     print(report.describe(summary))
     return summary
+
+
+def _autocast(amp: str | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast to ``amp`` ("bf16" or "fp16") on ``device``, or nothing."""
+    if amp is None:
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _eval_set(val_data: torch.Tensor, config: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,63 +326,6 @@ def evaluate(
     return (total[0] / total[1]).item()
 
 
-# Files.
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:06d}"
-
-
-def save_checkpoint(
-    out: Path,
-    step: int,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    generator: torch.Generator,
-    sent: dict[str, int],
-    elapsed: float,
-) -> None:
-    """Every rank saves its own state; rank 0 marks the checkpoint complete once all have."""
-    folder = checkpoint_dir(out, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "generator": generator.get_state(),
-        "bytes_sent": dict(sent),
-        "elapsed": elapsed,
-    }
-    torch.save(state, folder / f"rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (folder / "complete").write_text(f"{dist.get_world_size()}\n")
-
-
-def latest_checkpoint(run: Path) -> Path | None:
-    """The newest complete checkpoint folder of run folder ``run``, if any."""
-    done = sorted((run / "checkpoints").glob("step_*/complete"))
-    return done[-1].parent if done else None
-
-
-def _open_metrics(out: Path, resume: str | None, start_step: int):
-    """Open ``metrics.jsonl`` for writing; on resume keep the source run's lines up to the
-    checkpoint."""
-    kept = []
-    if resume is not None:
-        source = Path(resume).parent.parent
-        if (source / "metrics.jsonl").exists():
-            kept = [r for r in report.read_metrics(source) if r["step"] <= start_step]
-    for old in (out / "checkpoints").glob("step_*"):
-        same_run = resume is not None and out.resolve() == Path(resume).parent.parent.resolve()
-        if not same_run or int(old.name.removeprefix("step_")) > start_step:
-            shutil.rmtree(old)
-    metrics = (out / "metrics.jsonl").open("w")
-    for record in kept:
-        metrics.write(json.dumps(record) + "\n")
-    return metrics
-
-
 def _progress(config: RunConfig, start_step: int):
     from tqdm import tqdm
 
@@ -353,12 +342,12 @@ def _progress(config: RunConfig, start_step: int):
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:
     postfix = {
-        "loss": f"{record['loss']:.3f}",
-        "stage": record["stage"],
-        "sent": report.human_bytes(record["bytes_sent"]),
+        "loss": f"{record['loss/train']:.3f}",
+        "stage": record["comm/stage"],
+        "sent": report.human_bytes(record["comm/bytes_total"]),
     }
-    if "val_loss" in record:
-        postfix["val"] = f"{record['val_loss']:.3f}"
+    if "loss/val" in record:
+        postfix["val"] = f"{record['loss/val']:.3f}"
     return postfix
 
 
@@ -373,8 +362,8 @@ def _summary(
     device: torch.device,
 ) -> dict[str, Any]:
     records = report.read_metrics(Path(config.out))
-    vals = [r["val_loss"] for r in records if "val_loss" in r]
-    losses = [r["loss"] for r in records][-20:]
+    vals = [r["loss/val"] for r in records if "loss/val" in r]
+    losses = [r["loss/train"] for r in records][-20:]
     fp32 = config.steps * onebit.comm.allreduce_bytes(4 * numel, world_size)
     total = per_rank[0]
     return {
@@ -391,6 +380,9 @@ def _summary(
         "freeze_step": trainer.freeze_step(),
         "bucket_size": config.bucket_size,
         "error_feedback": config.error_feedback,
+        "amp": config.amp,
+        "grad_clip": config.grad_clip,
+        "skipped_steps": trainer.skipped_steps(),
         "final_val_loss": vals[-1],
         "best_val_loss": min(vals),
         "final_train_loss": sum(losses) / len(losses),
@@ -400,7 +392,7 @@ def _summary(
         "fp32_allreduce_bytes": fp32,
         "compression": fp32 / total if total else None,
         "wall_time_s": wall_time,
-        "samples_per_s": records[-1]["samples_per_s"],
+        "samples_per_s": records[-1]["throughput/samples_per_s"],
         "backend": dist.get_backend(),
         "device": str(device),
         "torch": torch.__version__,

@@ -92,15 +92,56 @@ class Trainer:
 
     Attributes:
         model: the module to run forward and backward (the DDP wrapper for ``adamw``).
-        optimizer: the optimizer; call ``step()`` on every rank.
+        optimizer: the optimizer; :meth:`step` runs it on every rank.
         stage: returns the stage the last step ran in (``"fp32"`` for uncompressed optimizers).
         last_step_bytes: returns the bytes this rank sent in the last step.
+        scaler: the fp16 loss scaler, or ``None``.
+        clip: the gradient norm to clip to outside the optimizer (``adamw``; the 1-bit
+            optimizers clip inside, with ``max_grad_norm``), or ``None``.
+        scaler_skips: steps the scaler skipped for an optimizer that does not count them.
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     stage: Callable[[], str]
     last_step_bytes: Callable[[], int]
+    scaler: torch.amp.GradScaler | None = None
+    clip: float | None = None
+    scaler_skips: int = 0
+
+    def step(self, loss: Tensor) -> None:
+        """Backward from ``loss`` and one optimizer step, with the loss scaler and clipping."""
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            if self.clip is not None:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        if self.clip is not None:
+            self.scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        scale = self.scaler.get_scale()
+        self.scaler.step(opt)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale and not hasattr(opt, "skipped_steps"):
+            self.scaler_skips += 1
+
+    def skipped_steps(self) -> int:
+        """Steps skipped so far on every rank for a non-finite gradient."""
+        return getattr(self.optimizer, "skipped_steps", self.scaler_skips)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs besides the model and the optimizer."""
+        scaler = None if self.scaler is None else self.scaler.state_dict()
+        return {"scaler": scaler, "scaler_skips": self.scaler_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.scaler_skips = state["scaler_skips"]
 
     def synchronize(self) -> int:
         """Make the replicas identical before evaluating; return the bytes that took.
@@ -146,14 +187,17 @@ def build(
     steps: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     local_step_scaler: int | None = None,
+    max_grad_norm: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Trainer:
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
-    the library's 32768, so that runs shorter than that sync every step). Every rank must call
-    this with the same arguments.
+    the library's 32768, so that runs shorter than that sync every step). ``max_grad_norm``
+    clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
+    Every rank must call this with the same arguments.
     """
     cls = optimizer_class(name)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -165,35 +209,32 @@ def build(
         per_step = allreduce_bytes(4 * numel, world_size)
         if world_size > 1:
             model = nn.parallel.DistributedDataParallel(model)
-        return Trainer(model, optimizer, lambda: "fp32", lambda: per_step)
+        return Trainer(
+            model, optimizer, lambda: "fp32", lambda: per_step, scaler=scaler, clip=max_grad_norm
+        )
+    common = {"lr": lr, "bucket_size": bucket_size, "max_grad_norm": max_grad_norm}
     if name == "lamb":
-        optimizer = cls(param_groups, lr=lr, freeze_step=NEVER, bucket_size=bucket_size)
-        return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer))
+        optimizer = cls(param_groups, freeze_step=NEVER, **common)
+        return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer), scaler)
     if name == "zero-one-adam":
         if freeze_step == "auto":
             freeze_step = default_freeze_step(name, steps)
         optimizer = cls(
             param_groups,
-            lr=lr,
             var_freeze_step=freeze_step,
             local_step_scaler=local_step_scaler or 32768,
-            bucket_size=bucket_size,
+            **common,
         )
     elif freeze_step == "auto":
-        optimizer = cls(
-            param_groups,
-            lr=lr,
-            freeze_step="auto",
-            auto_freeze=auto_freeze(steps),
-            bucket_size=bucket_size,
-        )
+        optimizer = cls(param_groups, freeze_step="auto", auto_freeze=auto_freeze(steps), **common)
     else:
-        optimizer = cls(param_groups, lr=lr, freeze_step=freeze_step, bucket_size=bucket_size)
+        optimizer = cls(param_groups, freeze_step=freeze_step, **common)
     return Trainer(
         model,
         optimizer,
         lambda: optimizer.comm_stats.last_step_stage,
         lambda: _last_bytes(optimizer),
+        scaler,
     )
 
 

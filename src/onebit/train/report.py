@@ -91,14 +91,14 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = ""
 
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, records in runs.items():
-        vals = [r for r in records if "val_loss" in r]
+        vals = [r for r in records if "loss/val" in r]
         style = "--" if label.endswith("no-ef") else "-"
         ax_loss.plot(
-            [r["samples"] for r in vals], [r["val_loss"] for r in vals], style, label=label
+            [r["samples"] for r in vals], [r["loss/val"] for r in vals], style, label=label
         )
         ax_bytes.plot(
             [r["samples"] for r in records],
-            [r["bytes_sent"] / 1e6 for r in records],
+            [r["comm/bytes_total"] / 1e6 for r in records],
             style,
             label=label,
         )
