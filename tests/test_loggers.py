@@ -7,6 +7,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,16 +193,26 @@ def test_tensorboard_scalars_and_resume_purge(tmp_path):
     assert scalars["loss/train"] == pytest.approx({1: 4.0, 2: 3.0, 3: 2.0, 4: 1.1})
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
+def wandb_history(run_dir: Path, rows: int) -> list[dict]:
+    """The history rows of an offline W&B run, waiting up to 20 s for ``rows`` of them: W&B's
+    separate ``wandb-core`` process may still be writing the file after ``finish()``."""
+    deadline = time.monotonic() + 20
+    while len(history := _read_wandb_history(run_dir)) < rows and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return history
+
+
+def _read_wandb_history(run_dir: Path) -> list[dict]:
     """The history rows of an offline W&B run, read from its ``.wandb`` file with W&B's own
     protobuf messages (W&B writes no ``wandb-summary.json`` offline and has no public reader).
     The file is a LevelDB log: a 7-byte header, then 32 KiB blocks of chunks, each with a
     7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
+    paths = list(run_dir.glob("run-*.wandb"))
+    data = paths[0].read_bytes() if len(paths) == 1 else b""
+    if data[:4] != b":W&B":
+        return []
     rows, pos, pending = [], 7, b""
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:
@@ -242,7 +253,7 @@ def test_wandb_offline_one_run_across_attempts(wandb_offline):
     run(out, ("jsonl", "wandb"), range(1, 6))
     run_id = (out / "wandb_id").read_text().strip()
     (first,) = (out / "wandb").glob(f"offline-run-*-{run_id}*")
-    history = wandb_history(first)
+    history = wandb_history(first, 5)
     assert [row["loss/train"] for row in history] == [5.0 - s for s in range(1, 6)]
     assert history[1] == {k: v for k, v in record(2).items() if k != "step"}
     assert history[-1]["comm/stage"] == "compression"
@@ -252,7 +263,7 @@ def test_wandb_offline_one_run_across_attempts(wandb_offline):
     run(out, ("jsonl", "wandb"), [4, 5, 6, 7], kept=kept, start_step=3, attempt=1)
     assert (out / "wandb_id").read_text().strip() == run_id
     (second,) = set((out / "wandb").glob(f"offline-run-*-{run_id}*")) - {first}
-    history = wandb_history(second)
+    history = wandb_history(second, 2)
     assert [(row["samples"], row["loss/train"]) for row in history] == [(48, -0.9), (56, -1.9)]
 
 
@@ -261,4 +272,4 @@ def test_wandb_offline_new_run_gets_the_kept_records(wandb_offline):
     kept = [record(step) for step in (1, 2, 3)]
     run(out, ("jsonl", "wandb"), [4], kept=kept, start_step=3, attempt=1)
     (run_dir,) = (out / "wandb").glob("offline-run-*")
-    assert [row["loss/train"] for row in wandb_history(run_dir)] == [4.0, 3.0, 2.0, 1.1]
+    assert [row["loss/train"] for row in wandb_history(run_dir, 4)] == [4.0, 3.0, 2.0, 1.1]

@@ -64,7 +64,8 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("time", "samples_per_s")} for r in records]
+    timing = ("time/elapsed_s", "throughput/samples_per_s")
+    return [{k: v for k, v in r.items() if k not in timing} for r in records]
 
 
 def test_compare_writes_every_file(compared: Path) -> None:
@@ -80,28 +81,28 @@ def test_compare_writes_every_file(compared: Path) -> None:
         records = read_metrics(run)
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
         assert [r["samples"] for r in records] == [8 * s for s in range(1, 7)]
-        assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in records)
-        assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+        assert all(r["loss/train"] > 0 and r["throughput/samples_per_s"] > 0 for r in records)
+        assert [r["step"] for r in records if "loss/val" in r] == [3, 6]
         summary = json.loads((run / "summary.json").read_text())
-        assert summary["final_val_loss"] == records[-1]["val_loss"]
+        assert summary["final_val_loss"] == records[-1]["loss/val"]
         assert summary["workers"] == 2 and summary["samples"] == 48
-        assert summary["bytes_sent"] == records[-1]["bytes_sent"] > 0
+        assert summary["bytes_sent"] == records[-1]["comm/bytes_total"] > 0
         assert summary["bytes_sent_per_rank"] == [summary["bytes_sent"]] * 2
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
             "step_000005",
             "step_000006",
         ]
     adamw = json.loads((compared / "adamw" / "summary.json").read_text())
-    assert {r["bytes"] for r in read_metrics(compared / "adamw")} == {
+    assert {r["comm/bytes"] for r in read_metrics(compared / "adamw")} == {
         allreduce_bytes(4 * adamw["parameters"], 2)
     }
-    stages = [r["stage"] for r in read_metrics(compared / "onebit-adam")]
+    stages = [r["comm/stage"] for r in read_metrics(compared / "onebit-adam")]
     assert stages == ["warmup"] * 2 + ["compression"] * 4
     steps = read_metrics(compared / "onebit-adam")
-    assert steps[-1]["bytes"] * 20 < steps[0]["bytes"], "compression sends ~32x fewer bytes"
+    assert steps[-1]["comm/bytes"] * 20 < steps[0]["comm/bytes"], "~32x fewer bytes"
     no_ef = read_metrics(compared / "onebit-adam-no-ef")
-    assert [r["loss"] for r in no_ef[:3]] == [r["loss"] for r in steps[:3]]
-    assert no_ef[-1]["loss"] != steps[-1]["loss"], "dropping error feedback changes training"
+    assert [r["loss/train"] for r in no_ef[:3]] == [r["loss/train"] for r in steps[:3]]
+    assert no_ef[-1]["loss/train"] != steps[-1]["loss/train"], "no error feedback, other result"
 
 
 RESUMED = ["adamw", "onebit-adam", "zero-one-adam"]
@@ -162,44 +163,11 @@ def test_resume_refuses_changed_options(compared: Path, capsys: pytest.CaptureFi
     assert "--lr cannot be changed" in capsys.readouterr().err
 
 
-BAD_INPUTS = {
-    "optimizer": (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
-    "compare": (["--compare", "adamw,sgd"], "unknown optimizer 'sgd'"),
-    "missing data": (["--data", "{tmp}/nowhere"], "does not exist"),
-    "small data": (["--data", "{tmp}/tiny.txt"], "data too small"),
-    "workers": (["--workers", "0"], "--workers: must be at least 1, got 0"),
-    "resume": (["--resume", "{tmp}"], "neither a run folder nor a checkpoint"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "tiny.txt").write_text("print('hello')\n")
-    args, message = BAD_INPUTS[case]
-    args = [a.format(tmp=tmp_path) for a in args]
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", *args, "--cache-dir", str(tmp_path / "cache")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("onebit train: error: "), err
-    assert message in err
-
-
 def test_bad_input_from_the_command_line() -> None:
     result = onebit_train("--workers", "0")
     assert result.returncode == 2
     assert result.stderr == "python -m onebit.train: error: argument --workers: must be at " \
         "least 1, got 0\n"  # fmt: skip
-
-
-def test_missing_extras_say_how_to_install(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train"])
-    assert exit_info.value.code == 2
-    assert "needs matplotlib: pip install 'onebit[train]'" in capsys.readouterr().err
 
 
 def test_library_imports_without_train_extras() -> None:
