@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from train_cli import TINY, clean_env, onebit_train, read_metrics, without_timing
 
-from onebit.comm import allreduce_bytes
 from onebit.train import cli, optim
 from onebit.train.data import prepare, source_files, stdlib_path, windows
 from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer
 
-TINY = [
-    "--workers", "2", "--steps", "6", "--layers", "1", "--width", "32", "--heads", "2",
-    "--block-size", "32", "--batch-size", "4", "--eval-windows", "16", "--eval-every", "3",
-    "--freeze-step", "2", "--local-step-scaler", "1", "--no-progress",
-]  # fmt: skip
-
-
 COMPARE = list(optim.OPTIMIZERS)
-
-
-def onebit_train(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m onebit.train`` in a fresh process, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "onebit.train", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(),
-    )
-
-
-def clean_env() -> dict[str, str]:
-    """This environment, less what would make the CLI think it runs under torchrun."""
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 
 
 @pytest.fixture(scope="module")
@@ -53,56 +28,11 @@ def compared(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
     out = tmp_path_factory.mktemp("compare")
     result = onebit_train(
         "--compare", ",".join([*COMPARE, "onebit-adam:no-ef"]), *TINY, "--save-every", "5",
+        "--local-step-scaler", "1",
         "--out", out, "--cache-dir", cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return out
-
-
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_timing(records: list[dict]) -> list[dict]:
-    timing = ("time/elapsed_s", "throughput/samples_per_s")
-    return [{k: v for k, v in r.items() if k not in timing} for r in records]
-
-
-def test_compare_writes_every_file(compared: Path) -> None:
-    labels = [*COMPARE, "onebit-adam-no-ef"]
-    assert (compared / "comparison.png").stat().st_size > 0
-    table = (compared / "comparison.md").read_text()
-    rows = json.loads((compared / "comparison.json").read_text())
-    assert [r["label"] for r in rows] == labels
-    for label in labels:
-        run = compared / label
-        assert f"| {label} |" in table
-        assert (run / "loss.png").stat().st_size > 0
-        records = read_metrics(run)
-        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-        assert [r["samples"] for r in records] == [8 * s for s in range(1, 7)]
-        assert all(r["loss/train"] > 0 and r["throughput/samples_per_s"] > 0 for r in records)
-        assert [r["step"] for r in records if "loss/val" in r] == [3, 6]
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["final_val_loss"] == records[-1]["loss/val"]
-        assert summary["workers"] == 2 and summary["samples"] == 48
-        assert summary["bytes_sent"] == records[-1]["comm/bytes_total"] > 0
-        assert summary["bytes_sent_per_rank"] == [summary["bytes_sent"]] * 2
-        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-            "step_000005",
-            "step_000006",
-        ]
-    adamw = json.loads((compared / "adamw" / "summary.json").read_text())
-    assert {r["comm/bytes"] for r in read_metrics(compared / "adamw")} == {
-        allreduce_bytes(4 * adamw["parameters"], 2)
-    }
-    stages = [r["comm/stage"] for r in read_metrics(compared / "onebit-adam")]
-    assert stages == ["warmup"] * 2 + ["compression"] * 4
-    steps = read_metrics(compared / "onebit-adam")
-    assert steps[-1]["comm/bytes"] * 20 < steps[0]["comm/bytes"], "~32x fewer bytes"
-    no_ef = read_metrics(compared / "onebit-adam-no-ef")
-    assert [r["loss/train"] for r in no_ef[:3]] == [r["loss/train"] for r in steps[:3]]
-    assert no_ef[-1]["loss/train"] != steps[-1]["loss/train"], "no error feedback, other result"
 
 
 RESUMED = ["adamw", "onebit-adam", "zero-one-adam"]
