@@ -116,14 +116,23 @@ def spawn_worker(
 
 
 def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
-    """Entry point under ``torchrun``: rank and world from the environment, NCCL if on GPUs."""
+    """Entry point under ``torchrun``: rank and world from the environment, NCCL if on GPUs.
+
+    torchrun keeps one store for all attempts of a job, and a restarted rank may read the dead
+    attempt's addresses from it before its peers overwrite them, then fail to connect. Each
+    attempt (``TORCHELASTIC_RESTART_COUNT``) therefore gets its own key prefix.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"onebit/attempt_{attempt}", store)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        backend = {"backend": "nccl", "device_id": device}
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        backend = {"backend": "gloo"}
+    dist.init_process_group(**backend, store=store, rank=rank, world_size=world_size)
     try:
         run_all(configs, device, resume)
     finally:
