@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +161,66 @@ def test_auto_freeze_is_scaled_to_the_run() -> None:
         trainer.optimizer.step()
     assert 4 <= trainer.freeze_step() <= 10, "between 10% and 25% of the run"
     assert trainer.stage() == "compression"
+
+
+def wandb_offline(tmp_path: Path) -> dict[str, str]:
+    """Environment for W&B in offline mode, writing nothing outside ``tmp_path``."""
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    for var in ("CONFIG", "CACHE", "DATA", "ARTIFACT"):
+        env[f"WANDB_{var}_DIR"] = str(tmp_path / "wandb-home" / var.lower())
+    return env
+
+
+def test_fp16_clipping_and_every_log_backend_resume_exactly(tmp_path: Path, cache: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    options = ["--amp", "fp16", "--grad-clip", "1.0", "--log", "csv,tensorboard,wandb"]
+    env = wandb_offline(tmp_path)
+    result = onebit_train(
+        *TINY, *options, "--save-every", "3", "--out", run, "--cache-dir", cache, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["amp"], summary["grad_clip"]) == ("fp16", 1.0)
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in ("loss/train", "optim/lr", "comm/bytes", "optim/skipped_steps"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert logged == [(r["step"], pytest.approx(r[key])) for r in records], key
+    assert [e.step for e in events.Scalars("loss/val")] == [3, 6]
+    with (run / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(row["loss/train"]) for row in rows] == [r["loss/train"] for r in records]
+    assert [row["comm/stage"] for row in rows] == [r["comm/stage"] for r in records]
+    assert len(list((run / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+    result = onebit_train(
+        "--resume", run / "checkpoints" / "step_000003", "--out", resumed, "--no-progress", env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert without_timing(read_metrics(resumed)) == without_timing(records)
+    final, straight = torch.load(resumed / "model.pt"), torch.load(run / "model.pt")
+    assert all(torch.equal(final[k], straight[k]) for k in straight), "the loss scale is saved"
+
+
+@pytest.mark.parametrize("name", optim.OPTIMIZERS)
+def test_grad_clip_reaches_every_optimizer(name: str) -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    trainer = optim.build(
+        name, model, model.param_groups(0.0), lr=1.0, freeze_step=5, steps=10, max_grad_norm=1e-3
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randint(256, (2, 16))
+    _, loss = trainer.model(x, x)
+    trainer.step(loss)
+    if name == "adamw":
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+        assert norm == pytest.approx(1e-3, rel=1e-4), "clipped before AdamW's step"
+    else:
+        assert trainer.optimizer.max_grad_norm == 1e-3
+        assert trainer.optimizer.grad_norm > 1e-3
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

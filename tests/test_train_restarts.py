@@ -4,6 +4,7 @@ ends; and a finished run exits 0 every time."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from train_cli import TINY, clean_env, onebit_train, read_metrics, without_timing
+
+from onebit.train import optim
 
 pytestmark = pytest.mark.slow
 
@@ -103,9 +106,19 @@ def test_torchrun_restarts_a_killed_rank_with_resume_auto(
 
 
 def test_twenty_runs_in_a_row_exit_0(tmp_path: Path, cache: Path) -> None:
-    """The teardown once aborted about 1 run in 5 after the results were written."""
+    """The teardown once aborted about 1 run in 5 after the results were written. The runs go
+    through every optimizer, with and without AMP and clipping."""
+    i = TINY.index("--freeze-step")
+    base = [*TINY[:i], *TINY[i + 2 :], "--steps", "3", "--cache-dir", str(cache)]
     for i in range(20):
+        name = optim.OPTIMIZERS[i % len(optim.OPTIMIZERS)]
+        amp = [None, "bf16", "fp16"][i % 3]
+        options = ["--optimizer", name, *(["--amp", amp] if amp else [])]
+        options += ["--freeze-step", "2"] if optim.is_compressed(name) else []
+        options += ["--grad-clip", "1.0"] if i % 2 else []
         out = tmp_path / str(i)
-        result = onebit_train(*TINY, "--steps", "3", "--out", out, "--cache-dir", cache)
-        assert result.returncode == 0, f"run {i}: {result.stderr}"
-        assert (out / "summary.json").exists()
+        result = onebit_train(*base, *options, "--out", out)
+        assert result.returncode == 0, f"run {i} ({' '.join(options)}): {result.stderr}"
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["optimizer"], summary["amp"]) == (name, amp)
+        assert summary["grad_clip"] == (1.0 if i % 2 else None)
