@@ -331,4 +331,3 @@ class _Wandb(_Backend):
 
     def close(self) -> None:
         self.run.finish()
-

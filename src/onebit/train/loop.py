@@ -2,8 +2,9 @@
 
 Every rank builds the same model from the same seed, draws its own random batches, and calls the
 optimizer's ``step()``; the optimizer (or DDP, for ``adamw``) does all the communication. Rank 0
-writes ``metrics.jsonl`` as it goes, and ``summary.json`` and the plot at the end. A checkpoint
-holds each rank's model, optimizer state (error buffers included) and data generator, so a
+logs every step (``metrics.jsonl`` and the ``--log`` backends, see :mod:`.loggers`), and writes
+``summary.json``, ``model.pt`` and the plot at the end. A checkpoint (:mod:`.checkpoint`) holds
+each rank's model, optimizer state (error buffers included), loss scale and data generator, so a
 resumed run continues bit for bit.
 """
 
@@ -219,7 +220,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
             kept=kept,
             start_step=start_step,
             config=config.to_dict(),
-            name=f"{out.name}",
+            name=out.name,
         )
 
     dummy = torch.zeros(config.batch_size, config.block_size, dtype=torch.long, device=device)
