@@ -19,10 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.multiprocessing as mp
+
 from . import checkpoint, loggers, optim
 from .checkpoint import CheckpointError
 from .data import DataError, prepare
-from .loop import RunConfig
+from .loop import RunConfig, spawn_worker, torchrun_worker
 
 DEFAULT_STEPS = 300
 DEFAULT_WORKERS = 4
@@ -329,8 +331,6 @@ def run(args: argparse.Namespace, prog: str) -> int:
         if talk:
             print(f"{prog}: {plan.finished}", file=sys.stderr)
         return 0
-    from .loop import torchrun_worker
-
     if torchrun:
         torchrun_worker(plan.configs, plan.resume)
         return 0
@@ -340,10 +340,6 @@ def run(args: argparse.Namespace, prog: str) -> int:
 def _launch(plan: Plan, max_restarts: int, prog: str, warn: Callable[[str], None]) -> int:
     """Run the workers locally; if one dies, stop the others and start them all again from the
     newest usable checkpoint, up to ``max_restarts`` times."""
-    import torch.multiprocessing as mp
-
-    from .loop import spawn_worker
-
     configs, resume = plan.configs, plan.resume
     where = configs[0].out if len(configs) == 1 else str(Path(configs[0].out).parent)
     print(f"{prog}: {plan.workers} workers, results in {where}", file=sys.stderr)
@@ -378,8 +374,6 @@ def _launch(plan: Plan, max_restarts: int, prog: str, warn: Callable[[str], None
 
 def _failure(err: Exception) -> str:
     """What happened to a worker, in a line (a Python error keeps its traceback)."""
-    import torch.multiprocessing as mp
-
     if isinstance(err, mp.ProcessExitedException):
         if err.signal_name:
             return f"worker {err.error_index} was killed by {err.signal_name}"
@@ -398,7 +392,7 @@ def _require_extras() -> None:
         raise UsageError(f"onebit train needs {' and '.join(missing)}: pip install 'onebit[train]'")
 
 
-def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None] = print) -> Plan:
+def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None]) -> Plan:
     """Turn the options into a :class:`Plan`; ``warn`` gets one line per checkpoint skipped.
 
     Raises :class:`UsageError`, :class:`DataError` or :class:`CheckpointError` with a one-line
@@ -634,7 +628,7 @@ def _resume_from(
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsageError(f"--resume continues the saved run: {flags} cannot be changed")
     path = args.resume
-    if (path / checkpoint.MARKER).exists():
+    if (path / checkpoint.MARKER).exists() or path.parent.name == "checkpoints":
         found = checkpoint.verify(path)
         run_dir = path.parent.parent
     elif (path / "config.json").exists():
