@@ -20,18 +20,13 @@ COMPARE = list(optim.OPTIMIZERS)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+def compared(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
     """A tiny ``--compare`` run of every optimizer, with checkpoints at steps 5 and 6."""
     out = tmp_path_factory.mktemp("compare")
     result = onebit_train(
         "--compare", ",".join([*COMPARE, "onebit-adam:no-ef"]), *TINY, "--save-every", "5",
         "--local-step-scaler", "1",
-        "--out", out, "--cache-dir", cache,
+        "--out", out, "--cache-dir", data_cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return out
@@ -171,14 +166,16 @@ def wandb_offline(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def test_fp16_clipping_and_every_log_backend_resume_exactly(tmp_path: Path, cache: Path) -> None:
+def test_fp16_clipping_and_every_log_backend_resume_exactly(
+    tmp_path: Path, data_cache: Path
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     options = ["--amp", "fp16", "--grad-clip", "1.0", "--log", "csv,tensorboard,wandb"]
     env = wandb_offline(tmp_path)
     result = onebit_train(
-        *TINY, *options, "--save-every", "3", "--out", run, "--cache-dir", cache, env=env
+        *TINY, *options, "--save-every", "3", "--out", run, "--cache-dir", data_cache, env=env
     )
     assert result.returncode == 0, result.stderr
     records = read_metrics(run)

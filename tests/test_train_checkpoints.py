@@ -10,38 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cli import TINY, onebit_train, read_metrics, without_timing
+from train_cli import TINY, onebit_train, read_metrics, refused, without_timing
 
-from onebit.train import checkpoint, cli
+from onebit.train import checkpoint
 
 RUN = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "2", "--keep", "2"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def run8(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+def run8(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
     """8 steps of 1-bit Adam, saved every 2 steps, the newest 2 checkpoints kept."""
     out = tmp_path_factory.mktemp("runs") / "run8"
-    result = onebit_train(*RUN, "--out", out, "--cache-dir", cache)
+    result = onebit_train(*RUN, "--out", out, "--cache-dir", data_cache)
     assert result.returncode == 0, result.stderr
     return out
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run, tmp_path / "copy"))
-
-
-def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", *argv])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("onebit train: error: "), err
-    return err
 
 
 def test_checkpoints_are_checksummed_and_the_last_k_kept(run8: Path) -> None:
@@ -145,10 +131,10 @@ def test_resume_falls_back_and_continues_the_saved_schedule(run8: Path, tmp_path
 
 
 def test_resume_auto_starts_continues_and_finishes(
-    tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, data_cache: Path, capsys: pytest.CaptureFixture
 ) -> None:
     command = [*TINY, "--save-every", "2", "--resume", "auto", "--out", tmp_path / "run"]
-    command += ["--cache-dir", cache]
+    command += ["--cache-dir", data_cache]
     first = onebit_train(*command, "--steps", "4")
     assert first.returncode == 0, first.stderr
     assert checkpoint.steps(tmp_path / "run") == [4, 2]

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from onebit.train import cli
+from train_cli import refused
 
 NUMBERS = {
     "steps 0": (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
@@ -106,16 +105,6 @@ CASES = {**NUMBERS, **CONTRADICTIONS, **FILES}
 def data() -> str:
     """A small real text file, so preparing the data takes no time."""
     return inspect.getsourcefile(inspect)
-
-
-def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    """Run ``onebit train`` in this process; assert exit status 2 and a one-line error."""
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", *argv])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("onebit train: error: "), err
-    return err
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,14 +24,9 @@ RUN = [*TINY, "--steps", "60", "--eval-every", "20", "--freeze-step", "6", "--sa
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
     out = tmp_path_factory.mktemp("runs") / "uninterrupted"
-    result = onebit_train(*RUN, "--out", out, "--cache-dir", cache)
+    result = onebit_train(*RUN, "--out", out, "--cache-dir", data_cache)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -73,11 +68,11 @@ def assert_same_run(run: Path, uninterrupted: Path) -> None:
 
 
 def test_local_launcher_restarts_a_killed_worker(
-    tmp_path: Path, cache: Path, uninterrupted: Path
+    tmp_path: Path, data_cache: Path, uninterrupted: Path
 ) -> None:
     out = tmp_path / "run"
     command = [sys.executable, "-m", "onebit.train", *RUN, "--max-restarts", "1"]
-    command += ["--out", str(out), "--cache-dir", str(cache)]
+    command += ["--out", str(out), "--cache-dir", str(data_cache)]
 
     def is_worker(pid: int) -> bool:
         return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -89,12 +84,12 @@ def test_local_launcher_restarts_a_killed_worker(
 
 
 def test_torchrun_restarts_a_killed_rank_with_resume_auto(
-    tmp_path: Path, cache: Path, uninterrupted: Path
+    tmp_path: Path, data_cache: Path, uninterrupted: Path
 ) -> None:
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command = [*torchrun, "--max-restarts", "1", "-m", "onebit.train"]
-    command += [*RUN, "--resume", "auto", "--out", str(out), "--cache-dir", str(cache)]
+    command += [*RUN, "--resume", "auto", "--out", str(out), "--cache-dir", str(data_cache)]
 
     def is_worker(pid: int) -> bool:
         return b"\0LOCAL_RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
@@ -105,11 +100,11 @@ def test_torchrun_restarts_a_killed_rank_with_resume_auto(
     assert_same_run(out, uninterrupted)
 
 
-def test_twenty_runs_in_a_row_exit_0(tmp_path: Path, cache: Path) -> None:
+def test_twenty_runs_in_a_row_exit_0(tmp_path: Path, data_cache: Path) -> None:
     """The teardown once aborted about 1 run in 5 after the results were written. The runs go
     through every optimizer, with and without AMP and clipping."""
     i = TINY.index("--freeze-step")
-    base = [*TINY[:i], *TINY[i + 2 :], "--steps", "3", "--cache-dir", str(cache)]
+    base = [*TINY[:i], *TINY[i + 2 :], "--steps", "3", "--cache-dir", str(data_cache)]
     for i in range(20):
         name = optim.OPTIMIZERS[i % len(optim.OPTIMIZERS)]
         amp = [None, "bf16", "fp16"][i % 3]

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from onebit.train import cli
+
 TINY = [
     "--workers", "2", "--steps", "6", "--layers", "1", "--width", "32", "--heads", "2",
     "--block-size", "32", "--batch-size", "4", "--eval-windows", "16", "--eval-every", "3",
@@ -32,6 +36,16 @@ def onebit_train(
 def clean_env() -> dict[str, str]:
     """This environment, less what would make the CLI think it runs under torchrun."""
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+
+
+def refused(argv: list[str | Path], capsys: pytest.CaptureFixture) -> str:
+    """Run ``onebit train`` in this process; assert exit status 2 and a one-line error."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", *map(str, argv)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onebit train: error: "), err
+    return err
 
 
 def read_metrics(run: Path) -> list[dict]:
