@@ -43,14 +43,16 @@ def checkpoint_dir(run: Path, step: int) -> Path:
     return Path(run) / "checkpoints" / f"step_{step:06d}"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, flushed to disk."""
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename; if ``durable``, flushed
+    to disk first (not worth an fsync for a file rewritten at every step)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with tmp.open("wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

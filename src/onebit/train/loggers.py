@@ -327,7 +327,7 @@ class _Wandb(_Backend):
             return
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
         self._last_step = step
-        atomic_write(self._step_file, f"{step}\n".encode())
+        atomic_write(self._step_file, f"{step}\n".encode(), durable=False)
 
     def close(self) -> None:
         self.run.finish()
