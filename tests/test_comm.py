@@ -14,8 +14,8 @@ def _inputs(step: int, rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=gen) * (1 + rank)
 
 
-def _several_calls(rank, world_size, numel, calls, scale):
-    comm = onebit.CompressedAllreduce(numel, scale=scale)
+def _several_calls(rank, world_size, numel, calls, scale, segments=None):
+    comm = onebit.CompressedAllreduce(numel, scale=scale, segments=segments)
     outputs = [comm(_inputs(t, rank, numel)) for t in range(calls)]
     return outputs, comm.worker_error, comm.server_error, comm.bytes_per_call
 
@@ -39,6 +39,48 @@ def test_matches_reference_simulation(world_size, numel, scale):
         # SPEC: about 2 * D/8 * (n-1)/n bytes per call, plus the scales.
         chunk_bytes = ref.padded // world_size // 8
         assert nbytes == 2 * (world_size - 1) * (chunk_bytes + 4)
+
+
+# Segments that share bytes and chunks, an empty one, and one spanning several chunks.
+SEGMENTS = [3, 13, 0, 1, 40, 7, 936]
+
+
+@pytest.mark.parametrize("world_size,scale", [(1, "rms"), (3, "rms"), (4, "mean_abs")])
+def test_segments_match_reference_simulation(world_size, scale):
+    numel, calls = sum(SEGMENTS), 4
+    results = run_ranks(_several_calls, world_size, numel, calls, scale, SEGMENTS)
+    ref = RefCompressedAllreduce(numel, world_size, scale, SEGMENTS)
+    for t in range(calls):
+        expected = ref([_inputs(t, r, numel) for r in range(world_size)])
+        for outputs, *_ in results:
+            torch.testing.assert_close(outputs[t], expected, rtol=1e-5, atol=1e-6)
+    comm = onebit.CompressedAllreduce(numel, segments=SEGMENTS)
+    for rank, (outputs, worker_error, server_error, nbytes) in enumerate(results):
+        torch.testing.assert_close(worker_error, ref.worker_error[rank], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(server_error, ref.server_error[rank], rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(outputs, results[0][0]))
+        # 4 bytes per worker scale (a segment, the padding too) and per server scale (a piece).
+        pieces = max(sum(a < b for a, b in _pieces(ref, j)) for j in range(world_size))
+        chunk_bytes = ref.padded // world_size // 8
+        phases = 2 * chunk_bytes + 4 * len(ref.bounds) + 4 * pieces
+        assert nbytes == (world_size - 1) * phases
+    assert comm.segments == SEGMENTS
+
+
+def _pieces(ref: RefCompressedAllreduce, j: int) -> list[tuple[int, int]]:
+    lo, hi = j * ref.chunk, (j + 1) * ref.chunk
+    return [(max(a, lo), min(b, hi)) for a, b in ref.bounds]
+
+
+def test_segments_keep_a_small_tensor_at_its_own_scale():
+    """One scale per buffer gives a tiny tensor beside a large one the large one's steps."""
+    big, small = torch.randn(800) * 100, torch.randn(200) * 1e-3
+    x = torch.cat([big, small])
+    per_buffer = onebit.CompressedAllreduce(1000)(x)[800:]
+    per_segment = onebit.CompressedAllreduce(1000, segments=[800, 200])(x)[800:]
+    assert per_buffer.abs().min() > 10  # the tiny tensor moved by about the big one's scale
+    torch.testing.assert_close(per_segment.norm(), small.norm(), rtol=1e-3, atol=0)
+    assert torch.equal(per_segment.sign(), small.sign())
 
 
 def test_world_size_one_without_process_group_has_the_same_math():
@@ -138,6 +180,10 @@ def test_state_dict_round_trip_and_geometry_check():
 def test_bad_input():
     with pytest.raises(ValueError, match="numel"):
         onebit.CompressedAllreduce(-1)
+    with pytest.raises(ValueError, match="add up to 9, not numel=10"):
+        onebit.CompressedAllreduce(10, segments=[4, 5])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        onebit.CompressedAllreduce(10, segments=[11, -1])
     with pytest.raises(ValueError, match="scale"):
         onebit.CompressedAllreduce(8, scale="median")
     with pytest.raises(ValueError, match="expected 8 elements"):

@@ -40,7 +40,9 @@ def _groups(params):
     ]
 
 
-def _train_onebit(rank, world_size, steps, freeze_step, bucket_size, max_grad_norm=None):
+def _train_onebit(
+    rank, world_size, steps, freeze_step, bucket_size, max_grad_norm=None, scale_per="tensor"
+):
     params = _params()
     opt = onebit.OnebitAdam(
         _groups(params),
@@ -49,6 +51,7 @@ def _train_onebit(rank, world_size, steps, freeze_step, bucket_size, max_grad_no
         freeze_step=freeze_step,
         bucket_size=bucket_size,
         max_grad_norm=max_grad_norm,
+        scale_per=scale_per,
     )
     history = []
     for step in range(1, steps + 1):
@@ -64,7 +67,9 @@ def _clip_coefficient(norm, max_grad_norm):
     return float(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0))
 
 
-def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad_norm=None):
+def _reference_onebit_adam(
+    world_size, steps, freeze_step, bucket_size, max_grad_norm=None, scale_per="tensor"
+):
     """SPEC section 3 for all ranks at once; parameters are the same on every rank.
 
     With ``max_grad_norm``, the averaged gradient is clipped by its norm in warmup, and in the
@@ -79,7 +84,8 @@ def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad
     lrs, wds = [1e-2, 1e-2, 3e-3], [0.1, 0.1, 0.0]
     numel = sum(p.numel() for p in params)
     m, v = torch.zeros(numel), torch.zeros(numel)
-    allreduce = RefBucketedAllreduce(numel, world_size, bucket_size)
+    sizes = [p.numel() for p in params] if scale_per == "tensor" else None
+    allreduce = RefBucketedAllreduce(numel, world_size, bucket_size, sizes)
     history = []
     for t in range(1, steps + 1):
         grads = [
@@ -112,12 +118,22 @@ def _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad
 
 
 @pytest.mark.parametrize(
-    "world_size,bucket_size,max_grad_norm", [(2, 10**6, None), (4, 64, None), (2, 32, 2.0)]
+    "world_size,bucket_size,max_grad_norm,scale_per",
+    [
+        (2, 10**6, None, "tensor"),
+        (2, 10**6, None, "bucket"),
+        (4, 64, None, "tensor"),
+        (4, 64, None, "bucket"),
+        (2, 32, 2.0, "tensor"),
+    ],
 )
-def test_compression_stage_matches_reference_simulation(world_size, bucket_size, max_grad_norm):
+def test_compression_stage_matches_reference_simulation(
+    world_size, bucket_size, max_grad_norm, scale_per
+):
     steps, freeze_step = 10, 4
-    results = run_ranks(_train_onebit, world_size, steps, freeze_step, bucket_size, max_grad_norm)
-    expected = _reference_onebit_adam(world_size, steps, freeze_step, bucket_size, max_grad_norm)
+    args = (world_size, steps, freeze_step, bucket_size, max_grad_norm, scale_per)
+    results = run_ranks(_train_onebit, *args)
+    expected = _reference_onebit_adam(*args)
     if max_grad_norm is not None:  # the clipping really clips, before and after the freeze
         unclipped = _reference_onebit_adam(world_size, steps, freeze_step, bucket_size)
         assert not torch.allclose(expected[1][0], unclipped[1][0])

@@ -18,6 +18,7 @@ from onebit.comm import allreduce_bytes
 SHAPES = [(7, 5), (13,), (0,), (3, 3, 2)]
 LRS, WDS = [1e-2, 1e-2, 3e-3, 3e-3], [0.1, 0.1, 0.0, 0.0]
 NUMEL = sum(math.prod(s) for s in SHAPES)
+SIZES = [math.prod(s) for s in SHAPES]
 # Variance updates at 1, 2, 4, 6, 8, 12; phase B syncs every step, then every 2, then every 4.
 CONFIG = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
 STEPS, CHECKPOINT = 30, 22  # the checkpoint falls between two syncs of phase B
@@ -77,7 +78,7 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
     wd = torch.cat([torch.full((math.prod(s),), x) for s, x in zip(SHAPES, WDS)])
     params = [flat(_params()) for _ in range(world_size)]
     m, v = torch.zeros(NUMEL), torch.zeros(NUMEL)
-    allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET)
+    allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET, SIZES)
     var_interval, var_counter, var_updates = 1, 0, 0
     local_interval, local_counter = 1, 0
     history, stages = [], []
@@ -106,7 +107,7 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
         else:
             if t == var_freeze_step + 1:
                 denom = (v.sqrt() / math.sqrt(1 - beta2**var_updates)).add(eps)
-                allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET)  # errors reset
+                allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET, SIZES)  # errors reset
                 ms = [m.clone() for _ in range(world_size)]
                 acc = [torch.zeros(NUMEL) for _ in range(world_size)]
                 lrs = torch.zeros(NUMEL)

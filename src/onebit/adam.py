@@ -17,7 +17,13 @@ from .base import (
     problem_of,
 )
 from .freeze import AutoFreeze, VarianceFreezeMixin
-from .functional import adam_denominator, adam_moments_, adamw_update_, bias_correction
+from .functional import (
+    adam_denominator,
+    adam_moments_,
+    adamw_update_,
+    bias_correction,
+    fill_zero_variance_,
+)
 
 
 class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
@@ -44,6 +50,10 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             process if ``torch.distributed`` is not initialised.
         bucket_size: elements per communication bucket, rounded down to a multiple of
             ``8 * world_size``.
+        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
+            scale, so that a large tensor (an embedding, say) does not set the steps of the small
+            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
+            implementation). Each scale costs 4 bytes per message.
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter.
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
             (unused embedding rows, say) at zero in the compression stage.
@@ -64,6 +74,10 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     dtype. If any rank has a non-finite gradient, every rank skips the step and changes nothing
     (``skipped_steps`` counts it; no extra collective is needed).
 
+    Entries whose variance is exactly 0 at the freeze (no gradient ever reached them) take
+    their tensor's mean variance, so that 1-bit momentum, never exactly 0, cannot make them
+    step by ``lr/eps`` (:func:`~onebit.functional.fill_zero_variance_`).
+
     State per parameter: ``exp_avg`` and ``exp_avg_sq``, views into flat buffers.
     ``comm_stats`` reports the bytes this rank sent.
     """
@@ -80,6 +94,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        scale_per: str = "tensor",
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         auto_freeze: AutoFreeze | None = None,
         max_grad_norm: float | None = None,
@@ -97,6 +112,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             overlap_backward=overlap_backward,
@@ -154,6 +170,8 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+            if t == self.freeze_step:  # the variance is frozen from here on
+                fill_zero_variance_(self.layout.views(v))
         self._end_step(stage, nbytes, applied)
         return loss
 

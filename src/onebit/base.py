@@ -38,6 +38,10 @@ DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
 send fewer messages."""
 
+SCALE_PER = ("tensor", "bucket")
+"""What gets its own 1-bit scale: ``"tensor"`` (default), each parameter's part of a bucket, so
+that no tensor's magnitude sets another's step; ``"bucket"``, one scale per bucket as SPEC 2."""
+
 HEADER_NUMEL = 5
 """Per-rank header of every step's messages: call number, hyperparameter digest, status, the
 squared norm of the bucket's local gradient, backward passes so far."""
@@ -141,9 +145,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
+        scale_per: str = "tensor",
         problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
+        self.scale_per = scale_per
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
@@ -162,9 +168,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
             _broadcast_from_first_rank(params, process_group)
         self.comms = [
             CompressedAllreduce(
-                end - start, group=process_group, device=self.device, header_numel=HEADER_NUMEL
+                end - start,
+                group=process_group,
+                device=self.device,
+                segments=self.layout.segments(k) if scale_per == "tensor" else None,
+                header_numel=HEADER_NUMEL,
             )
-            for start, end in self.layout.buckets
+            for k, (start, end) in enumerate(self.layout.buckets)
         ]
         # The gradient scratch buffer, padded for the buckets, then one header slot per rank.
         slots = HEADER_NUMEL * self.world_size
@@ -205,6 +215,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Check this rank's parameters and settings; lay out the flat buffers and masks."""
         check_step_count("bucket_size", bucket_size)
+        if self.scale_per not in SCALE_PER:
+            raise ValueError(f"scale_per must be one of {SCALE_PER}, got {self.scale_per!r}")
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
         ):
@@ -230,6 +242,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "dtypes": [str(p.dtype) for p in self.layout.params],
             "device type": self.device.type,
             "bucket_size": self.layout.bucket_size,
+            "scale_per": self.scale_per,
             "param groups": _group_hyperparameters(self.param_groups),
             "max_grad_norm": self.max_grad_norm,
             "bias_correction": getattr(self, "bias_correction", None),

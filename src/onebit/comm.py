@@ -10,6 +10,7 @@ all-gather, ``2(n-1)/n`` of an allreduce buffer).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from .compress import (
     average_signs_,
     check_scale,
     compress_,
+    compute_scale,
     decompress_,
     padded_numel,
     subtract_compressed_,
@@ -98,6 +100,12 @@ class CompressedAllreduce:
         device: where the error buffers live; use the device of the tensors you will reduce.
         scale: ``"rms"`` (default, as the reference implementation) or ``"mean_abs"``
             (minimises each call's L2 error; try it if ``"rms"`` converges slowly).
+        segments: the sizes of the consecutive tensors the buffer holds (they must add up to
+            ``numel``), to give each its own scale: ``None`` (default) is SPEC 2, one scale per
+            buffer on the worker and one per chunk on the server. With segments, the worker takes
+            one scale per segment and the server one per piece (a segment's part of its chunk),
+            so no tensor's magnitude sets another's step; each costs 4 bytes per message
+            (``docs/SPEC.md`` section 2).
         header_numel: fp32 values each rank may attach to a call (:meth:`start`'s ``header``).
             They travel uncompressed in the phase-1 message, after the scale, and every rank
             receives every rank's header (:meth:`headers`). The optimizers use this to check,
@@ -121,10 +129,17 @@ class CompressedAllreduce:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         scale: str = "rms",
+        segments: Sequence[int] | None = None,
         header_numel: int = 0,
     ) -> None:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if segments is not None:
+            segments = list(segments)
+            if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in segments):
+                raise ValueError(f"segments must be non-negative ints, got {segments!r}")
+            if sum(segments) != numel:
+                raise ValueError(f"segments add up to {sum(segments)}, not numel={numel}")
         if not isinstance(header_numel, int) or header_numel < 0:
             raise ValueError(f"header_numel must be a non-negative int, got {header_numel!r}")
         self.header_numel = header_numel
@@ -137,6 +152,15 @@ class CompressedAllreduce:
         device = torch.device("cpu") if device is None else torch.device(device)
         self.worker_error = torch.zeros(self.padded_numel, device=device)
         self.server_error = torch.zeros(self.chunk_numel, device=device)
+        self.segments = segments
+        self._bounds: list[tuple[int, int]] | None = None
+        self._pieces: list[list[tuple[int, int, int]]] = []
+        if segments is not None and numel:
+            self._bounds, self._pieces = _segment_geometry(
+                segments, self.padded_numel, self.world_size
+            )
+        self.worker_scale_count = 1 if self._bounds is None else len(self._bounds)
+        self.server_scale_count = 1 if self._bounds is None else max(map(len, self._pieces))
 
     @property
     def _chunk_bytes(self) -> int:
@@ -146,9 +170,13 @@ class CompressedAllreduce:
     def bytes_per_call(self) -> int:
         if self.numel == 0:
             return 0
-        phase1 = self._chunk_bytes + _SCALE_BYTES + 4 * self.header_numel
-        phase2 = self._chunk_bytes + _SCALE_BYTES
+        phase1 = self._chunk_bytes + self._phase1_extra
+        phase2 = self._chunk_bytes + _SCALE_BYTES * self.server_scale_count
         return (self.world_size - 1) * (phase1 + phase2)
+
+    @property
+    def _phase1_extra(self) -> int:
+        return _SCALE_BYTES * self.worker_scale_count + 4 * self.header_numel
 
     def __call__(self, tensor: Tensor) -> Tensor:
         if tensor.numel() != self.numel:
@@ -172,19 +200,19 @@ class CompressedAllreduce:
         buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
         y = buffer
         packed, scale = compress_(y, self.worker_error, self.scale)
+        if self._bounds is not None:
+            scale = torch.stack([compute_scale(y[a:b], self.scale) for a, b in self._bounds])
         n, chunk = self.world_size, self._chunk_bytes
-        extra = _SCALE_BYTES + 4 * self.header_numel
-        message = torch.empty(n, chunk + extra, dtype=torch.uint8, device=y.device)
+        scales_end = chunk + _SCALE_BYTES * self.worker_scale_count
+        message = torch.empty(n, chunk + self._phase1_extra, dtype=torch.uint8, device=y.device)
         if self.header_numel:
             if header is None or header.numel() != self.header_numel:
                 raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
             values = header.to(device=y.device, dtype=torch.float32).reshape(1, -1)
-            message[:, chunk + _SCALE_BYTES :] = values.view(torch.uint8)
+            message[:, scales_end:] = values.view(torch.uint8)
+        message[:, chunk:scales_end] = scale.reshape(1, -1).to(y.device).view(torch.uint8)
         if self.numel:
             message[:, :chunk] = packed.view(n, chunk)
-            message[:, chunk : chunk + _SCALE_BYTES] = (
-                scale.reshape(1).to(y.device).view(torch.uint8)
-            )
         if n == 1 or not self.numel:
             return _Call(y, scale, message, None, signs=packed)
         received = torch.empty_like(message)
@@ -192,16 +220,17 @@ class CompressedAllreduce:
         return _Call(y, scale, received, work, signs=packed)
 
     def worker_scales(self, call: _Call) -> Tensor:
-        """Wait for phase 1 and return every rank's worker scale, in rank order."""
+        """Wait for phase 1 and return every rank's worker scales, ``[world_size, count]`` in
+        rank order (``count`` is 1, or the number of segments)."""
         if call.work is not None:
             call.work.wait()
             call.work = None
-        return _scales(call.received, self._chunk_bytes)
+        return _scales(call.received, self._chunk_bytes, self.worker_scale_count)
 
     def headers(self, call: _Call) -> Tensor:
         """Every rank's header of ``call``, ``[world_size, header_numel]`` fp32, after
         :meth:`worker_scales`."""
-        start = self._chunk_bytes + _SCALE_BYTES
+        start = self._chunk_bytes + _SCALE_BYTES * self.worker_scale_count
         return (
             call.received[:, start:]
             .clone(memory_format=torch.contiguous_format)
@@ -210,19 +239,36 @@ class CompressedAllreduce:
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
-        subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
+        if self._bounds is None:
+            subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
+        else:
+            for (a, b), s in zip(self._bounds, call.scale):
+                subtract_compressed_(call.y[a:b], s, out=self.worker_error[a:b])
         call.signs = None
         if not self.numel:
             call.gathered = call.received
             return
         chunk = self._chunk_bytes
         z = torch.empty(self.chunk_numel, device=self.server_error.device)
-        average_signs_(call.received[:, :chunk], _scales(call.received, chunk), out=z)
+        received = call.received[:, :chunk]
+        scales = _scales(call.received, chunk, self.worker_scale_count)
+        if self._bounds is None:
+            average_signs_(received, scales[:, 0], out=z)
+        else:
+            for a, b, k in self._pieces[self.rank]:
+                _by_bytes(average_signs_, received, scales[:, k], a, b, z)
         packed, sigma = compress_(z, self.server_error, self.scale)
-        subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
-        message = torch.empty(chunk + _SCALE_BYTES, dtype=torch.uint8, device=z.device)
+        if self._bounds is None:
+            subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
+        else:
+            sigma = torch.zeros(self.server_scale_count, device=z.device)
+            for i, (a, b, _) in enumerate(self._pieces[self.rank]):
+                sigma[i] = compute_scale(z[a:b], self.scale)
+                subtract_compressed_(z[a:b], sigma[i], out=self.server_error[a:b])
+        scales_end = chunk + _SCALE_BYTES * self.server_scale_count
+        message = torch.empty(scales_end, dtype=torch.uint8, device=z.device)
         message[:chunk] = packed
-        message[chunk : chunk + _SCALE_BYTES] = sigma.reshape(1).to(z.device).view(torch.uint8)
+        message[chunk:scales_end] = sigma.reshape(-1).to(z.device).view(torch.uint8)
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
@@ -238,11 +284,21 @@ class CompressedAllreduce:
         if not self.numel:
             return
         chunk = self._chunk_bytes
-        scales = _scales(call.gathered, chunk)
-        if out.is_contiguous():
-            decompress_(call.gathered[:, :chunk], scales, out)
+        scales = _scales(call.gathered, chunk, self.server_scale_count)
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        if self._bounds is None:
+            decompress_(call.gathered[:, :chunk], scales[:, 0], target)
         else:
-            out.copy_(decompress_(call.gathered[:, :chunk], scales, torch.empty_like(out)))
+            flat = target.view(-1)
+            for j, pieces in enumerate(self._pieces):
+                row = call.gathered[j : j + 1, :chunk]
+                here = flat[j * self.chunk_numel : (j + 1) * self.chunk_numel]
+                for i, (a, b, k) in enumerate(pieces):
+                    if k < len(self.segments):  # the padding's piece is dropped
+                        sigma = scales[j, i : i + 1]
+                        _by_bytes(decompress_, row, sigma, a, b, here)
+        if target is not out:
+            out.copy_(target)
 
     def state_dict(self) -> dict:
         """The error buffers and the geometry they belong to."""
@@ -275,13 +331,59 @@ class CompressedAllreduce:
         self.server_error.zero_()
 
 
-def _scales(messages: Tensor, chunk_bytes: int) -> Tensor:
+def _scales(messages: Tensor, chunk_bytes: int, count: int) -> Tensor:
+    """The ``count`` fp32 scales after the signs of each message row, ``[rows, count]``."""
+    end = chunk_bytes + _SCALE_BYTES * count
     return (
-        messages[:, chunk_bytes : chunk_bytes + _SCALE_BYTES]
-        .reshape(-1)
-        .clone()
+        messages[:, chunk_bytes:end]
+        .clone(memory_format=torch.contiguous_format)
         .view(torch.float32)
     )
+
+
+def _segment_geometry(
+    segments: list[int], padded: int, world_size: int
+) -> tuple[list[tuple[int, int]], list[list[tuple[int, int, int]]]]:
+    """Each segment's ``[start, end)`` in the padded buffer (the padding, if any, is one more
+    segment), and per chunk its pieces ``(start, end, segment)`` in chunk coordinates."""
+    bounds, start = [], 0
+    for size in segments:
+        bounds.append((start, start + size))
+        start += size
+    if padded > start:
+        bounds.append((start, padded))
+    chunk = padded // world_size
+    pieces = []
+    for j in range(world_size):
+        lo, hi = j * chunk, (j + 1) * chunk
+        clipped = [(max(a, lo) - lo, min(b, hi) - lo, k) for k, (a, b) in enumerate(bounds)]
+        pieces.append([(a, b, k) for a, b, k in clipped if a < b])
+    return bounds, pieces
+
+
+def _by_bytes(
+    kernel: Callable[[Tensor, Tensor, Tensor], Tensor],
+    packed: Tensor,
+    scales: Tensor,
+    a: int,
+    b: int,
+    out: Tensor,
+) -> None:
+    """``out[a:b] = kernel(packed, scales)[a:b]`` for :func:`~onebit.compress.average_signs_` or
+    :func:`~onebit.compress.decompress_`, whose elements depend only on their own bits.
+
+    Whole bytes inside ``[a, b)`` are written in place; a byte shared with a neighbouring piece
+    goes through an 8-element scratch.
+    """
+    first, last = -(-a // 8), b // 8  # the whole bytes inside [a, b)
+    if first < last:
+        kernel(packed[:, first:last], scales, out[8 * first : 8 * last])
+    for byte in sorted({a // 8, last} - set(range(first, last))):
+        lo, hi = max(a, 8 * byte), min(b, 8 * byte + 8)
+        if lo < hi:
+            scratch = torch.empty(8, device=out.device)
+            kernel(packed[:, byte : byte + 1], scales, scratch)
+            out[lo:hi] = scratch[lo - 8 * byte : hi - 8 * byte]
 
 
 def reduce_compressed_(
@@ -302,7 +404,7 @@ def finish_compressed_(
     comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
 ) -> bool:
     """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
-    scales = [comm.worker_scales(call) for comm, call in zip(comms, calls)]
+    scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
     if scales and not bool(torch.isfinite(torch.cat(scales)).all()):
         return False
     for comm, call in zip(comms, calls):

@@ -22,6 +22,7 @@ from .functional import (
     adam_denominator,
     adam_moments_,
     bias_correction,
+    fill_zero_variance_,
     lamb_factor,
     layer_norms,
     momentum_scaling,
@@ -71,6 +72,10 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             process if ``torch.distributed`` is not initialised.
         bucket_size: elements per communication bucket, rounded down to a multiple of
             ``8 * world_size``.
+        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
+            scale, so that a large tensor (an embedding, say) does not set the steps of the small
+            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
+            implementation). Each scale costs 4 bytes per message.
         auto_freeze: knobs of ``freeze_step="auto"``.
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
             applied to the averaged momentum in the compression stage.
@@ -110,6 +115,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        scale_per: str = "tensor",
         auto_freeze: AutoFreeze | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
@@ -143,6 +149,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             problem=problem,
@@ -285,6 +292,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
         beta2, eps = self._beta2, self._eps
+        fill_zero_variance_(self.layout.views(self._exp_avg_sq))
         self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
         bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)

@@ -38,6 +38,12 @@ class FlatLayout:
         """A new zero fp32 flat buffer; ``padded`` gives the bucket-padded length."""
         return torch.zeros(self.padded_numel if padded else self.numel, device=device)
 
+    def segments(self, k: int) -> list[int]:
+        """The sizes of the parameters' parts in bucket ``k``, in layout order."""
+        start, end = self.buckets[k]
+        sizes = [min(end, o + n) - max(start, o) for o, n in zip(self.offsets, self.numels)]
+        return [size for size in sizes if size > 0]
+
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of ``flat``, shaped like the parameters."""
         return [

@@ -26,6 +26,7 @@ from .functional import (
     all_finite,
     bias_correction,
     clip_coefficient,
+    fill_zero_variance_,
     layer_norms,
     momentum_from_grads_,
 )
@@ -80,6 +81,10 @@ class ZeroOneAdam(CompressedOptimizer):
             process if ``torch.distributed`` is not initialised.
         bucket_size: elements per communication bucket, rounded down to a multiple of
             ``8 * world_size``.
+        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
+            scale, so that a large tensor (an embedding, say) does not set the steps of the small
+            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
+            implementation). Each scale costs 4 bytes per message.
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
             applied to the momentum after every compressed or local update (1-bit compression
             cannot send exact zeros).
@@ -126,6 +131,7 @@ class ZeroOneAdam(CompressedOptimizer):
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        scale_per: str = "tensor",
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
@@ -144,6 +150,7 @@ class ZeroOneAdam(CompressedOptimizer):
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             problem=problem,
@@ -241,7 +248,8 @@ class ZeroOneAdam(CompressedOptimizer):
                     self._var_counter = 0
                     self.var_interval *= 2
             bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
-            denom = adam_denominator(v, bc2, self._eps, out=g)
+            fill_zero_variance_(self.layout.views(v), out=self.layout.views(g))
+            denom = adam_denominator(g, bc2, self._eps, out=g)
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
@@ -294,6 +302,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
         beta2, eps = self._beta2, self._eps
         bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
+        fill_zero_variance_(self.layout.views(self._exp_avg_sq))
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
