@@ -74,9 +74,9 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     dtype. If any rank has a non-finite gradient, every rank skips the step and changes nothing
     (``skipped_steps`` counts it; no extra collective is needed).
 
-    Entries whose variance is exactly 0 at the freeze (no gradient ever reached them) take
-    their tensor's mean variance, so that 1-bit momentum, never exactly 0, cannot make them
-    step by ``lr/eps`` (:func:`~onebit.functional.fill_zero_variance_`).
+    Entries whose variance is (about) 0 at the freeze, ``sqrt(v̂) <= eps`` (no gradient reached
+    them), take their tensor's mean variance, so that 1-bit momentum, never exactly 0, cannot
+    make them step by ``lr/eps`` (:func:`~onebit.functional.fill_zero_variance_`).
 
     State per parameter: ``exp_avg`` and ``exp_avg_sq``, views into flat buffers.
     ``comm_stats`` reports the bytes this rank sent.
@@ -171,7 +171,7 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
             if t == self.freeze_step:  # the variance is frozen from here on
-                fill_zero_variance_(self.layout.views(v))
+                fill_zero_variance_(self.layout.views(v), self._eps**2 * bc2)
         self._end_step(stage, nbytes, applied)
         return loss
 

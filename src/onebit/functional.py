@@ -30,35 +30,41 @@ def adam_denominator(v: Tensor, bias_correction2: float, eps: float, out: Tensor
     return out.div_(math.sqrt(bias_correction2)).add_(eps)
 
 
-def fill_zero_variance_(variances: list[Tensor], out: list[Tensor] | None = None) -> None:
-    """Give each entry whose variance is exactly 0 the mean of its tensor's nonzero variances
-    (the mean over every tensor's nonzero entries for a tensor that is zero throughout); write
-    into ``out`` (default: in place). Where no entry is zero, the values are copied unchanged.
+def fill_zero_variance_(
+    variances: list[Tensor], floor: float = 0.0, out: list[Tensor] | None = None
+) -> None:
+    """Give each entry whose variance is at most ``floor`` the mean variance of its tensor's other
+    entries (of every tensor's, for a tensor with none); write into ``out`` (default: in place).
+    Where no entry is that small, the values are copied unchanged.
 
-    A zero variance means no gradient ever reached the entry (a key bias, which softmax ignores;
-    an embedding row no batch used; a dead unit), so Adam's own update there is 0/eps = 0. Once
-    the momentum is sent in 1 bit it is never exactly 0 there, and dividing ``±scale`` by
-    ``sqrt(0) + eps`` would be a step of about ``lr·scale/eps``. With the tensor's typical
-    variance, the entry instead takes steps the size of its neighbours', which error feedback
-    cancels over the next steps (it tracks a momentum of zero) and which stay right if a
-    gradient does arrive later. The mean of ``v`` rather than of ``sqrt(v)`` errs towards
-    larger denominators, i.e. smaller steps.
+    Such a variance means no gradient reached the entry (a bias that softmax ignores, an
+    embedding row no batch used, a dead unit), so Adam's own update there is about 0/eps. Once
+    the momentum is sent in 1 bit it is never 0 there, and ``±scale / (sqrt(v) + eps)`` would be
+    a step of about ``lr·scale/eps``. With its tensor's typical variance the entry instead moves
+    as far as its neighbours do, which error feedback cancels over the next steps (it tracks a
+    momentum of zero), and which is the right size should a gradient arrive later. Taking the
+    mean of ``v``, not of ``sqrt(v)``, errs towards larger denominators: smaller steps.
+    The optimizers pass ``floor = eps² · (1 - β2^t)``: entries whose ``sqrt(v̂)`` is at most
+    ``eps``, where Adam's denominator is mostly ``eps`` (float rounding leaves such tiny
+    gradients where the exact one is 0, as in a key bias).
     """
     out = variances if out is None else out
-    present = [v.numel() > 0 for v in variances]
-    sums = layer_norms(variances, ord=1).double().cpu()  # v >= 0
-    counts = torch.tensor(
-        [int(torch.count_nonzero(v)) if p else 0 for v, p in zip(variances, present)],
-        dtype=torch.float64,
-    )
-    overall = float(sums.sum() / counts.sum()) if counts.sum() > 0 else 0.0
-    for v, o, total, count in zip(variances, out, sums.tolist(), counts.tolist()):
-        if count == v.numel() or overall == 0.0:
+    sums, counts = [], []
+    for v in variances:
+        small = v <= floor
+        counts.append(v.numel() - int(small.sum()))
+        sums.append(
+            float(torch.where(small, 0.0, v).sum(dtype=torch.float64)) if counts[-1] else 0.0
+        )
+    total = sum(counts)
+    overall = sum(sums) / total if total else 0.0
+    for v, o, sum_, count in zip(variances, out, sums, counts):
+        if count == v.numel() or total == 0:
             if o is not v:
                 o.copy_(v)
             continue
-        fill = total / count if count else overall
-        torch.where(v == 0, torch.tensor(fill, dtype=v.dtype, device=v.device), v, out=o)
+        fill = sum_ / count if count else overall
+        torch.where(v <= floor, torch.tensor(fill, dtype=v.dtype, device=v.device), v, out=o)
 
 
 def adamw_update_(

@@ -292,9 +292,9 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
         beta2, eps = self._beta2, self._eps
-        fill_zero_variance_(self.layout.views(self._exp_avg_sq))
-        self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
         bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
+        fill_zero_variance_(self.layout.views(self._exp_avg_sq), eps**2 * bc2)
+        self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
         self._scaling = momentum_scaling(self.layout.views(self._exp_avg))
         ema = self._coeff_ema

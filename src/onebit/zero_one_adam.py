@@ -248,8 +248,11 @@ class ZeroOneAdam(CompressedOptimizer):
                     self._var_counter = 0
                     self.var_interval *= 2
             bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
-            fill_zero_variance_(self.layout.views(v), out=self.layout.views(g))
-            denom = adam_denominator(g, bc2, self._eps, out=g)
+            if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
+                floor = self._eps**2 * bc2
+                fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(g))
+                v = g
+            denom = adam_denominator(v, bc2, self._eps, out=g)
             step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
             for group, params, ms, denoms in self._per_group(m, denom):
                 adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
@@ -302,7 +305,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
         beta2, eps = self._beta2, self._eps
         bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
-        fill_zero_variance_(self.layout.views(self._exp_avg_sq))
+        fill_zero_variance_(self.layout.views(self._exp_avg_sq), eps**2 * bc2)
         adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress

@@ -152,14 +152,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=optim.DEFAULT_BUCKET_SIZE,
         metavar="N",
-        help=f"elements per 1-bit bucket, each with its own scale ({optim.DEFAULT_BUCKET_SIZE})",
+        help=f"elements per 1-bit bucket ({optim.DEFAULT_BUCKET_SIZE}, the library's default)",
     )
     run.add_argument(
         "--local-step-scaler",
         type=_positive,
         metavar="N",
-        help="zero-one-adam: steps between doublings of its local-step interval (default 32768, "
-        "so short runs sync every step)",
+        help="zero-one-adam: steps between doublings of its local-step interval (default: a "
+        "fifth of phase B, so the interval doubles 4 times in the run)",
     )
     run.add_argument(
         "--seed", type=_integer(0, SEED_MAX), default=0, help="model init and data order (0)"
@@ -189,6 +189,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=_positive, default=4, metavar="N", help="(4)")
     model.add_argument("--heads", type=_positive, default=4, metavar="N", help="(4)")
     model.add_argument("--width", type=_positive, default=128, metavar="N", help="(128)")
+    model.add_argument(
+        "--no-bias",
+        dest="bias",
+        action="store_false",
+        help="no biases in the linear layers and LayerNorms (as nanoGPT's bias=False)",
+    )
     model.add_argument(
         "--data",
         type=Path,
@@ -492,6 +498,7 @@ def _new_run(
                 n_layer=args.layers,
                 n_head=args.heads,
                 n_embd=args.width,
+                bias=args.bias,
                 lr=args.lr or optim.default_lr(name),
                 warmup_steps=max(1, steps // 20),
                 weight_decay=args.weight_decay,
@@ -553,6 +560,7 @@ _SAME_RUN = {
     "n_layer": "--layers",
     "n_head": "--heads",
     "n_embd": "--width",
+    "bias": "--no-bias",
     "lr": "--lr",
     "weight_decay": "--weight-decay",
     "bucket_size": "--bucket-size",

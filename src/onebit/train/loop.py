@@ -49,6 +49,7 @@ class RunConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    bias: bool = True
     lr: float = 1e-3
     warmup_steps: int = 15
     weight_decay: float = 0.1
@@ -73,7 +74,9 @@ class RunConfig:
         return self.schedule_steps or self.steps
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, self.block_size, self.n_layer, self.n_head, self.n_embd)
+        return ModelConfig(
+            self.model, self.block_size, self.n_layer, self.n_head, self.n_embd, self.bias
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +84,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         names = {f.name for f in fields(cls)}
+        d = {"bias": False, **d}  # runs saved before biases came in had none
         return cls(**{k: v for k, v in d.items() if k in names})
 
 

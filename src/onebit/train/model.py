@@ -1,8 +1,8 @@
 """A small byte-level transformer, as a GPT (causal LM) or a BERT-style masked LM.
 
 Written after nanoGPT: pre-LayerNorm blocks, fused attention, GELU MLP, token embedding tied to
-the output head, and no biases (nanoGPT's ``bias=False``; a key bias would get no gradient at
-all, since softmax ignores it, and 1-bit compression cannot send an exact zero). Bytes are
+the output head, and biases in the linear layers and LayerNorms unless ``bias=False`` (as
+nanoGPT; the key bias then gets no gradient at all, since softmax ignores it). Bytes are
 tokens (vocabulary 256, plus a ``[MASK]`` token for BERT), so any text trains without a
 tokenizer. There is no dropout: a run is a deterministic function of its seed.
 """
@@ -29,6 +29,7 @@ class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    bias: bool = True
 
     @property
     def vocab_size(self) -> int:
@@ -40,8 +41,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.causal = config.kind == "gpt"
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
@@ -54,13 +55,13 @@ class SelfAttention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = SelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = nn.Sequential(
-            nn.Linear(config.n_embd, 4 * config.n_embd, bias=False),
+            nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias),
             nn.GELU(),
-            nn.Linear(4 * config.n_embd, config.n_embd, bias=False),
+            nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -77,7 +78,7 @@ class Transformer(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight
         self.apply(_init_weights)
@@ -102,11 +103,7 @@ class Transformer(nn.Module):
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Weight decay on matrices only, not on LayerNorms or position embeddings.
-
-        The token embedding comes first, so that a bucket of ``vocab_size * n_embd`` elements
-        holds it alone: its momentum is several times larger than the rest of the model's.
-        """
+        """Weight decay on matrices only, not on biases, LayerNorms or position embeddings."""
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and n != "wpe.weight"]
         rest = [p for n, p in self.named_parameters() if p.dim() < 2 or n == "wpe.weight"]
         return [
@@ -118,5 +115,7 @@ class Transformer(nn.Module):
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import onebit
+from onebit.base import DEFAULT_BUCKET_SIZE
 from onebit.comm import allreduce_bytes
 
 OPTIMIZERS = ("adamw", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
@@ -32,14 +33,6 @@ _CLASSES = {
     "lamb": "OnebitLamb",
     "onebit-lamb": "OnebitLamb",
 }
-
-DEFAULT_BUCKET_SIZE = 2**15
-"""Elements per compressed bucket; each bucket has its own 1-bit scale. With the library's
-default (4M elements) this whole model shares one scale, set by the token embedding, whose
-momentum is 10-100 times larger than most other layers': their compressed momentum then swings
-far wider than Adam would move them and training falls behind (BENCHMARKS.md). 2**15 is the
-default GPT's embedding exactly, which comes first in the layout and so gets a bucket of its
-own."""
 
 NEVER = 2**62
 """A freeze step no run reaches: keeps OnebitLamb in its exact-LAMB warmup."""
@@ -75,6 +68,15 @@ def default_lr(name: str) -> float:
 def default_freeze_step(name: str, steps: int) -> int:
     """Warmup length of the 1-bit optimizers: 20% of the run, as the papers do (15-25%)."""
     return max(1, steps // 5)
+
+
+def default_local_step_scaler(steps: int, var_freeze_step: int) -> int:
+    """0/1 Adam's ``local_step_scaler`` sized for the run: its local-step interval doubles
+    4 times over phase B (1, 2, 4, 8, then 16 steps between syncs for the last fifth).
+
+    The library's 32768 suits runs of 100k steps and more, as the paper's; a shorter run with it
+    would sync every step and never take a local step."""
+    return max(1, (steps - var_freeze_step) // 5)
 
 
 def auto_freeze(steps: int) -> onebit.AutoFreeze:
@@ -195,7 +197,7 @@ def build(
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
-    the library's 32768, so that runs shorter than that sync every step). ``max_grad_norm``
+    :func:`default_local_step_scaler`). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
     Every rank must call this with the same arguments.
     """
@@ -222,7 +224,7 @@ def build(
         optimizer = cls(
             param_groups,
             var_freeze_step=freeze_step,
-            local_step_scaler=local_step_scaler or 32768,
+            local_step_scaler=local_step_scaler or default_local_step_scaler(steps, freeze_step),
             **common,
         )
     elif freeze_step == "auto":
