@@ -32,11 +32,16 @@ from torch.autograd import Variable
 from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
 from .functional import all_finite, clip_coefficient, layer_norms
 from .layout import FlatLayout
+from .quantized import QuantizedAllreduce
 from .stats import CommStats
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
 send fewer messages."""
+
+WARMUP_COMPRESSION = ("fp32", "bf16", "int8", "int4")
+"""How the warmup averages gradients: ``"fp32"`` (default) is an fp32 allreduce, exactly DDP;
+the others go through :class:`~onebit.quantized.QuantizedAllreduce` with error feedback."""
 
 SCALE_PER = ("tensor", "bucket")
 """What gets its own 1-bit scale: ``"tensor"`` (default), each parameter's part of a bucket, so
@@ -146,10 +151,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
         scale_per: str = "tensor",
+        warmup_compression: str = "fp32",
         problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
         self.scale_per = scale_per
+        self.warmup_compression = warmup_compression
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
@@ -176,11 +183,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
             for k, (start, end) in enumerate(self.layout.buckets)
         ]
+        self.warmup_comms: list[QuantizedAllreduce] = []
+        if warmup_compression != "fp32":
+            self.warmup_comms = [
+                QuantizedAllreduce(
+                    end - start,
+                    segments=self.layout.segments(k),
+                    bits=warmup_compression,
+                    group=process_group,
+                    device=self.device,
+                    header_numel=HEADER_NUMEL,
+                )
+                for k, (start, end) in enumerate(self.layout.buckets)
+            ]
         # The gradient scratch buffer, padded for the buckets, then one header slot per rank.
         slots = HEADER_NUMEL * self.world_size
         self._grads = torch.zeros(self.layout.padded_numel + slots, device=self.device)
         self._grad_buckets = self.layout.bucket_views(self._grads, padded=True)
         self._inflight: dict[int, Any] = {}
+        self._inflight_kind = "allreduce"
         self._no_sync = False
         self._buckets_of_param = [
             [k for k, (s, e) in enumerate(self.layout.buckets) if s < o + n and o < e]
@@ -217,6 +238,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         check_step_count("bucket_size", bucket_size)
         if self.scale_per not in SCALE_PER:
             raise ValueError(f"scale_per must be one of {SCALE_PER}, got {self.scale_per!r}")
+        if self.warmup_compression not in WARMUP_COMPRESSION:
+            raise ValueError(
+                f"warmup_compression must be one of {WARMUP_COMPRESSION}, "
+                f"got {self.warmup_compression!r}"
+            )
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
         ):
@@ -243,6 +269,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "device type": self.device.type,
             "bucket_size": self.layout.bucket_size,
             "scale_per": self.scale_per,
+            "warmup_compression": self.warmup_compression,
             "param groups": _group_hyperparameters(self.param_groups),
             "max_grad_norm": self.max_grad_norm,
             "bias_correction": getattr(self, "bias_correction", None),
@@ -415,14 +442,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             average = grads[: self.comms[k].numel]
             self._inflight[k] = MeanAllreduce(buffer, self.process_group, average=average)
         else:
-            self._inflight[k] = self.comms[k].start(grads, header)
+            self._inflight[k] = self._comms_for(kind)[k].start(grads, header)
+        self._inflight_kind = kind
 
     def _communicate(
         self, kind: str, out: Tensor | None = None, fill: bool = True
     ) -> tuple[bool, int]:
         """Launch every bucket not yet launched, then complete them all.
 
-        ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place) or
+        ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place),
+        ``"quantized"`` (average it through :attr:`warmup_comms` into ``out``) or
         ``"compressed"`` (1-bit allreduce of the gradient buffer into the flat buffer ``out``).
         With ``fill`` each bucket is first gathered from ``.grad`` and passed through
         :meth:`_prepare_bucket_`; without it the caller has filled the gradient buffer.
@@ -445,25 +474,37 @@ class CompressedOptimizer(torch.optim.Optimizer):
             grads = self._grads[: self.layout.numel]
             # all_finite, not isfinite(grads).all(): no model-sized temporaries
             return all_finite([grads]), sum(c.bytes_sent for c in calls)
-        return self._finish_compressed(calls, self.layout.bucket_views(out), gradients=True)
+        outputs = self.layout.bucket_views(out)
+        return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
+
+    def _comms_for(self, kind: str) -> list[Any]:
+        """The communicators of ``kind``: the quantized warmup's, or the 1-bit ones."""
+        return self.warmup_comms if kind == "quantized" else self.comms
+
+    @property
+    def _warmup_kind(self) -> str:
+        """What a full-precision step sends: ``"allreduce"``, or ``"quantized"``."""
+        return "allreduce" if self.warmup_compression == "fp32" else "quantized"
 
     def _finish_compressed(
-        self, calls: list[Any], outputs: list[Tensor], gradients: bool
+        self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = "compressed"
     ) -> tuple[bool, int]:
-        """Complete compressed calls started with headers: check the headers, then serve and
-        decompress (see :func:`~onebit.comm.finish_compressed_`). For ``gradients``, note the
-        mean of the ranks' gradient norms that ``max_grad_norm`` clips with."""
-        for comm, call in zip(self.comms, calls):
+        """Complete compressed or quantized calls started with headers: check the headers, then
+        serve and decompress (see :func:`~onebit.comm.finish_compressed_`). For 1-bit
+        ``gradients``, note the mean of the ranks' gradient norms that ``max_grad_norm`` clips
+        with (a quantized average is clipped as an fp32 one, by its own norm)."""
+        comms = self._comms_for(kind)
+        for comm, call in zip(comms, calls):
             comm.worker_scales(call)
-        headers = torch.stack([c.headers(call) for c, call in zip(self.comms, calls)])
+        headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
         first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
         first[:, 2] = headers[:, :, 2].amax(0)
         self._check_headers(first)
-        applied = finish_compressed_(self.comms, calls, outputs)
-        if applied and gradients and self.max_grad_norm is not None:
+        applied = finish_compressed_(comms, calls, outputs)
+        if applied and gradients and kind == "compressed" and self.max_grad_norm is not None:
             local_norms = headers[:, :, 3].sum(0).sqrt()  # each rank's norm over all buckets
             self.grad_norm = float(local_norms.mean())
-        return applied, sum(c.bytes_per_call for c in self.comms)
+        return applied, sum(c.bytes_per_call for c in comms)
 
     def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
         """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
@@ -479,7 +520,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if isinstance(call, MeanAllreduce):
                 call.wait()
             else:
-                self.comms[k].worker_scales(call)
+                self._comms_for(self._inflight_kind)[k].worker_scales(call)
         self._inflight = {}
         self._bucket_pending = list(self._bucket_sizes)
         self._step_open = False
@@ -493,8 +534,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._grads[: self.layout.numel]
 
     def _allreduce_grads(self) -> tuple[bool, int]:
-        """Average the gathered gradients in fp32; return (all finite, bytes sent)."""
-        return self._communicate("allreduce", fill=False)
+        """Average the gathered gradients in place, in fp32 or through the quantized warmup
+        exchange; return (applied, bytes sent)."""
+        kind = self._warmup_kind
+        return self._communicate(kind, self._grads[: self.layout.numel], fill=False)
 
     def _compressed_allreduce(self, out: Tensor) -> tuple[bool, int]:
         """Compressed allreduce of the (padded) flat gradient buffer, used as the input scratch,
@@ -673,7 +716,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _rank_state(self) -> dict[str, Any]:
         """State that differs between ranks: the error buffers, and what subclasses add."""
-        return {"comms": [c.state_dict() for c in self.comms]}
+        state = {"comms": [c.state_dict() for c in self.comms]}
+        if self.warmup_comms:
+            state["warmup_comms"] = [c.state_dict() for c in self.warmup_comms]
+        return state
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         comms = state["comms"]
@@ -681,6 +727,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{len(comms)} buckets saved, {len(self.comms)} here")
         for comm, saved in zip(self.comms, comms):
             comm.load_state_dict(saved)
+        for comm, saved in zip(self.warmup_comms, state.get("warmup_comms", [])):
+            comm.load_state_dict(saved)
+
+    def _end_warmup_compression(self) -> None:
+        """At the freeze: zero the quantized warmup's error buffers, which tracked gradients that
+        the compression stage no longer sends."""
+        for comm in self.warmup_comms:
+            comm.reset()
 
     def _layout_digest(self) -> str:
         return _digest((self.layout.buckets, self.layout.numels, self.world_size))
@@ -815,7 +869,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"error-feedback buffers reset ({err}); resume is not exact", stacklevel=2
             )
-            for comm in self.comms:
+            for comm in self.comms + self.warmup_comms:
                 comm.reset()
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")

@@ -81,6 +81,11 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             applied to the averaged momentum in the compression stage.
         max_grad_norm: clip gradients to this norm (``None``: no clipping); as
             :class:`~onebit.OnebitAdam` (``docs/SPEC.md``).
+        warmup_compression: ``"fp32"`` (default, exactly LAMB on fp32-averaged gradients),
+            ``"bf16"``, ``"int8"`` or ``"int4"``: as :class:`~onebit.OnebitAdam`'s.
+
+    Entries whose variance is (about) 0 at the freeze take their tensor's mean variance, as in
+    :class:`~onebit.OnebitAdam`.
 
     With weight decay the factor is blended towards 1 by the share of the update that does not
     depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
@@ -119,6 +124,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         auto_freeze: AutoFreeze | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
+        warmup_compression: str = "fp32",
     ) -> None:
         def check() -> None:
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -152,6 +158,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
+            warmup_compression=warmup_compression,
             problem=problem,
         )
         self._start_freeze_monitor()
@@ -301,6 +308,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         if self.bias_correction:
             ema = ema / (1 - self.coeff_beta**self._coeff_updates)
         self._frozen_coeffs = torch.where(self._coeff_updates > 0, ema, 1.0)
+        self._end_warmup_compression()
         self._set_frozen(True)
 
     def _set_frozen(self, frozen: bool) -> None:

@@ -93,6 +93,11 @@ class ZeroOneAdam(CompressedOptimizer):
             compressed steps by the mean of the ranks' local norms; each rank's own gradient on
             local steps (``docs/SPEC.md``).
 
+    Entries whose variance is (about) 0, ``sqrt(v̂) <= eps``, take their tensor's mean variance
+    in the denominator once compressed steps have begun and in the frozen one
+    (:func:`~onebit.functional.fill_zero_variance_`): 1-bit momentum is never exactly 0, and
+    ``±scale/eps`` would be a step of about ``lr·scale/eps``.
+
     Weight decay in phase B is applied to the parameters every local step exactly as AdamW does
     and is kept out of the momentum that a sync rebuilds (the reference folded
     ``wd·p·(sqrt(v)+eps)`` into the momentum, which compounds into up to ``1/(1-β1)`` times the
