@@ -89,6 +89,9 @@ METHODS = [
     "powersgd",
     "powersgd-1b",
     "onebit-warmup",
+    "onebit-warmup-bf16",
+    "onebit-warmup-int8",
+    "onebit-warmup-int4",
     "onebit",
     "zero-one-a",
     "zero-one",
@@ -103,6 +106,9 @@ LABELS = {
     "powersgd": "DDP + PowerSGD hook",
     "powersgd-1b": "DDP (1 bucket) + PowerSGD",
     "onebit-warmup": "OnebitAdam warmup",
+    "onebit-warmup-bf16": "OnebitAdam warmup, bf16",
+    "onebit-warmup-int8": "OnebitAdam warmup, int8",
+    "onebit-warmup-int4": "OnebitAdam warmup, int4",
     "onebit": "OnebitAdam compression",
     "zero-one-a": "ZeroOneAdam phase A (1-bit)",
     "zero-one": "ZeroOneAdam phase B (local)",
@@ -112,6 +118,9 @@ LABELS = {
 
 CLASSES = {
     "onebit-warmup": "OnebitAdam",
+    "onebit-warmup-bf16": "OnebitAdam",
+    "onebit-warmup-int8": "OnebitAdam",
+    "onebit-warmup-int4": "OnebitAdam",
     "onebit": "OnebitAdam",
     "zero-one-a": "ZeroOneAdam",
     "zero-one": "ZeroOneAdam",
@@ -293,8 +302,10 @@ def _build(method: str, model_name: str, world: int, args: argparse.Namespace):
     extra: dict[str, Any] = {"eps": eps}
     if args.overlap and "overlap_backward" in inspect.signature(cls).parameters:
         extra["overlap_backward"] = True
-    if method == "onebit-warmup":
-        return model, cls(params, lr=lr, freeze_step=10**9, **extra), Plan(1, steps)
+    if method.startswith("onebit-warmup"):
+        bits = method.removeprefix("onebit-warmup").lstrip("-") or "fp32"
+        optimizer = cls(params, lr=lr, freeze_step=10**9, warmup_compression=bits, **extra)
+        return model, optimizer, Plan(1 if bits == "fp32" else 2, steps)
     if method == "onebit":  # step 1 is the warmup; steps 2-3 warm the compression stage up
         return model, cls(params, lr=lr, freeze_step=1, **extra), Plan(3, steps)
     if method == "lamb-warmup":

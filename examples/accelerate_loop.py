@@ -14,7 +14,7 @@ the DDP model Accelerate builds to the optimizer. ``accelerator.backward``,
 
 import torch
 from accelerate import Accelerator
-from common import BUCKET_SIZE, arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
 
 import onebit
 from onebit.integrations.accelerate import prepare
@@ -30,7 +30,6 @@ optimizer = onebit.OnebitAdam(
     lr=args.lr,
     freeze_step=args.freeze_step,
     max_grad_norm=1.0,
-    bucket_size=BUCKET_SIZE,
 )
 train, val = text_data()
 loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)

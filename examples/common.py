@@ -23,12 +23,6 @@ torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_
 
 BLOCK = 64  # bytes per example, the model's context
 
-# 1-bit compression sends one scale per bucket. The default bucket (4M elements) would put this
-# whole 0.12M-parameter model under one scale; buckets of 16k elements give its parts scales of
-# their own, which brings the loss close to AdamW's. Models of millions of parameters fill many
-# default buckets: leave bucket_size out there.
-BUCKET_SIZE = 2**14
-
 
 def arguments(description, steps=100, freeze_step=30, lr=3e-3, batch_size=8):
     """The command line every example takes; each adds its own options to the parser."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import BUCKET_SIZE, arguments, report, text_data, tiny_gpt2
+from common import arguments, report, text_data, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import onebit
@@ -47,9 +47,7 @@ training_args = TrainingArguments(
     ddp_find_unused_parameters=False,
 )
 model = tiny_gpt2()
-optimizer = create_optimizer(
-    model, training_args, onebit.OnebitAdam, freeze_step=args.freeze_step, bucket_size=BUCKET_SIZE
-)
+optimizer = create_optimizer(model, training_args, onebit.OnebitAdam, freeze_step=args.freeze_step)
 train, val = text_data()
 trainer = Trainer(
     model=model,

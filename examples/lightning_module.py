@@ -18,7 +18,7 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from common import BUCKET_SIZE, arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
 
 import onebit
 from onebit.integrations.lightning import OnebitCallback
@@ -44,7 +44,6 @@ class GPT(pl.LightningModule):
             lr=self.lr,
             freeze_step=self.freeze_step,
             max_grad_norm=1.0,  # = gradient_clip_val: OnebitCallback hands the clipping over
-            bucket_size=BUCKET_SIZE,
         )
 
 

@@ -14,15 +14,14 @@ The conversion from an AdamW + DDP script:
 The hook leaves every gradient local: DDP sends nothing and ``optimizer.step()`` does all the
 communication, an fp32 allreduce for ``freeze_step`` steps, then 1 bit per element. The
 optimizer clips the averaged gradient itself (``max_grad_norm``); a ``clip_grad_norm_`` before
-``step()`` would clip each rank's local gradient instead. (The ``bucket_size`` below suits this
-tiny model; see common.py.)
+``step()`` would clip each rank's local gradient instead.
 """
 
 import os
 
 import torch
 import torch.distributed as dist
-from common import BUCKET_SIZE, arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -49,7 +48,6 @@ optimizer = onebit.OnebitAdam(
     lr=args.lr,
     freeze_step=args.freeze_step,
     max_grad_norm=1.0,
-    bucket_size=BUCKET_SIZE,
 )
 ddp_model.register_comm_hook(optimizer, onebit.ddp_comm_hook)
 

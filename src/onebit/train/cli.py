@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -146,6 +147,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="warmup steps of the 1-bit optimizers (default 20%% of --steps); auto watches "
         "Adam's variance and freezes it between 10%% and 25%%",
+    )
+    run.add_argument(
+        "--warmup-compression",
+        choices=optim.WARMUP_COMPRESSION,
+        default="fp32",
+        help="onebit-adam, onebit-lamb: how the warmup averages gradients (fp32: exactly "
+        "AdamW + DDP; bf16, int8, int4: 2-8x fewer bytes, with error feedback)",
     )
     run.add_argument(
         "--bucket-size",
@@ -437,9 +445,9 @@ def _new_run(
     if args.compare and args.optimizer:
         raise UsageError("give either --optimizer or --compare, not both")
     runs = (
-        _parse_compare(args.compare) if args.compare else [(args.optimizer or "onebit-adam", True)]
+        _parse_compare(args.compare) if args.compare else [Variant(args.optimizer or "onebit-adam")]
     )
-    names = [name for name, _ in runs]
+    names = [run.name for run in runs]
     for name in names:
         optim.optimizer_class(name)
     if not any(optim.is_compressed(n) for n in names):
@@ -449,6 +457,10 @@ def _new_run(
         ):
             if value:
                 raise UsageError(f"{flag} applies only to the 1-bit optimizers")
+    if args.warmup_compression != "fp32" and not set(names) & set(optim.WARMUP_COMPRESSED):
+        raise UsageError(
+            f"--warmup-compression applies only to {' and '.join(optim.WARMUP_COMPRESSED)}"
+        )
     if args.local_step_scaler and "zero-one-adam" not in names:
         raise UsageError("--local-step-scaler applies only to zero-one-adam")
     steps = args.steps or DEFAULT_STEPS
@@ -476,9 +488,15 @@ def _new_run(
         root = args.out or Path("runs") / f"compare-{args.model}{stamp}"
         _check_folder(root, "--out")
     configs = []
-    for name, error_feedback in runs:
-        error_feedback = error_feedback and args.error_feedback and optim.is_compressed(name)
-        label = name if error_feedback or not optim.is_compressed(name) else f"{name}-no-ef"
+    for run in runs:
+        name = run.name
+        error_feedback = run.error_feedback and args.error_feedback and optim.is_compressed(name)
+        if isinstance(run.freeze_step, int) and run.freeze_step >= steps:
+            raise UsageError(f"freeze={run.freeze_step} in --compare is not below --steps {steps}")
+        warmup = run.warmup or args.warmup_compression
+        if name not in optim.WARMUP_COMPRESSED:
+            warmup = "fp32"
+        label = run.label(error_feedback, warmup)
         if args.compare:
             out = root / label
         else:
@@ -502,9 +520,10 @@ def _new_run(
                 lr=args.lr or optim.default_lr(name),
                 warmup_steps=max(1, steps // 20),
                 weight_decay=args.weight_decay,
-                freeze_step=args.freeze_step,
+                freeze_step=run.freeze_step or args.freeze_step,
+                warmup_compression=warmup,
                 bucket_size=args.bucket_size,
-                local_step_scaler=args.local_step_scaler,
+                local_step_scaler=run.local_step_scaler or args.local_step_scaler,
                 error_feedback=error_feedback,
                 amp=args.amp,
                 grad_clip=args.grad_clip,
@@ -564,6 +583,7 @@ _SAME_RUN = {
     "lr": "--lr",
     "weight_decay": "--weight-decay",
     "bucket_size": "--bucket-size",
+    "warmup_compression": "--warmup-compression",
     "local_step_scaler": "--local-step-scaler",
     "amp": "--amp",
     "grad_clip": "--grad-clip",
@@ -705,20 +725,61 @@ def _cache_dir(args: argparse.Namespace) -> Path:
     return Path(base) / "onebit"
 
 
-def _parse_compare(text: str) -> list[tuple[str, bool]]:
+@dataclass(frozen=True)
+class Variant:
+    """One run of ``--compare``: ``OPT[:no-ef][:warmup=BITS][:freeze=N|auto][:local=N]``."""
+
+    name: str
+    error_feedback: bool = True
+    warmup: str | None = None
+    freeze_step: int | str | None = None
+    local_step_scaler: int | None = None
+
+    def label(self, error_feedback: bool, warmup: str) -> str:
+        """The run's folder and row name: the optimizer, then what differs from its defaults."""
+        parts = [self.name]
+        if optim.is_compressed(self.name) and not error_feedback:
+            parts.append("no-ef")
+        if warmup != "fp32":
+            parts.append(f"warmup-{warmup}")
+        if self.freeze_step is not None:
+            parts.append(f"freeze-{self.freeze_step}")
+        if self.local_step_scaler is not None:
+            parts.append(f"local-{self.local_step_scaler}")
+        return "-".join(parts)
+
+
+def _parse_compare(text: str) -> list[Variant]:
     runs = []
     for item in text.split(","):
-        name, _, variant = item.strip().partition(":")
+        name, *variants = item.strip().split(":")
         if name not in optim.OPTIMIZERS:
             raise UsageError(
                 f"unknown optimizer {name!r} in --compare "
                 f"(choose from {', '.join(optim.OPTIMIZERS)})"
             )
-        if variant not in ("", "no-ef"):
-            raise UsageError(f"unknown variant {variant!r} of {name} in --compare (only no-ef)")
-        if variant and not optim.is_compressed(name):
-            raise UsageError(f"{name} has no error feedback to drop ({item} in --compare)")
-        runs.append((name, not variant))
+        settings: dict[str, Any] = {}
+        for variant in variants:
+            key, _, value = variant.partition("=")
+            if not optim.is_compressed(name):
+                raise UsageError(f"{name} has no variants ({item} in --compare)")
+            if variant == "no-ef":
+                settings["error_feedback"] = False
+            elif key == "warmup" and value in optim.WARMUP_COMPRESSION:
+                if name not in optim.WARMUP_COMPRESSED:
+                    raise UsageError(f"{name} has no fp32 warmup to compress ({item})")
+                settings["warmup"] = value
+            elif key == "freeze" and (value == "auto" or value.isdigit() and int(value) > 0):
+                settings["freeze_step"] = value if value == "auto" else int(value)
+            elif key == "local" and name == "zero-one-adam" and value.isdigit() and int(value):
+                settings["local_step_scaler"] = int(value)
+            else:
+                raise UsageError(
+                    f"unknown variant {variant!r} of {name} in --compare (no-ef, "
+                    f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, freeze=N|auto, "
+                    "local=N for zero-one-adam)"
+                )
+        runs.append(Variant(name, **settings))
     if len(set(runs)) != len(runs):
         raise UsageError(f"--compare lists a run twice: {text}")
     return runs

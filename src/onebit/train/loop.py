@@ -54,6 +54,7 @@ class RunConfig:
     warmup_steps: int = 15
     weight_decay: float = 0.1
     freeze_step: int | str | None = None
+    warmup_compression: str = "fp32"
     bucket_size: int = optim.DEFAULT_BUCKET_SIZE
     local_step_scaler: int | None = None
     error_feedback: bool = True
@@ -202,6 +203,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         local_step_scaler=config.local_step_scaler,
         max_grad_norm=config.grad_clip,
         scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
+        warmup_compression=config.warmup_compression,
     )
     opt = trainer.optimizer
     kept: list[dict[str, Any]] = []
@@ -394,6 +396,7 @@ def _summary(
         "freeze_step": trainer.freeze_step(),
         "bucket_size": config.bucket_size,
         "error_feedback": config.error_feedback,
+        "warmup_compression": config.warmup_compression,
         "amp": config.amp,
         "grad_clip": config.grad_clip,
         "skipped_steps": trainer.skipped_steps(),

@@ -34,6 +34,12 @@ _CLASSES = {
     "onebit-lamb": "OnebitLamb",
 }
 
+WARMUP_COMPRESSION = onebit.base.WARMUP_COMPRESSION
+"""``--warmup-compression`` choices: how the 1-bit optimizers' warmup averages gradients."""
+
+WARMUP_COMPRESSED = ("onebit-adam", "onebit-lamb")
+"""The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
+
 NEVER = 2**62
 """A freeze step no run reaches: keeps OnebitLamb in its exact-LAMB warmup."""
 
@@ -191,6 +197,7 @@ def build(
     local_step_scaler: int | None = None,
     max_grad_norm: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    warmup_compression: str = "fp32",
 ) -> Trainer:
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
@@ -199,6 +206,7 @@ def build(
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
     :func:`default_local_step_scaler`). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
+    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB.
     Every rank must call this with the same arguments.
     """
     cls = optimizer_class(name)
@@ -227,9 +235,10 @@ def build(
             local_step_scaler=local_step_scaler or default_local_step_scaler(steps, freeze_step),
             **common,
         )
-    elif freeze_step == "auto":
-        optimizer = cls(param_groups, freeze_step="auto", auto_freeze=auto_freeze(steps), **common)
     else:
+        common["warmup_compression"] = warmup_compression
+        if freeze_step == "auto":
+            common["auto_freeze"] = auto_freeze(steps)
         optimizer = cls(param_groups, freeze_step=freeze_step, **common)
     return Trainer(
         model,
