@@ -128,10 +128,11 @@ CLASSES = {
     "onebit-lamb": "OnebitLamb",
 }
 
-# Which stage a run of 15% warmup and 85% compression is made of, per method.
+# Which stage a run of 15% warmup and 85% compression is made of, per method. 0/1 Adam's phase
+# A mixes fp32 variance steps with 1-bit ones in proportions that depend on the run's length:
+# benchmarks/convergence.py weights every stage by the steps real runs spent in it.
 END_TO_END = {
     "onebit": ("onebit-warmup", "onebit"),
-    "zero-one": ("zero-one-a", "zero-one"),
     "onebit-lamb": ("lamb-warmup", "onebit-lamb"),
 }
 

@@ -2,8 +2,8 @@
 
 Measures, side by side in one run on the same parameters:
 
-* ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup and in the compression stage
-  (with and without ``max_grad_norm``);
+* ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
+  compression stage (a scale per tensor, the default; one per bucket; with ``max_grad_norm``);
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
   backward passes for the step check).
 
@@ -24,6 +24,15 @@ import torch
 from machine import cpu_name
 
 import onebit
+
+VARIANTS = [
+    ("OnebitAdam warmup step", "warmup", {}),
+    ("OnebitAdam warmup, int8", "warmup", {"warmup_compression": "int8"}),
+    ("OnebitAdam compression step", "compression", {}),
+    ("  ... one scale per bucket", "compression", {"scale_per": "bucket"}),
+    ("  ... + clip", "compression", {"max_grad_norm": 1.0}),
+]
+"""OnebitAdam's steps measured: name, stage, constructor options (defaults otherwise)."""
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -63,15 +72,12 @@ def main() -> None:
         _set_grads(adamw_model)
         adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-4, fused=True)
         rows["AdamW(fused=True) step"] = _median_ms(adamw.step, args.repeats)
-        for stage, clip in (("warmup", None), ("compression", None), ("compression", 1.0)):
+        for name, stage, options in VARIANTS:
             model = copy.deepcopy(base)
             _set_grads(model)
             freeze = 10**9 if stage == "warmup" else 1
-            opt = onebit.OnebitAdam(
-                model.parameters(), lr=1e-4, freeze_step=freeze, max_grad_norm=clip
-            )
+            opt = onebit.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=freeze, **options)
             opt.step()
-            name = f"OnebitAdam {stage} step" + (" + clip" if clip else "")
             rows[name] = _median_ms(opt.step, args.repeats)
         x = torch.randn(64, base[0].in_features)
         plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
@@ -91,7 +97,7 @@ def main() -> None:
             rows[f"forward+backward, {label}"] = 1e3 * statistics.median(samples)
         reference = rows["AdamW(fused=True) step"]
         for name, ms in rows.items():
-            ratio = f"{ms / reference:.2f}" if "step" in name else ""
+            ratio = f"{ms / reference:.2f}" if "forward" not in name else ""
             print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}")
         hooks = rows["forward+backward, onebit hooks"] / rows["forward+backward, no hooks"]
         print(f"{kind:6} | backward with hooks / without: {hooks:.3f}")

@@ -17,6 +17,7 @@ from onebit.train.data import prepare, source_files, stdlib_path, windows
 from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer
 
 COMPARE = list(optim.OPTIMIZERS)
+WARMUP_INT8 = "onebit-adam:warmup=int8:freeze=5"  # its row: onebit-adam-warmup-int8-freeze-5
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def compared(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path
     """A tiny ``--compare`` run of every optimizer, with checkpoints at steps 5 and 6."""
     out = tmp_path_factory.mktemp("compare")
     result = onebit_train(
-        "--compare", ",".join([*COMPARE, "onebit-adam:no-ef"]), *TINY, "--save-every", "5",
+        "--compare", ",".join([*COMPARE, "onebit-adam:no-ef", WARMUP_INT8]), *TINY,
+        "--save-every", "5",
         "--local-step-scaler", "1",
         "--out", out, "--cache-dir", data_cache,
     )  # fmt: skip
@@ -32,7 +34,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path
     return out
 
 
-RESUMED = ["adamw", "onebit-adam", "zero-one-adam"]
+RESUMED = ["adamw", "onebit-adam", "zero-one-adam", "onebit-adam-warmup-int8-freeze-5"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,15 @@ def test_zero_one_adam_checkpoint_holds_diverged_replicas(compared: Path) -> Non
     assert not torch.equal(models[0]["wte.weight"], models[1]["wte.weight"]), (
         "step 5 is a local step: the replicas differ, so resuming must restore each one"
     )
+
+
+def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
+    row = compared / "onebit-adam-warmup-int8-freeze-5"
+    summary = json.loads((row / "summary.json").read_text())
+    assert summary["warmup_compression"] == "int8" and summary["freeze_step"] == 5
+    int8, fp32 = read_metrics(row)[0], read_metrics(compared / "onebit-adam")[0]
+    assert int8["comm/stage"] == fp32["comm/stage"] == "warmup"
+    assert 3 * int8["comm/bytes"] < fp32["comm/bytes"]  # 4x fewer, less scales and headers
 
 
 @pytest.mark.parametrize("label", RESUMED)

@@ -68,6 +68,31 @@ CONTRADICTIONS = {
     ),
     "compare twice": (["--compare", "adamw,adamw"], "--compare lists a run twice"),
     "compare unknown": (["--compare", "adamw,sgd"], "unknown optimizer 'sgd'"),
+    "compare unknown variant": (
+        ["--compare", "onebit-adam:warmup=int9"],
+        "unknown variant 'warmup=int9' of onebit-adam in --compare",
+    ),
+    "compare variant of adamw": (["--compare", "adamw:no-ef"], "adamw has no variants"),
+    "compare warmup of lamb": (
+        ["--compare", "onebit-lamb,lamb:warmup=int8"],
+        "lamb has no variants",
+    ),
+    "compare warmup of zero-one-adam": (
+        ["--compare", "zero-one-adam:warmup=int8"],
+        "zero-one-adam has no fp32 warmup to compress",
+    ),
+    "compare local of onebit-adam": (
+        ["--compare", "onebit-adam:local=4"],
+        "unknown variant 'local=4' of onebit-adam",
+    ),
+    "compare freeze past the end": (
+        ["--compare", "onebit-adam:freeze=9", "--steps", "5"],
+        "freeze=9 in --compare is not below --steps 5",
+    ),
+    "warmup compression for adamw": (
+        ["--optimizer", "adamw", "--warmup-compression", "int8"],
+        "--warmup-compression applies only to onebit-adam and onebit-lamb",
+    ),
     "compare and resume": (
         ["--compare", "adamw,lamb", "--resume", "auto"],
         "--resume continues one run; it cannot be combined with --compare",

@@ -378,12 +378,12 @@ def _by_bytes(
     first, last = -(-a // 8), b // 8  # the whole bytes inside [a, b)
     if first < last:
         kernel(packed[:, first:last], scales, out[8 * first : 8 * last])
-    for byte in sorted({a // 8, last} - set(range(first, last))):
+    shared = {byte for byte, cut in ((a // 8, a % 8), (b // 8, b % 8)) if cut}
+    for byte in sorted(shared):
         lo, hi = max(a, 8 * byte), min(b, 8 * byte + 8)
-        if lo < hi:
-            scratch = torch.empty(8, device=out.device)
-            kernel(packed[:, byte : byte + 1], scales, scratch)
-            out[lo:hi] = scratch[lo - 8 * byte : hi - 8 * byte]
+        scratch = torch.empty(8, device=out.device)
+        kernel(packed[:, byte : byte + 1], scales, scratch)
+        out[lo:hi] = scratch[lo - 8 * byte : hi - 8 * byte]
 
 
 def reduce_compressed_(
