@@ -35,15 +35,15 @@ from onebit.train import report
 
 STAGE_METHODS = {
     "adamw": {"fp32": "adamw"},
-    "lamb": {"fp32": "lamb-warmup"},
     "onebit-adam": {"warmup": "onebit-warmup", "compression": "onebit"},
-    "onebit-lamb": {"warmup": "lamb-warmup", "compression": "onebit-lamb"},
     "zero-one-adam": {
         "variance": "onebit-warmup",  # an fp32 allreduce and Adam's moments
         "compression": "zero-one-a",
         "sync": "zero-one-a",  # a 1-bit allreduce of the same size
         "local": "compute",  # no communication
     },
+    "lamb": {"fp32": "lamb-warmup"},
+    "onebit-lamb": {"warmup": "lamb-warmup", "compression": "onebit-lamb"},
 }
 """For each optimizer, the ``benchmarks/network.py`` method whose step time a stage costs."""
 
@@ -186,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
         f"worker ({first['samples']:,} samples). Mean ± standard deviation over the seeds.",
         "",
         head,
-        "|" + "|".join([" --- "] + [" ---: "] * (6 + len(rates))) + "|",
+        "|" + "|".join([" --- "] + [" ---: "] * (5 + len(rates))) + "|",
     ]
     for r in rows:
         loss, sd = r["final_val_loss"]
@@ -198,9 +198,8 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
         speed = [f"{r['speedup'][rate]:.2f}x" if r["speedup"].get(rate) else "" for rate in rates]
         lines.append(
             f"| {r['label']} | {len(r['seeds'])} | {loss:.4f} ± {sd:.4f} | {vs} | "
-            f"{report.human_bytes(r['bytes_sent'])} | {r['compression']:.1f}x | {stages} | "
-            + " | ".join(speed)
-            + " |"
+            f"{report.human_bytes(r['bytes_sent'])} | {r['compression']:.1f}x | {stages} |"
+            + "".join(f" {x} |" for x in speed)
         )
     return "\n".join(lines) + "\n"
 

@@ -96,3 +96,16 @@ def test_load_state_dict_of_another_kind_is_a_clear_error():
     opt = onebit.OnebitAdam(model.parameters(), freeze_step=2)
     with pytest.raises(ValueError, match="not a onebit state dict"):
         opt.load_state_dict(torch.optim.SGD(model.parameters()).state_dict())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scale_per_is_checked_and_bucket_gives_one_scale_per_bucket(name):
+    with pytest.raises(ValueError, match="scale_per must be one of"):
+        make_optimizer(name, make_model().parameters(), scale_per="layer")
+    per_tensor = make_optimizer(name, make_model().parameters())
+    per_bucket = make_optimizer(name, make_model().parameters(), scale_per="bucket")
+    # make_model has 4 tensors; bucket_size=128 splits them over 3 buckets.
+    segments = [comm.worker_scale_count for comm in per_tensor.comms]
+    assert sum(len(per_tensor.layout.segments(k)) for k in range(len(segments))) >= 4
+    assert all(comm.worker_scale_count == 1 for comm in per_bucket.comms)
+    assert max(segments) > 1
