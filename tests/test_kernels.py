@@ -14,11 +14,15 @@ from onebit import _native, compress
 from onebit.compress import (
     CHUNK,
     average_signs_,
+    average_signs_pieces_,
     compress_,
     compute_scale,
     decompress_,
+    decompress_pieces_,
     pack_signs,
+    segment_scales,
     subtract_compressed_,
+    subtract_compressed_segments_,
     unpack_signs,
 )
 
@@ -230,6 +234,77 @@ def test_average_signs(path, k, m):
     # Tensor.sum(0) may reorder the terms: equal up to fp32 rounding.
     expected = (ref_unpack(packed) * scales[:, None]).sum(0).div_(k)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+
+
+# Scales per segment (CompressedAllreduce(segments=...)): boundaries anywhere, inside a byte too.
+
+
+def _bounds(numel, seed):
+    """Segment boundaries of ``[0, numel)``: some empty, some inside a byte, one long."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, numel + 1, (max(1, numel // 50),), generator=gen).tolist()
+    return torch.tensor(sorted({0, numel, *cuts, min(3, numel), min(3, numel)}))
+
+
+def _per_element(scales, bounds):
+    return torch.repeat_interleave(scales, bounds.diff())
+
+
+@pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
+@pytest.mark.parametrize("kind", ["rms", "mean_abs"])
+def test_segment_scales(path, numel, kind):
+    y, bounds = values(numel, numel, special=False), _bounds(numel, 1)
+    bounds = torch.cat([bounds[:2], bounds[1:2], bounds[2:]])  # an empty segment
+    scales = segment_scales(y, bounds, kind)
+    edges = bounds.tolist()
+    for q, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        expected = ref_scale(y[a:b], kind).float() if b > a else torch.tensor(0.0)
+        torch.testing.assert_close(scales[q], expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
+def test_error_update_segments(path, numel):
+    y, bounds = values(numel, numel + 1), _bounds(numel, 2)
+    scales = torch.rand(len(bounds) - 1) * 2
+    out = torch.empty(numel)
+    subtract_compressed_segments_(y, scales, bounds, out)
+    assert_same_bits(out, ref_error(y, _per_element(scales, bounds)))
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
+def test_average_signs_pieces(path, k, m):
+    packed, _ = _message(k, m, 7 * k + m)
+    bounds = _bounds(8 * m, m)
+    pieces = torch.stack([bounds[:-1], bounds[1:], torch.arange(len(bounds) - 1).flip(0)], 1)
+    scales = torch.rand(k, len(pieces) + 2) * 3
+    out = torch.full((8 * m,), 5.0)
+    average_signs_pieces_(packed, scales, pieces, out)
+    per_element = torch.stack([_per_element(scales[r, pieces[:, 2]], bounds) for r in range(k)])
+    sequential = ref_unpack(packed[0]) * per_element[0]
+    for r in range(1, k):
+        sequential = sequential + ref_unpack(packed[r]) * per_element[r]
+    assert_same_bits(out, sequential / k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
+def test_decompress_pieces(path, k, m):
+    packed, _ = _message(k, m, 11 * k + m)
+    rows, expected_rows = [], []
+    scales = torch.rand(k, 6) * 3
+    for j in range(k):
+        bounds = _bounds(8 * m, j)[:7]
+        bounds[-1] = 8 * m
+        columns = torch.arange(len(bounds) - 1) % 6
+        rows += [(j, a, b, c) for a, b, c in zip(bounds[:-1], bounds[1:], columns)]
+        expected_rows.append(ref_unpack(packed[j]) * _per_element(scales[j, columns], bounds))
+    pieces = torch.tensor(rows, dtype=torch.int64)
+    expected = torch.cat(expected_rows)
+    for numel in {8 * k * m, 8 * k * m - 1, max(8 * k * m - 8 * m - 5, 1), 3}:
+        out = torch.full((numel,), 7.0)
+        decompress_pieces_(packed, scales, pieces, out)
+        assert_same_bits(out, expected[:numel])
 
 
 def test_cpu_fast_path_is_taken_for_contiguous_fp32():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from onebit import quantized
 from onebit.comm import CompressedAllreduce, allreduce_bytes, finish_compressed_
 from onebit.quantized import BITS, QuantizedAllreduce, pack_int4, unpack_int4
 
@@ -216,6 +217,81 @@ def test_ranks_match_reference_bitwise_and_agree(world_size):
             # ...while without it the systematic error adds up call after call.
             assert without[-1] > 2.5 * without[49], bits
             assert with_feedback[-1] < 0.05 * without[-1], bits
+
+
+# Layouts cut into many small tiles (the work runs tile by tile): runs of full blocks across
+# segments, split into several tiles; short blocks gathered into tiles of mixed lengths (with a
+# common divisor > 1, and of 1); int4 tiles that start in the middle of a byte.
+TILED_LAYOUTS = [
+    ([300, 1, 64, 64, 128, 7, 1000, 33, 512, 0, 96, 250], 32),
+    ([48, 16, 32, 80, 8] * 4 + [256] * 3 + [3, 5], 64),
+]
+TILED_FACTORS = [1.0, 0.0, 1e-40, 100.0, 1e-3, 1e-37]  # zeros, scale underflow, subnormal scales
+
+
+def _tiled_inputs(step, rank, segments):
+    x = _inputs(step, rank, sum(segments), segments)
+    factors = [TILED_FACTORS[(i + step) % len(TILED_FACTORS)] for i in range(len(segments))]
+    return x * torch.repeat_interleave(torch.tensor(factors), torch.tensor(segments))
+
+
+def _tiled_comms():
+    for k, (segments, block_size) in enumerate(TILED_LAYOUTS):
+        for bits in BITS:
+            comm = QuantizedAllreduce(
+                sum(segments), segments=segments, bits=bits, block_size=block_size
+            )
+            yield k, bits, comm
+
+
+def _tiled_results(rank):
+    res = {}
+    for k, bits, comm in _tiled_comms():
+        outputs = [comm(_tiled_inputs(t, rank, TILED_LAYOUTS[k][0])) for t in range(CALLS)]
+        res[k, bits] = outputs, comm.worker_error.clone(), comm.server_error.clone()
+    return res
+
+
+def _tiled_scenario(rank, world_size):
+    quantized._TILE_NUMEL["cpu"] = 200  # a fresh process: nothing to restore
+    quantized._MIN_RUN_NUMEL = 128
+    return _tiled_results(rank)
+
+
+def _check_tiled(results, world_size):
+    for k, (segments, block_size) in enumerate(TILED_LAYOUTS):
+        for bits in BITS:
+            ref = RefQuantizedAllreduce(sum(segments), world_size, bits, segments, block_size)
+            for t in range(CALLS):
+                expected = ref([_tiled_inputs(t, r, segments) for r in range(world_size)])
+                for rank, res in enumerate(results):
+                    assert _same_bits(res[k, bits][0][t], expected), (k, bits, rank, t)
+            for rank, res in enumerate(results):
+                assert _same_bits(res[k, bits][1], ref.worker_error[rank]), (k, bits, rank)
+                assert _same_bits(res[k, bits][2], ref.server_error[rank]), (k, bits, rank)
+
+
+def test_small_tiles_match_reference_bitwise(monkeypatch):
+    monkeypatch.setitem(quantized._TILE_NUMEL, "cpu", 200)
+    monkeypatch.setattr(quantized, "_MIN_RUN_NUMEL", 128)
+    kinds = set()
+    for _, bits, comm in _tiled_comms():
+        tiles = comm._plans[0].tiles
+        assert len(tiles) > 3
+        for tile in tiles:
+            if tile.rows is None:
+                kinds.add("one row per block")
+            else:
+                kinds.add("mixed, width 1" if tile.width == 1 else "mixed, width > 1")
+            if bits == "int4" and tile.lo % 2:
+                kinds.add("int4, odd start")
+    assert kinds == {"one row per block", "mixed, width 1", "mixed, width > 1", "int4, odd start"}
+    _check_tiled([_tiled_results(0)], 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_small_tiles_on_ranks_match_reference_bitwise(world_size):
+    _check_tiled(run_ranks(_tiled_scenario, world_size, timeout=120), world_size)
 
 
 @pytest.mark.parametrize("bits", BITS)

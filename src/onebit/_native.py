@@ -112,6 +112,26 @@ KERNEL static void signed_row(const uint8_t *p, float s, float *out, int64_t cou
     }
 }
 
+/* out[start..end) = bit ? s : -1 * s for bits start..end of p (or added to out), any bounds. */
+KERNEL static void signed_range(const uint8_t *p, float s, float *out, int64_t start, int64_t end,
+                                int add) {
+    const float ns = s * -1.0f;
+    int64_t i = start;
+    for (; i < end && (i & 7); i++) {
+        float t = (p[i >> 3] >> (i & 7)) & 1 ? s : ns;
+        out[i] = add ? out[i] + t : t;
+    }
+    int64_t whole = (end - i) / 8;
+    if (whole > 0) {
+        signed_row(p + (i >> 3), s, out + i, 8 * whole, add);
+        i += 8 * whole;
+    }
+    for (; i < end; i++) {
+        float t = (p[i >> 3] >> (i & 7)) & 1 ? s : ns;
+        out[i] = add ? out[i] + t : t;
+    }
+}
+
 /* k rows of m bytes (row j at packed + j * stride) times scales[j], concatenated, first numel. */
 KERNEL void ob_decompress(const uint8_t *packed, int64_t stride, const float *scales, int64_t k,
                           int64_t m, float *out, int64_t numel) {
@@ -135,6 +155,70 @@ KERNEL void ob_average(const uint8_t *packed, int64_t stride, const float *scale
         if (k > 1)
             for (int64_t i = 0; i < 8 * bytes; i += 8)
                 _mm256_storeu_ps(z + i, _mm256_div_ps(_mm256_loadu_ps(z + i), vk));
+    }
+}
+
+/* Segments [bounds[q], bounds[q+1]), q < nseg: totals[q] = the sum of y*y (or of |y|) over the
+   segment, in fp32 partial sums of BLOCK elements added in fp64, as ob_compress. */
+KERNEL void ob_sums(const float *y, const int64_t *bounds, int64_t nseg, int mean_abs,
+                    double *totals) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t q = 0; q < nseg; q++) {
+        double total = 0.0;
+        for (int64_t start = bounds[q]; start < bounds[q + 1]; start += BLOCK) {
+            int64_t end = start + BLOCK < bounds[q + 1] ? start + BLOCK : bounds[q + 1];
+            __m256 acc = _mm256_setzero_ps();
+            int64_t i = start;
+            for (; i + 8 <= end; i += 8) {
+                __m256 v = _mm256_loadu_ps(y + i);
+                acc = mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask))
+                               : _mm256_fmadd_ps(v, v, acc);
+            }
+            float lanes[8], rest = 0.0f;
+            _mm256_storeu_ps(lanes, acc);
+            for (; i < end; i++) rest += mean_abs ? (y[i] < 0 ? -y[i] : y[i]) : y[i] * y[i];
+            for (int j = 0; j < 8; j++) total += lanes[j];
+            total += rest;
+        }
+        totals[q] = total;
+    }
+}
+
+/* ob_commit on each segment [bounds[q], bounds[q+1]) with its own scale scales[q]. */
+KERNEL void ob_commit_segments(const float *y, const float *scales, const int64_t *bounds,
+                               int64_t nseg, float *out) {
+    for (int64_t q = 0; q < nseg; q++)
+        ob_commit(y + bounds[q], scales[q], out + bounds[q], bounds[q + 1] - bounds[q]);
+}
+
+/* ob_average with a scale per piece: pieces[3p..3p+2] = start, end, column c, and row j's term
+   for the piece is scales[j * ncols + c] * sign_j. Elements outside the pieces are untouched. */
+KERNEL void ob_average_pieces(const uint8_t *packed, int64_t stride, const float *scales,
+                              int64_t ncols, int64_t k, const int64_t *pieces, int64_t npieces,
+                              float *out) {
+    for (int64_t p = 0; p < npieces; p++) {
+        int64_t a = pieces[3 * p], b = pieces[3 * p + 1], c = pieces[3 * p + 2];
+        for (int64_t b0 = a; b0 < b; b0 += BLOCK) {
+            int64_t e = b0 + BLOCK < b ? b0 + BLOCK : b;
+            for (int64_t j = 0; j < k; j++)
+                signed_range(packed + j * stride, scales[j * ncols + c], out, b0, e, j > 0);
+            if (k > 1)
+                for (int64_t i = b0; i < e; i++) out[i] = out[i] / (float)k;
+        }
+    }
+}
+
+/* Decompress pieces[4p..4p+3] = row j, start, end, column c (start and end within row j's
+   8m elements): out[j * 8m + i] = scales[j * ncols + c] * sign for i in [start, end), as far as
+   out's numel elements go. */
+KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const float *scales,
+                                 int64_t ncols, int64_t m, const int64_t *pieces,
+                                 int64_t npieces, float *out, int64_t numel) {
+    for (int64_t p = 0; p < npieces; p++) {
+        int64_t j = pieces[4 * p], c = pieces[4 * p + 3], base = 8 * m * j;
+        int64_t end = pieces[4 * p + 2] < numel - base ? pieces[4 * p + 2] : numel - base;
+        signed_range(packed + j * stride, scales[j * ncols + c], out + base, pieces[4 * p + 1],
+                     end, 0);
     }
 }
 """
@@ -189,6 +273,14 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_decompress.restype = None
     lib.ob_average.argtypes = [ptr, i64, ptr, i64, i64, ptr]
     lib.ob_average.restype = None
+    lib.ob_sums.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.ob_sums.restype = None
+    lib.ob_commit_segments.argtypes = [ptr, ptr, ptr, i64, ptr]
+    lib.ob_commit_segments.restype = None
+    lib.ob_average_pieces.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr]
+    lib.ob_average_pieces.restype = None
+    lib.ob_decompress_pieces.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64]
+    lib.ob_decompress_pieces.restype = None
     return lib
 
 

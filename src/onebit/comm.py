@@ -10,7 +10,7 @@ all-gather, ``2(n-1)/n`` of an allreduce buffer).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +19,15 @@ from torch import Tensor
 
 from .compress import (
     average_signs_,
+    average_signs_pieces_,
     check_scale,
     compress_,
-    compute_scale,
     decompress_,
+    decompress_pieces_,
     padded_numel,
+    segment_scales,
     subtract_compressed_,
+    subtract_compressed_segments_,
 )
 
 _SCALE_BYTES = 4
@@ -153,14 +156,11 @@ class CompressedAllreduce:
         self.worker_error = torch.zeros(self.padded_numel, device=device)
         self.server_error = torch.zeros(self.chunk_numel, device=device)
         self.segments = segments
-        self._bounds: list[tuple[int, int]] | None = None
-        self._pieces: list[list[tuple[int, int, int]]] = []
+        self._geometry: _Segments | None = None
         if segments is not None and numel:
-            self._bounds, self._pieces = _segment_geometry(
-                segments, self.padded_numel, self.world_size
-            )
-        self.worker_scale_count = 1 if self._bounds is None else len(self._bounds)
-        self.server_scale_count = 1 if self._bounds is None else max(map(len, self._pieces))
+            self._geometry = _Segments(segments, self.padded_numel, self.world_size)
+        self.worker_scale_count = 1 if self._geometry is None else self._geometry.count
+        self.server_scale_count = 1 if self._geometry is None else self._geometry.most_pieces
 
     @property
     def _chunk_bytes(self) -> int:
@@ -200,8 +200,8 @@ class CompressedAllreduce:
         buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
         y = buffer
         packed, scale = compress_(y, self.worker_error, self.scale)
-        if self._bounds is not None:
-            scale = torch.stack([compute_scale(y[a:b], self.scale) for a, b in self._bounds])
+        if self._geometry is not None:
+            scale = segment_scales(y, self._geometry.bounds, self.scale)
         n, chunk = self.world_size, self._chunk_bytes
         scales_end = chunk + _SCALE_BYTES * self.worker_scale_count
         message = torch.empty(n, chunk + self._phase1_extra, dtype=torch.uint8, device=y.device)
@@ -239,11 +239,11 @@ class CompressedAllreduce:
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
-        if self._bounds is None:
+        geometry = self._geometry
+        if geometry is None:
             subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
         else:
-            for (a, b), s in zip(self._bounds, call.scale):
-                subtract_compressed_(call.y[a:b], s, out=self.worker_error[a:b])
+            subtract_compressed_segments_(call.y, call.scale, geometry.bounds, self.worker_error)
         call.signs = None
         if not self.numel:
             call.gathered = call.received
@@ -252,19 +252,18 @@ class CompressedAllreduce:
         z = torch.empty(self.chunk_numel, device=self.server_error.device)
         received = call.received[:, :chunk]
         scales = _scales(call.received, chunk, self.worker_scale_count)
-        if self._bounds is None:
+        if geometry is None:
             average_signs_(received, scales[:, 0], out=z)
         else:
-            for a, b, k in self._pieces[self.rank]:
-                _by_bytes(average_signs_, received, scales[:, k], a, b, z)
+            average_signs_pieces_(received, scales, geometry.served[self.rank], out=z)
         packed, sigma = compress_(z, self.server_error, self.scale)
-        if self._bounds is None:
+        if geometry is None:
             subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
         else:
+            bounds = geometry.chunk_bounds[self.rank]
             sigma = torch.zeros(self.server_scale_count, device=z.device)
-            for i, (a, b, _) in enumerate(self._pieces[self.rank]):
-                sigma[i] = compute_scale(z[a:b], self.scale)
-                subtract_compressed_(z[a:b], sigma[i], out=self.server_error[a:b])
+            sigma[: len(bounds) - 1] = segment_scales(z, bounds, self.scale)
+            subtract_compressed_segments_(z, sigma, bounds, self.server_error)
         scales_end = chunk + _SCALE_BYTES * self.server_scale_count
         message = torch.empty(scales_end, dtype=torch.uint8, device=z.device)
         message[:chunk] = packed
@@ -286,17 +285,10 @@ class CompressedAllreduce:
         chunk = self._chunk_bytes
         scales = _scales(call.gathered, chunk, self.server_scale_count)
         target = out if out.is_contiguous() else torch.empty_like(out)
-        if self._bounds is None:
+        if self._geometry is None:
             decompress_(call.gathered[:, :chunk], scales[:, 0], target)
         else:
-            flat = target.view(-1)
-            for j, pieces in enumerate(self._pieces):
-                row = call.gathered[j : j + 1, :chunk]
-                here = flat[j * self.chunk_numel : (j + 1) * self.chunk_numel]
-                for i, (a, b, k) in enumerate(pieces):
-                    if k < len(self.segments):  # the padding's piece is dropped
-                        sigma = scales[j, i : i + 1]
-                        _by_bytes(decompress_, row, sigma, a, b, here)
+            decompress_pieces_(call.gathered[:, :chunk], scales, self._geometry.gathered, target)
         if target is not out:
             out.copy_(target)
 
@@ -341,49 +333,37 @@ def _scales(messages: Tensor, chunk_bytes: int, count: int) -> Tensor:
     )
 
 
-def _segment_geometry(
-    segments: list[int], padded: int, world_size: int
-) -> tuple[list[tuple[int, int]], list[list[tuple[int, int, int]]]]:
-    """Each segment's ``[start, end)`` in the padded buffer (the padding, if any, is one more
-    segment), and per chunk its pieces ``(start, end, segment)`` in chunk coordinates."""
-    bounds, start = [], 0
-    for size in segments:
-        bounds.append((start, start + size))
-        start += size
-    if padded > start:
-        bounds.append((start, padded))
-    chunk = padded // world_size
-    pieces = []
-    for j in range(world_size):
-        lo, hi = j * chunk, (j + 1) * chunk
-        clipped = [(max(a, lo) - lo, min(b, hi) - lo, k) for k, (a, b) in enumerate(bounds)]
-        pieces.append([(a, b, k) for a, b, k in clipped if a < b])
-    return bounds, pieces
+class _Segments:
+    """Where the segments (and the padding, one more segment) fall in the padded buffer and in
+    each chunk, as the int64 tables the segmented kernels of :mod:`onebit.compress` take.
 
-
-def _by_bytes(
-    kernel: Callable[[Tensor, Tensor, Tensor], Tensor],
-    packed: Tensor,
-    scales: Tensor,
-    a: int,
-    b: int,
-    out: Tensor,
-) -> None:
-    """``out[a:b] = kernel(packed, scales)[a:b]`` for :func:`~onebit.compress.average_signs_` or
-    :func:`~onebit.compress.decompress_`, whose elements depend only on their own bits.
-
-    Whole bytes inside ``[a, b)`` are written in place; a byte shared with a neighbouring piece
-    goes through an 8-element scratch.
+    Attributes:
+        bounds: ``[count + 1]`` segment boundaries in the padded buffer.
+        chunk_bounds: per chunk, the boundaries of its pieces (a segment's part of the chunk),
+            in chunk coordinates.
+        served: per chunk, its pieces as ``(start, end, segment)`` rows.
+        gathered: every chunk's pieces as ``(chunk, start, end, piece index)`` rows.
     """
-    first, last = -(-a // 8), b // 8  # the whole bytes inside [a, b)
-    if first < last:
-        kernel(packed[:, first:last], scales, out[8 * first : 8 * last])
-    shared = {byte for byte, cut in ((a // 8, a % 8), (b // 8, b % 8)) if cut}
-    for byte in sorted(shared):
-        lo, hi = max(a, 8 * byte), min(b, 8 * byte + 8)
-        scratch = torch.empty(8, device=out.device)
-        kernel(packed[:, byte : byte + 1], scales, scratch)
-        out[lo:hi] = scratch[lo - 8 * byte : hi - 8 * byte]
+
+    def __init__(self, segments: list[int], padded: int, world_size: int) -> None:
+        sizes = [*segments, padded - sum(segments)] if padded > sum(segments) else segments
+        self.bounds = torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0)
+        self.count = len(sizes)
+        chunk = padded // world_size
+        edges = self.bounds.tolist()
+        self.chunk_bounds, self.served, gathered = [], [], []
+        for j in range(world_size):
+            lo, hi = j * chunk, (j + 1) * chunk
+            pieces = [
+                (max(a, lo) - lo, min(b, hi) - lo, k)
+                for k, (a, b) in enumerate(zip(edges[:-1], edges[1:]))
+                if max(a, lo) < min(b, hi)
+            ]
+            self.served.append(torch.tensor(pieces, dtype=torch.int64).reshape(-1, 3))
+            self.chunk_bounds.append(torch.tensor([0] + [b for _, b, _ in pieces]))
+            gathered += [(j, a, b, i) for i, (a, b, _) in enumerate(pieces)]
+        self.gathered = torch.tensor(gathered, dtype=torch.int64).reshape(-1, 4)
+        self.most_pieces = max(len(p) for p in self.served)
 
 
 def reduce_compressed_(

@@ -311,6 +311,108 @@ def average_signs_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
     return out
 
 
+# Scales per segment: the same operations with one scale per run of elements (a tensor's part of
+# a bucket). Segments are ``[bounds[q], bounds[q+1])``; pieces are rows of an int64 table. The
+# native kernels loop over them in C; elsewhere the torch formulation expands the scales to one
+# per element and runs the single-scale formulas, which gives the same bits.
+
+
+def segment_scales(y: Tensor, bounds: Tensor, scale: str = "rms") -> Tensor:
+    """The scale of each segment ``y[bounds[q]:bounds[q+1]]``, fp32 ``[len(bounds) - 1]``.
+
+    ``bounds`` is an int64 CPU tensor, increasing. An empty segment has scale 0.
+    """
+    check_scale(scale)
+    lengths = bounds.diff().to(torch.float64)
+    lib = _kernels() if fast_path(y) and y.dtype == torch.float32 else None
+    if lib is not None:
+        totals = torch.empty(len(lengths), dtype=torch.float64)
+        lib.ob_sums(y.data_ptr(), bounds.data_ptr(), len(lengths), scale == "mean_abs",
+                    totals.data_ptr())  # fmt: skip
+    else:
+        edges = bounds.tolist()
+        views = [y[a:b] for a, b in zip(edges[:-1], edges[1:])]
+        norms = torch._foreach_norm(views, 2 if scale == "rms" else 1) if views else []
+        totals = torch.stack(norms).double().cpu() if norms else lengths.clone()
+        totals = totals.square() if scale == "rms" else totals
+    value = totals.sqrt() / lengths.sqrt() if scale == "rms" else totals / lengths
+    return torch.where(lengths > 0, value, 0.0).float().to(y.device)
+
+
+def subtract_compressed_segments_(y: Tensor, scales: Tensor, bounds: Tensor, out: Tensor) -> Tensor:
+    """``out = y - s_q * sign(y)`` on each segment ``q``, as :func:`subtract_compressed_`."""
+    lib = _kernels() if fast_path(y, out) and y.dtype == out.dtype == torch.float32 else None
+    if lib is not None:
+        scales = scales.to(torch.float32).contiguous()
+        lib.ob_commit_segments(y.data_ptr(), scales.data_ptr(), bounds.data_ptr(),
+                               len(bounds) - 1, out.data_ptr())  # fmt: skip
+        return out
+    s = torch.repeat_interleave(scales.to(y.device), bounds.diff().to(y.device))
+    return torch.sub(y, torch.where(y >= 0, s, s * -1), out=out)
+
+
+def average_signs_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: Tensor) -> Tensor:
+    """:func:`average_signs_` with a scale per piece: ``pieces`` rows are ``(start, end, c)``
+    and row ``r``'s term on elements ``[start, end)`` is ``scales[r, c] * sign_r``.
+
+    ``packed`` is ``uint8 [k, m]`` (rows may be strided), ``scales`` fp32 ``[k, columns]``,
+    ``out`` fp32 of ``8 * m`` elements; the pieces must cover it.
+    """
+    k, m = packed.shape
+    lib = _kernels() if fast_path(out) and packed.device.type == "cpu" else None
+    if lib is not None and packed.stride(-1) == 1 and out.dtype == torch.float32:
+        scales = scales.to(torch.float32).contiguous()
+        lib.ob_average_pieces(packed.data_ptr(), packed.stride(0), scales.data_ptr(),
+                              scales.shape[1], k, pieces.data_ptr(), len(pieces),
+                              out.data_ptr())  # fmt: skip
+        return out
+    signs = _torch_unpack_scaled(
+        packed, _expand(scales.to(out.device), pieces[:, :2], pieces[:, 2])
+    )
+    flat = out.view(-1)
+    flat.copy_(signs[0])
+    for r in range(1, k):
+        flat.add_(signs[r])
+    return flat.div_(k).view_as(out) if k != 1 else out
+
+
+def decompress_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: Tensor) -> Tensor:
+    """:func:`decompress_` with a scale per piece: ``pieces`` rows are ``(j, start, end, c)``,
+    and elements ``[start, end)`` of row ``j`` are ``scales[j, c] * sign``; ``out`` gets the
+    first ``out.numel()`` elements of the concatenated rows. The pieces must cover them."""
+    k, m = packed.shape
+    numel = out.numel()
+    lib = _kernels() if fast_path(out) and packed.device.type == "cpu" else None
+    if lib is not None and packed.stride(-1) == 1 and out.dtype == torch.float32:
+        scales = scales.to(torch.float32).contiguous()
+        lib.ob_decompress_pieces(packed.data_ptr(), packed.stride(0), scales.data_ptr(),
+                                 scales.shape[1], m, pieces.data_ptr(), len(pieces),
+                                 out.data_ptr(), numel)  # fmt: skip
+        return out
+    offsets = pieces[:, 0:1] * 8 * m
+    per_element = _expand(
+        scales.reshape(1, -1).to(out.device),
+        pieces[:, 1:3] + offsets,
+        pieces[:, 0] * scales.shape[1] + pieces[:, 3],
+        length=k * 8 * m,
+    )
+    flat = _torch_unpack_scaled(packed.reshape(1, -1) if packed.is_contiguous() else
+                                packed.contiguous().reshape(1, -1), per_element)  # fmt: skip
+    out.view(-1).copy_(flat.view(-1)[:numel])
+    return out
+
+
+def _expand(scales: Tensor, spans: Tensor, columns: Tensor, length: int | None = None) -> Tensor:
+    """``[rows, length]`` fp32: ``scales[:, columns[p]]`` on the elements of span ``p``
+    (``spans`` rows are ``[start, end)``), 0 elsewhere."""
+    rows = scales.shape[0]
+    length = int(spans[:, 1].max()) if length is None else length
+    out = torch.zeros(rows, length, device=scales.device)
+    for (a, b), c in zip(spans.tolist(), columns.tolist()):
+        out[:, a:b] = scales[:, c : c + 1]
+    return out
+
+
 # numpy chunk kernels (CPU path).
 
 
@@ -373,8 +475,10 @@ def _torch_pack(mask: Tensor) -> Tensor:
 
 
 def _torch_unpack_scaled(packed: Tensor, scales: Tensor) -> Tensor:
-    """``[k, m]`` packed rows to ``[k, 8m]`` fp32 ``±scales[j]``."""
+    """``[k, m]`` packed rows to ``[k, 8m]`` fp32 ``±scales[j]`` (``scales`` ``[k]``), or
+    ``±scales[j, i]`` element by element (``scales`` ``[k, 8m]``)."""
     bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
     bits = bits.reshape(packed.shape[0], -1).bool()
-    scales = scales.to(torch.float32)[:, None]
+    scales = scales.to(torch.float32)
+    scales = scales[:, None] if scales.dim() == 1 else scales
     return torch.where(bits, scales, scales * -1)

@@ -6,15 +6,26 @@ in place of the 1-bit compressor, and it has the same phase methods (``start``,
 ``worker_scales``, ``headers``, ``serve``, ``finish``), so :func:`onebit.comm.finish_compressed_`
 and the optimizers drive either one unchanged.
 
-The module has two layers: small pure functions that quantize, dequantize and pack (the
-compressor layer), and :class:`QuantizedAllreduce` on top, which owns the error buffers and the
-communication.
+The module has two layers: the compressor layer (block geometry, and functions that quantize,
+dequantize and pack one tile of blocks), and :class:`QuantizedAllreduce` on top, which owns the
+error buffers and the communication.
+
+Speed: every phase runs tile by tile (:func:`tiles`: whole blocks, some tens of thousands of
+elements), all its steps on one tile while it is in cache, in work space and views made once and
+reused; there is no per-element index. A tile is a ``[rows, width]`` view: one row per block
+where the blocks have one length (block maxima are one ``amax``, scales broadcast per row), and
+for the blocks of small pieces, gathered into one tile, rows of the lengths' common divisor (row
+maxima, then a ``segment_reduce`` over each block's rows), so many small tensors cost few
+operations.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,10 +37,16 @@ from .compress import padded_numel
 BITS = ("bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 _FLOAT_BYTES = 4
+_TILE_NUMEL = {"cpu": 1 << 16, None: 1 << 20}
+"""Elements per tile, by device type: what stays in a CPU core's cache (a GPU takes bigger ones,
+for fewer kernel launches)."""
+_MIN_RUN_NUMEL = 8192
+"""Blocks of one length get tiles of their own (one row per block) when there are this many
+elements of them in a row; shorter runs are gathered into tiles of mixed block lengths."""
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# The compressor layer: pure functions of tensors.
+# The compressor layer.
 
 
 def check_bits(bits: str) -> str:
@@ -57,65 +74,189 @@ def block_lengths(pieces: Sequence[int], block_size: int) -> list[int]:
     return lengths
 
 
-def block_absmax(x: Tensor, block_id: Tensor, num_blocks: int) -> Tensor:
-    """``max |x|`` over each block (``block_id[i]`` is the block of ``x[i]``), fp32.
+class Tile(NamedTuple):
+    """Consecutive whole blocks, processed together while they are in cache, as a
+    ``[rows, width]`` view of elements ``lo:hi`` (blocks ``b0:b1``).
 
-    A NaN or infinity in a block makes its absmax non-finite, which is how a non-finite input is
-    detected. Blocks with no element get 0.
+    With ``rows`` ``None`` each block is one row (all ``width`` long) and per-block values are
+    ``[blocks, 1]``; otherwise the blocks' lengths differ, block i is ``rows[i]`` rows (int64;
+    ``width`` is the lengths' greatest common divisor) and per-block values are ``[blocks]``.
     """
-    out = torch.zeros(num_blocks, device=x.device, dtype=torch.float32)
-    return out.scatter_reduce_(0, block_id, x.abs(), "amax", include_self=True)
+
+    lo: int
+    hi: int
+    b0: int
+    b1: int
+    width: int
+    rows: Tensor | None
 
 
-def quantize(x: Tensor, block_id: Tensor, num_blocks: int, bits: str) -> tuple[Tensor, Tensor]:
-    """Quantize fp32 ``x``; return the values and the per-block fp32 scales.
+def tiles(
+    pieces: Sequence[int],
+    block_size: int,
+    tile_numel: int,
+    *,
+    lo: int = 0,
+    b0: int = 0,
+    device: torch.device | str | None = None,
+) -> list[Tile]:
+    """The blocks of consecutive pieces (:func:`block_lengths`), in tiles of about
+    ``tile_numel`` elements (at least one block).
+
+    A long run of blocks of one length (the full blocks of large pieces, even across pieces)
+    makes tiles of one row per block; the blocks of small pieces are gathered into tiles of
+    mixed lengths. ``lo`` and ``b0`` are the first element and block.
+    """
+    runs: list[list[int]] = []  # [count, length] of consecutive blocks of one length
+    for length in block_lengths(pieces, block_size):
+        if runs and runs[-1][1] == length:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, length])
+    out: list[Tile] = []
+    pending: list[int] = []  # the block lengths of a mixed tile being gathered
+
+    def flush() -> None:
+        nonlocal lo, b0
+        if not pending:
+            return
+        size, count = sum(pending), len(pending)
+        if len(set(pending)) == 1:
+            out.append(Tile(lo, lo + size, b0, b0 + count, pending[0], None))
+        else:
+            width = math.gcd(*pending)
+            rows = torch.tensor([n // width for n in pending], dtype=torch.long, device=device)
+            out.append(Tile(lo, lo + size, b0, b0 + count, width, rows))
+        lo, b0 = lo + size, b0 + count
+        pending.clear()
+
+    for count, length in runs:
+        if count * length >= _MIN_RUN_NUMEL:
+            flush()
+            per_tile = max(1, tile_numel // length)
+            for first in range(0, count, per_tile):
+                blocks = min(per_tile, count - first)
+                out.append(Tile(lo, lo + blocks * length, b0, b0 + blocks, length, None))
+                lo, b0 = lo + blocks * length, b0 + blocks
+            continue
+        for _ in range(count):
+            if pending and sum(pending) + length > tile_numel:
+                flush()
+            pending.append(length)
+    flush()
+    return out
+
+
+class TileWork(NamedTuple):
+    """Work space for tiles of one shape (elements, blocks, width, mixed or not), in that shape,
+    and 0-d fp32 constants (cheaper than Python numbers in an op)."""
+
+    ratio: Tensor  # fp32, the tile's shape
+    part: Tensor  # fp32, the tile's shape
+    z: Tensor  # fp32, the tile's shape
+    q: Tensor  # int8 (bf16: bfloat16), the tile's shape
+    row_max: Tensor  # fp32, per row (mixed tiles)
+    scales: Tensor  # fp32, per block
+    step: Tensor  # fp32, per block
+    mask: Tensor  # bool, per block
+    zero: Tensor
+    one: Tensor
+    qmax: Tensor
+
+
+def _per_row(values: Tensor, tile: Tile) -> Tensor:
+    """Per-block ``values`` of ``tile``, broadcastable against its ``[rows, width]`` elements."""
+    if tile.rows is None:
+        return values
+    rows = (tile.hi - tile.lo) // tile.width
+    return torch.repeat_interleave(values, tile.rows, output_size=rows).unsqueeze(1)
+
+
+def quantize_(
+    y: Tensor,
+    tile: Tile,
+    bits: str,
+    q: Tensor,
+    scales: Tensor | None,
+    absmax: Tensor | None,
+    work: TileWork,
+    dequantized: Tensor | None = None,
+) -> None:
+    """Quantize one tile's fp32 values ``y`` (``[rows, width]``, see :class:`Tile`): the values
+    into ``q`` (int8, or bfloat16 for ``"bf16"``), the block scales into ``scales`` (``None``
+    for bf16) and the blocks' ``max |y|`` into ``absmax`` (``None``: not wanted; bf16 only);
+    and ``deQ(Q(y))`` into ``dequantized`` if it is given.
 
     int8 and int4 are symmetric: ``scale = absmax(block) / qmax`` with qmax 127 or 7, and
-    ``q = round(x / scale)`` (half to even), clamped to ``[-qmax, qmax]``, as int8; a block whose
-    scale is 0 gets ``q = 0``. bf16 is ``x`` rounded to nearest even bfloat16, with no scales.
+    ``q = round(y / scale)`` (half to even), clamped to ``[-qmax, qmax]``, as int8; a block whose
+    scale is 0 (or NaN) gets ``q = 0``, and ``deQ`` is ``q * scale``. bf16 is ``y`` rounded to
+    nearest even bfloat16, with no scales; ``deQ`` is the value as fp32. (For bf16 a tile's
+    blocks only split ``absmax``.)
     """
+    ratio = work.ratio
+    if absmax is not None:  # NaN in a block makes its absmax NaN: amax and segment_reduce agree
+        torch.abs(y, out=ratio)
+        if tile.rows is None:
+            torch.amax(ratio, dim=1, keepdim=True, out=absmax)
+        else:
+            row_max = ratio.view(-1) if tile.width == 1 else torch.amax(ratio, 1, out=work.row_max)
+            absmax.copy_(torch.segment_reduce(row_max, "max", lengths=tile.rows, unsafe=True))
     if bits == "bf16":
-        return x.to(torch.bfloat16), x.new_empty(0)
+        q.copy_(y)
+        if dequantized is not None:
+            dequantized.copy_(q)
+        return
+    torch.div(absmax, work.qmax, out=scales)
+    # Dividing by 1 where the scale is not positive gives q = 0 there (those blocks are zeros,
+    # or subnormal enough that the scale underflows), as ``where(scale > 0, y / scale, 0)``.
+    torch.gt(scales, work.zero, out=work.mask)
+    torch.where(work.mask, scales, work.one, out=work.step)
+    step = _per_row(work.step, tile)
+    torch.div(y, step, out=ratio)
     qmax = _QMAX[bits]
-    scales = block_absmax(x, block_id, num_blocks) / qmax
-    step = scales[block_id]
-    ratio = torch.where(step > 0, x / step, torch.zeros_like(x))
-    return ratio.round_().clamp_(-qmax, qmax).to(torch.int8), scales
+    ratio.round_().clamp_(-qmax, qmax)
+    q.copy_(ratio)
+    if dequantized is not None:
+        dequantized.copy_(q)  # as q.float(): no -0
+        dequantized.mul_(step)  # q * step is q * scale: q is 0 where they differ
 
 
-def dequantize(q: Tensor, scales: Tensor, block_id: Tensor, bits: str) -> Tensor:
-    """The fp32 values that :func:`quantize`'s ``q`` and ``scales`` stand for."""
-    if bits == "bf16":
-        return q.float()
-    return q.float() * scales[block_id]
+def dequantize_(q: Tensor, scales: Tensor | None, tile: Tile, out: Tensor) -> None:
+    """The fp32 values that one tile's ``q`` (int8 or bfloat16, ``[rows, width]``) and block
+    ``scales`` (``None`` for bf16) stand for, into ``out``."""
+    out.copy_(q)
+    if scales is not None:
+        out.mul_(_per_row(scales, tile))
 
 
 def pack_int4(q: Tensor) -> Tensor:
     """Two int4 values (in ``[-8, 7]``) per byte, the first in the low nibble. ``q`` has an even
     number of elements."""
-    nibbles = (q.to(torch.int16) + 8).to(torch.uint8).view(-1, 2)
-    return nibbles[:, 0] | (nibbles[:, 1] << 4)
+    out = torch.empty(q.numel() // 2, dtype=torch.uint8, device=q.device)
+    _pack_int4_(q.to(torch.int8, copy=True).reshape(-1), out)
+    return out
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
     """The int8 values that :func:`pack_int4` packed, in order."""
-    nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
-    return nibbles.to(torch.int8) - 8
+    out = torch.empty(2 * packed.numel(), dtype=torch.int8, device=packed.device)
+    _unpack_int4_(packed.reshape(-1), out)
+    return out
 
 
-def encode(q: Tensor, bits: str) -> Tensor:
-    """The bytes (uint8) that carry :func:`quantize`'s values: :func:`payload_bytes` of them."""
-    if bits == "int4":
-        return pack_int4(q)
-    return q.contiguous().view(torch.uint8)
+def _pack_int4_(q: Tensor, out: Tensor) -> None:
+    """:func:`pack_int4` of ``q`` (int8, flat) into ``out``; ``q`` is overwritten."""
+    nibbles = q.view(torch.uint8).add_(8)  # wraps around: -8..7 become 0..15
+    torch.bitwise_left_shift(nibbles[1::2], 4, out=out)
+    out.bitwise_or_(nibbles[0::2])
 
 
-def decode(payload: Tensor, bits: str) -> Tensor:
-    """The values carried by ``payload`` (uint8, as :func:`encode` made them)."""
-    payload = payload.contiguous()
-    if bits == "int4":
-        return unpack_int4(payload)
-    return payload.view(torch.bfloat16 if bits == "bf16" else torch.int8)
+def _unpack_int4_(packed: Tensor, out: Tensor) -> None:
+    """:func:`unpack_int4` of ``packed`` into ``out`` (int8, flat, twice as long)."""
+    nibbles = out.view(torch.uint8)
+    torch.bitwise_and(packed, 15, out=nibbles[0::2])
+    torch.bitwise_right_shift(packed, 4, out=nibbles[1::2])
+    nibbles.sub_(8)
 
 
 def _floats(raw: Tensor) -> Tensor:
@@ -128,16 +269,124 @@ def _floats(raw: Tensor) -> Tensor:
 # The communicator.
 
 
+class _Plan:
+    """The tiles of one chunk (:func:`tiles`, in chunk coordinates), and how to cut a chunk's
+    elements or blocks into per-tile views in few operations."""
+
+    def __init__(self, chunk: list[Tile], below: int) -> None:
+        self.tiles = chunk
+        self.below = below  # the tiles below the buffer's numel (the rest are padding)
+        self.below_numel = chunk[below - 1].hi if below else 0
+        self.blocks = chunk[-1].b1 if chunk else 0
+        # Runs of consecutive tiles of one row per block and one width (never across `below`),
+        # and mixed tiles on their own: (first tile, lo, hi, b0, b1, width, blocks per tile).
+        self.runs: list[tuple[int, int, int, int, int, int, list[int] | None]] = []
+        for t, tile in enumerate(chunk):
+            run = self.runs[-1] if self.runs else None
+            if run and run[6] and tile.rows is None and run[5] == tile.width and t != below:
+                counts = run[6] + [tile.b1 - tile.b0]
+                self.runs[-1] = (run[0], run[1], tile.hi, run[3], tile.b1, run[5], counts)
+            else:
+                counts = [tile.b1 - tile.b0] if tile.rows is None else None
+                self.runs.append((t, tile.lo, tile.hi, tile.b0, tile.b1, tile.width, counts))
+
+    def elements(self, x: Tensor, below: bool = False) -> list[Tensor]:
+        """Each tile's ``[rows, width]`` view of ``x``, one chunk's elements (with ``below``,
+        its tiles below numel only: ``x`` holds ``below_numel``)."""
+        views: list[Tensor] = []
+        for t, lo, hi, _, _, width, counts in self.runs:
+            if below and t >= self.below:
+                break
+            if counts:
+                views += x[lo:hi].view(-1, width).split(counts)
+            else:
+                views.append(x[lo:hi].view(-1, width))
+        return views
+
+    def per_block(self, x: Tensor) -> list[Tensor]:
+        """Each tile's view of ``x``, one value per block of the chunk (see :class:`Tile`)."""
+        views: list[Tensor] = []
+        for _, _, _, b0, b1, _, counts in self.runs:
+            views += x[b0:b1].view(-1, 1).split(counts) if counts else [x[b0:b1]]
+        return views
+
+
 @dataclass
 class _Call:
     """One quantized allreduce in flight, between its phases."""
 
-    y: Tensor  # the worker's input plus error (the caller's buffer)
-    q: Tensor  # y quantized, kept for the worker error update
-    scales: Tensor  # the scales of q, every block of the buffer
-    received: Tensor  # phase 1: one row from each rank, [world_size, phase-1 bytes]
+    # the input plus worker error, in the caller's buffer (at world size 1 serve() then puts
+    # the result there)
+    y: Tensor | None
+    sent: Tensor  # phase 1: the row for each rank, [world_size, phase-1 bytes]
+    received: Tensor  # phase 1: one row from each rank
     work: dist.Work | None
     gathered: Tensor | None = None  # phase 2: one row from each server, [world_size, bytes]
+
+
+class _Scratch:
+    """Work space for the tiles of a call (:class:`TileWork` by tile shape, and flat int8
+    ``q_in`` and ``q_out`` for int4's packing), shared by the communicators of a thread and
+    device: nothing in it outlives a phase method."""
+
+    _local = threading.local()
+
+    def __init__(self, device: torch.device, numel: int, blocks: int) -> None:
+        self.numel, self.blocks = numel, blocks
+        self._ratio = torch.empty(numel, device=device)
+        self._part = torch.empty(numel, device=device)
+        self._z = torch.empty(numel, device=device)
+        self._q = torch.empty(numel, dtype=torch.int8, device=device)
+        self._q16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        self.q_in = torch.empty(numel + 2, dtype=torch.int8, device=device)
+        self.q_out = torch.empty(numel + 2, dtype=torch.int8, device=device)
+        self._row_max = torch.empty(numel, device=device)
+        self._scales = torch.empty(blocks, device=device)
+        self._step = torch.empty(blocks, device=device)
+        self._mask = torch.empty(blocks, dtype=torch.bool, device=device)
+        self._zero = torch.zeros((), device=device)
+        self._one = torch.ones((), device=device)
+        self._qmax = {b: torch.tensor(float(m), device=device) for b, m in _QMAX.items()}
+        self._works: dict[tuple[int, int, int, bool, str], TileWork] = {}
+
+    @classmethod
+    def get(cls, device: torch.device, numel: int, blocks: int) -> _Scratch:
+        """This thread's work space on ``device``, grown to at least ``numel`` and ``blocks``."""
+        cache = cls._local.__dict__.setdefault("by_device", {})
+        scratch = cache.get(device)
+        if scratch is None or scratch.numel < numel or scratch.blocks < blocks:
+            if scratch is not None:
+                numel, blocks = max(numel, scratch.numel), max(blocks, scratch.blocks)
+            scratch = cache[device] = cls(device, numel, blocks)
+        return scratch
+
+    def work(self, tile: Tile, bits: str) -> TileWork:
+        """The :class:`TileWork` for tiles of ``tile``'s shape."""
+        key = (tile.hi - tile.lo, tile.b1 - tile.b0, tile.width, tile.rows is None, bits)
+        work = self._works.get(key)
+        if work is None:
+            numel, blocks, width, uniform, _ = key
+
+            def shaped(x: Tensor) -> Tensor:
+                return x[:numel].view(-1, width)
+
+            def per_block(x: Tensor) -> Tensor:
+                return x[:blocks].view(-1, 1) if uniform else x[:blocks]
+
+            work = self._works[key] = TileWork(
+                shaped(self._ratio),
+                shaped(self._part),
+                shaped(self._z),
+                shaped(self._q16 if bits == "bf16" else self._q),
+                self._row_max[: numel // width],
+                per_block(self._scales),
+                per_block(self._step),
+                per_block(self._mask),
+                self._zero,
+                self._one,
+                self._qmax.get(bits, self._one),
+            )
+        return work
 
 
 class QuantizedAllreduce:
@@ -173,6 +422,9 @@ class QuantizedAllreduce:
     The whole-buffer absmax is in every row because rank j only receives the scales of chunk j:
     it is what lets every rank see a non-finite value anywhere on any rank, and so all agree to
     return NaN and leave both errors untouched (:func:`~onebit.comm.finish_compressed_`).
+
+    Memory: besides the error buffers, one fp32 per block (the blocks' absmax) and the tiles'
+    bounds; the work space of a tile is shared by all communicators of a thread.
 
     Attributes:
         worker_error: this rank's error, ``padded_numel`` elements (``numel`` rounded up to a
@@ -217,33 +469,52 @@ class QuantizedAllreduce:
         device = torch.device("cpu") if device is None else torch.device(device)
         self.worker_error = torch.zeros(self.padded_numel, device=device)
         self.server_error = torch.zeros(self.chunk_numel, device=device)
-        self._blocks_per_chunk, self._block_id = self._block_geometry(device)
-        chunk = slice(self.rank * self.chunk_numel, (self.rank + 1) * self.chunk_numel)
-        self._chunk_block_id = self._block_id[chunk] - self.rank * self._blocks_per_chunk
+        self._plans = self._tile_geometry(device)
+        self._blocks_per_chunk = max(plan.blocks for plan in self._plans)
+        every = [t for plan in self._plans for t in plan.tiles]
+        self._max_tile = max((t.hi - t.lo for t in every), default=0)
+        self._max_tile_blocks = max((t.b1 - t.b0 for t in every), default=0)
+        # Each block's max |y| in a call (bf16: each tile's); slots a chunk lacks stay 0.
+        per_chunk = self._blocks_per_chunk
+        self._absmax = torch.zeros(self.world_size * per_chunk, device=device)
+        self._absmax_tiles = [
+            plan.per_block(self._absmax[j * per_chunk : (j + 1) * per_chunk])
+            for j, plan in enumerate(self._plans)
+        ]
+        c = self.chunk_numel
+        self._worker_error_tiles = [
+            plan.elements(self.worker_error[j * c : (j + 1) * c])
+            for j, plan in enumerate(self._plans)
+        ]
+        self._server_error_tiles = self._plans[self.rank].elements(self.server_error)
         self._payload = payload_bytes(self.chunk_numel, bits)
         self._scale_count = 0 if bits == "bf16" else self._blocks_per_chunk
 
-    def _block_geometry(self, device: torch.device) -> tuple[int, Tensor]:
-        """The most blocks in a chunk, ``B``, and the block of each element of the padded buffer:
-        chunk j's blocks are numbered ``j*B`` on, in order (scale slots a chunk does not use stay
-        0)."""
+    def _tile_geometry(self, device: torch.device) -> list[_Plan]:
+        """The tiles of each chunk, in chunk coordinates: its pieces' blocks (bf16: plain runs
+        of elements), never straddling ``numel`` (the padding is a piece of its own)."""
         ends, start = [], 0
-        for size in [*self.segments, self.padded_numel - self.numel]:  # the padding is a piece
+        for size in [*self.segments, self.padded_numel - self.numel]:
             start += size
             ends.append(start)
-        chunks = []
+        if self.bits == "bf16":  # no scales: blocks only split the input from the padding
+            ends = [self.numel]
+        tile_numel = _TILE_NUMEL.get(device.type, _TILE_NUMEL[None])
+        block_size = tile_numel if self.bits == "bf16" else self.block_size
+        plans = []
         for j in range(self.world_size):
             lo, hi = j * self.chunk_numel, (j + 1) * self.chunk_numel
             cuts = sorted({lo, hi, *(e for e in ends if lo < e < hi)})
-            chunks.append(block_lengths([b - a for a, b in zip(cuts, cuts[1:])], self.block_size))
-        most = max(map(len, chunks))
-        ids = [
-            torch.arange(j * most, j * most + len(lengths)).repeat_interleave(torch.tensor(lengths))
-            for j, lengths in enumerate(chunks)
-            if lengths
-        ]
-        block_id = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
-        return most, block_id.to(device)
+            pieces = [b - a for a, b in zip(cuts, cuts[1:])]
+            split = sum(1 for cut in cuts[1:] if cut <= self.numel)  # pieces below numel
+            chunk = tiles(pieces[:split], block_size, tile_numel, device=device)
+            below = len(chunk)
+            last = chunk[-1] if chunk else Tile(0, 0, 0, 0, 0, None)
+            chunk += tiles(
+                pieces[split:], block_size, tile_numel, lo=last.hi, b0=last.b1, device=device
+            )
+            plans.append(_Plan(chunk, below))
+        return plans
 
     @property
     def _phase1_row(self) -> int:
@@ -266,11 +537,11 @@ class QuantizedAllreduce:
         if tensor.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {tensor.numel()}")
         device = self.worker_error.device
-        buffer = torch.zeros(self.padded_numel, device=device)
-        buffer[: self.numel] = tensor.reshape(-1)
-        out = torch.empty(self.numel, device=device)
+        source = tensor.reshape(-1).to(device=device, dtype=torch.float32)
+        buffer = torch.empty(self.padded_numel, device=device)
+        out = buffer[: self.numel]  # written once serve() is done with the buffer
         header = torch.zeros(self.header_numel, device=device) if self.header_numel else None
-        if not finish_compressed_([self], [self.start(buffer, header)], [out]):
+        if not finish_compressed_([self], [self._start(buffer, header, source)], [out]):
             out.fill_(float("nan"))
         return out.view(tensor.shape).to(tensor.dtype)
 
@@ -282,29 +553,112 @@ class QuantizedAllreduce:
         ``header`` (``header_numel`` fp32 values) goes to every rank. The worker error is not yet
         updated: :meth:`serve` commits it once every rank's scales are known to be finite.
         """
+        return self._start(buffer, header, None)
+
+    def _start(self, buffer: Tensor, header: Tensor | None, source: Tensor | None) -> _Call:
+        """:meth:`start`, reading the input from ``source`` (``numel`` fp32) if it is given."""
         if buffer.numel() != self.padded_numel:
             raise ValueError(f"start() needs {self.padded_numel} elements, got {buffer.numel()}")
+        if buffer.dtype != torch.float32 or not buffer.is_contiguous():
+            raise ValueError("start() needs a contiguous fp32 buffer")
         if self.header_numel and (header is None or header.numel() != self.header_numel):
             raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
         buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
-        y = buffer.add_(self.worker_error)
-        n, per_chunk = self.world_size, self._blocks_per_chunk
-        q, scales = quantize(y, self._block_id, n * per_chunk, self.bits)
-        absmax = y.abs().amax() if self.numel else y.new_zeros(())
-        message = torch.empty(n, self._phase1_row, dtype=torch.uint8, device=y.device)
+        n, c, bits = self.world_size, self.chunk_numel, self.bits
+        message = torch.empty(n, self._phase1_row, dtype=torch.uint8, device=buffer.device)
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
-        message[:, :p] = encode(q, self.bits).view(n, p)
-        if self._scale_count:
-            message[:, p:s] = scales.view(n, per_chunk).view(torch.uint8)
+        scratch = self._scratch()
+        for j, plan in enumerate(self._plans):
+            ys = plan.elements(buffer[j * c : (j + 1) * c])
+            inputs = ys
+            if source is not None and plan.below:
+                below = source[j * c : j * c + plan.below_numel]
+                inputs = plan.elements(below, below=True) + ys[plan.below :]
+            payload, scales = self._rows(message[j, :p], message[j, p:s], plan, True)
+            errors, absmax = self._worker_error_tiles[j], self._absmax_tiles[j]
+            for t, tile in enumerate(plan.tiles):
+                y = torch.add(inputs[t], errors[t], out=ys[t])
+                work = scratch.work(tile, bits)
+                self._quantize(y, tile, t, payload, scales, absmax[t], work, scratch)
+        absmax = self._absmax.amax() if self.numel else buffer.new_zeros(())
         message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
         if self.header_numel:
-            values = header.to(device=y.device, dtype=torch.float32).reshape(1, -1)
+            values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
             message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
         if n == 1 or not self.numel:
-            return _Call(y, q, scales, message, None)
+            return _Call(buffer, message, message, None)
         received = torch.empty_like(message)
-        work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
-        return _Call(y, q, scales, received, work)
+        handle = dist.all_to_all_single(received, message, group=self.group, async_op=True)
+        return _Call(buffer, message, received, handle)
+
+    def _scratch(self) -> _Scratch:
+        return _Scratch.get(self.worker_error.device, self._max_tile, self._max_tile_blocks)
+
+    def _rows(
+        self, payload: Tensor, scales: Tensor, plan: _Plan, outgoing: bool = False
+    ) -> tuple[Tensor | list[Tensor], list[Tensor]]:
+        """One chunk's payload and scale bytes, per tile: its values (bf16, int8; for int4 the
+        whole packed row) and its fp32 scales (``outgoing``: zeroing the slots the chunk lacks)."""
+        if self.bits == "bf16":
+            return plan.elements(payload.view(torch.bfloat16)), []
+        scales = scales.view(torch.float32)
+        if outgoing:
+            scales[plan.blocks :].zero_()
+        scales = plan.per_block(scales)
+        if self.bits == "int4":
+            return payload, scales
+        return plan.elements(payload.view(torch.int8)), scales
+
+    def _quantize(
+        self,
+        y: Tensor,
+        tile: Tile,
+        t: int,
+        payload: Tensor | list[Tensor] | None,
+        scales: list[Tensor] | None,
+        absmax: Tensor | None,
+        work: TileWork,
+        scratch: _Scratch,
+        dequantized: Tensor | None = None,
+    ) -> None:
+        """:func:`quantize_` of tile ``t`` of a chunk into the chunk's payload and scales
+        (:meth:`_rows`; ``None``: into work space); int4 tiles must come in order, as they
+        share bytes."""
+        scale = None if self.bits == "bf16" else work.scales if scales is None else scales[t]
+        if payload is None or self.bits != "int4":
+            q = work.q if payload is None else payload[t]
+            quantize_(y, tile, self.bits, q, scale, absmax, work, dequantized)
+            return
+        # q_out[0] holds the previous tile's last value if this tile starts mid-byte
+        first, size, q_out = tile.lo & 1, tile.hi - tile.lo, scratch.q_out
+        q = q_out[first : first + size]
+        quantize_(y, tile, self.bits, q.view(work.q.shape), scale, absmax, work, dequantized)
+        end = first + size
+        even = end - (end & 1)
+        start = (tile.lo - first) // 2
+        _pack_int4_(q_out[:even], payload[start : start + even // 2])
+        if end & 1:
+            q_out[:1].copy_(q_out[even : even + 1])
+
+    def _dequantize(
+        self,
+        payload: Tensor | list[Tensor],
+        scales: list[Tensor],
+        tile: Tile,
+        t: int,
+        out: Tensor,
+        scratch: _Scratch,
+    ) -> None:
+        """:func:`dequantize_` of tile ``t`` of a chunk's payload and scales (:meth:`_rows`)."""
+        scale = scales[t] if scales else None
+        if self.bits != "int4":
+            dequantize_(payload[t], scale, tile, out)
+            return
+        first, last = tile.lo // 2, (tile.hi + 1) // 2
+        _unpack_int4_(payload[first:last], scratch.q_in[: 2 * (last - first)])
+        odd = tile.lo & 1
+        q = scratch.q_in[odd : odd + tile.hi - tile.lo]
+        dequantize_(q.view(out.shape), scale, tile, out)
 
     def worker_scales(self, call: _Call) -> Tensor:
         """Wait for phase 1; return every rank's block scales of this rank's chunk and its
@@ -322,30 +676,62 @@ class QuantizedAllreduce:
 
     def serve(self, call: _Call) -> None:
         """Commit the worker error, average and requantize this rank's chunk with server error,
-        start phase 2."""
-        self.worker_error.copy_(call.y - dequantize(call.q, call.scales, self._block_id, self.bits))
-        call.q = call.scales = None
+        start phase 2.
+
+        At world size 1 there is no phase 2: the result goes straight into :meth:`start`'s
+        buffer, for :meth:`finish`.
+        """
         if not self.numel:
+            call.y = None
             call.gathered = call.received
             return
+        n, c, rank, bits = self.world_size, self.chunk_numel, self.rank, self.bits
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
-        z = None
-        for row in call.received:  # summed in rank order, as every rank would
-            values = decode(row[:p], self.bits)
-            part = dequantize(values, _floats(row[p:s]), self._chunk_block_id, self.bits)
-            z = part if z is None else z.add_(part)
-        z = z.div_(self.world_size).add_(self.server_error)
-        q, scales = quantize(z, self._chunk_block_id, self._blocks_per_chunk, self.bits)
-        torch.sub(z, dequantize(q, scales, self._chunk_block_id, self.bits), out=self.server_error)
-        message = torch.empty(self._phase2_row, dtype=torch.uint8, device=z.device)
-        message[:p] = encode(q, self.bits)
-        message[p:s] = scales[: self._scale_count].view(torch.uint8)
-        if self.world_size == 1:
-            call.gathered = message.view(1, -1)
+        scratch = self._scratch()
+        # The worker error of the chunks this rank does not serve: y - deQ(Q(y)).
+        for j, plan in enumerate(self._plans):
+            if j == rank:
+                continue
+            ys, errors = plan.elements(call.y[j * c : (j + 1) * c]), self._worker_error_tiles[j]
+            payload, scales = self._rows(call.sent[j, :p], call.sent[j, p:s], plan)
+            for t, tile in enumerate(plan.tiles):
+                part = scratch.work(tile, bits).part
+                self._dequantize(payload, scales, tile, t, part, scratch)
+                torch.sub(ys[t], part, out=errors[t])
+        plan = self._plans[rank]
+        ys = plan.elements(call.y[rank * c : (rank + 1) * c])
+        rows = [self._rows(row[:p], row[p:s], plan) for row in call.received]
+        if n > 1:
+            call.y = None
+            message = torch.empty(self._phase2_row, dtype=torch.uint8, device=call.sent.device)
+            payload, scales = self._rows(message[:p], message[p:], plan, True)
+        else:  # Q(z) only in work space, deQ(Q(z)) into the buffer
+            payload = scales = None
+        absmax = self._absmax_tiles[rank]  # phase 1 is done with them
+        errors = self._worker_error_tiles[rank]
+        for t, tile in enumerate(plan.tiles):
+            work = scratch.work(tile, bits)
+            z = work.z
+            for r, (payload_r, scales_r) in enumerate(rows):  # summed in rank order
+                part = work.part if r else z
+                self._dequantize(payload_r, scales_r, tile, t, part, scratch)
+                if r == rank:  # this rank's own worker error, y - deQ(Q(y))
+                    torch.sub(ys[t], part, out=errors[t])
+                if r:
+                    z.add_(part)
+            if n > 1:
+                z.div_(n)
+            se = self._server_error_tiles[t]
+            z.add_(se)
+            result = ys[t] if n == 1 else work.ratio  # y is done with
+            block_max = None if bits == "bf16" else absmax[t]
+            self._quantize(z, tile, t, payload, scales, block_max, work, scratch, result)
+            torch.sub(z, result, out=se)
+        if n == 1:
             return
-        gathered = message.new_empty(self.world_size * message.numel())
+        gathered = message.new_empty(n * message.numel())
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
-        call.gathered = gathered.view(self.world_size, -1)
+        call.gathered = gathered.view(n, -1)
 
     def finish(self, call: _Call, out: Tensor) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out``."""
@@ -354,12 +740,24 @@ class QuantizedAllreduce:
             call.work = None
         if not self.numel:
             return
-        p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
-        q = decode(call.gathered[:, :p].reshape(-1), self.bits)
-        scales = torch.zeros(self.world_size, self._blocks_per_chunk, device=out.device)
-        scales[:, : self._scale_count] = _floats(call.gathered[:, p:s])
-        result = dequantize(q, scales.view(-1), self._block_id, self.bits)
-        out.copy_(result[: self.numel].view(out.shape))
+        if call.y is not None:  # world size 1: serve() left the result in the buffer
+            result, call.y = call.y[: self.numel], None
+            if out.data_ptr() != result.data_ptr() or not out.is_contiguous():
+                out.copy_(result.view(out.shape))
+            return
+        p, c = self._payload, self.chunk_numel
+        direct = out.is_contiguous() and out.dtype == torch.float32
+        flat = out.view(-1) if direct else torch.empty(self.numel, device=out.device)
+        scratch = self._scratch()
+        for j, plan in enumerate(self._plans):
+            if not plan.below:
+                continue
+            outs = plan.elements(flat[j * c : j * c + plan.below_numel], below=True)
+            payload, scales = self._rows(call.gathered[j, :p], call.gathered[j, p:], plan)
+            for t in range(plan.below):
+                self._dequantize(payload, scales, plan.tiles[t], t, outs[t], scratch)
+        if not direct:
+            out.copy_(flat.view(out.shape))
 
     def state_dict(self) -> dict:
         """The error buffers and the geometry they belong to."""
