@@ -68,7 +68,6 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             with gradient accumulation, run every backward but the last inside
             :meth:`no_sync`. It cannot honour a ``GradScaler`` or an edit of ``.grad`` after
             backward (clipping, say): both raise a clear error.
-
         warmup_compression: how the warmup averages gradients. ``"fp32"`` (default) is an fp32
             allreduce, exactly AdamW + DDP. ``"bf16"``, ``"int8"`` and ``"int4"`` send 2, 4 and
             8 times fewer bytes through the same two-phase exchange as the 1-bit stage, with
