@@ -186,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
         f"worker ({first['samples']:,} samples). Mean ± standard deviation over the seeds.",
         "",
         head,
-        "|" + "|".join([" --- "] + [" ---: "] * (5 + len(rates))) + "|",
+        "|" + "|".join([" --- "] + [" ---: "] * (6 + len(rates))) + "|",
     ]
     for r in rows:
         loss, sd = r["final_val_loss"]
