@@ -14,7 +14,7 @@ the DDP model Accelerate builds to the optimizer. ``accelerator.backward``,
 
 import torch
 from accelerate import Accelerator
-from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
 
 import onebit
 from onebit.integrations.accelerate import prepare
@@ -51,3 +51,4 @@ while step < args.steps:
 # Every rank holds the same parameters: 1-bit Adam applies the same averaged update everywhere.
 report(optimizer, evaluate(accelerator.unwrap_model(model), val, device=accelerator.device))
 accelerator.end_training()
+close_process_group()

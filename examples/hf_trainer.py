@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from common import arguments, report, text_data, tiny_gpt2
+from common import arguments, close_process_group, report, text_data, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import onebit
@@ -60,5 +59,4 @@ trainer.add_callback(OnebitCallback(trainer))
 trainer.train()
 
 report(optimizer, trainer.evaluate()["eval_loss"])
-if dist.is_initialized():
-    dist.destroy_process_group()
+close_process_group()

@@ -18,7 +18,7 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
 
 import onebit
 from onebit.integrations.lightning import OnebitCallback
@@ -67,3 +67,4 @@ trainer.fit(module, train_dataloaders=loader)
 
 # Every rank holds the same parameters: 1-bit Adam applies the same averaged update everywhere.
 report(trainer.optimizers[0], evaluate(module.model, val, device=module.device))
+close_process_group()

@@ -21,7 +21,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import arguments, evaluate, log_step, report, text_data, tiny_gpt2
+from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -73,4 +73,4 @@ while step < args.steps:
 
 # Every rank holds the same parameters: 1-bit Adam applies the same averaged update everywhere.
 report(optimizer, evaluate(model, val, device=device))
-dist.destroy_process_group()
+close_process_group()
