@@ -759,14 +759,20 @@ class QuantizedAllreduce:
         if not direct:
             out.copy_(flat.view(out.shape))
 
-    def state_dict(self) -> dict:
-        """The error buffers and the geometry they belong to."""
+    def _geometry(self) -> dict:
+        """What error buffers saved by :meth:`state_dict` must match to be loaded here."""
         return {
             "numel": self.numel,
             "world_size": self.world_size,
             "bits": self.bits,
             "block_size": self.block_size,
             "segments": list(self.segments),
+        }
+
+    def state_dict(self) -> dict:
+        """The error buffers and the geometry they belong to."""
+        return {
+            **self._geometry(),
             "worker_error": self.worker_error.clone(),
             "server_error": self.server_error.clone(),
         }
@@ -777,12 +783,11 @@ class QuantizedAllreduce:
         Raises ``ValueError`` if they were saved for another geometry (size, world size, bits,
         block size or segments): errors cannot be carried across such a change.
         """
-        ours = self.state_dict()
-        for key in ("numel", "world_size", "bits", "block_size", "segments"):
-            if state.get(key) != ours[key]:
+        for key, ours in self._geometry().items():
+            if state.get(key) != ours:
                 raise ValueError(
                     f"error buffers were saved for {key}={state.get(key)!r}; this communicator "
-                    f"has {key}={ours[key]!r}"
+                    f"has {key}={ours!r}"
                 )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
