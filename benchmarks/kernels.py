@@ -81,9 +81,7 @@ def path_name(path: str, device: torch.device) -> str:
     """What ``path`` runs on ``device``."""
     if path != "auto":
         return path
-    if device.type != "cpu" or not compress.fast_path(torch.zeros(8)):
-        return "torch"
-    return "native" if _native.load() is not None else "numpy"
+    return "torch" if device.type != "cpu" else compress.cpu_kernels()
 
 
 def measure(numel: int, world: int, reps: int, device: torch.device, paths: list[str]) -> dict:

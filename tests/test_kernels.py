@@ -315,25 +315,3 @@ def test_cpu_fast_path_is_taken_for_contiguous_fp32():
     assert not compress.fast_path(torch.zeros(8, dtype=torch.float64))
     x = torch.zeros(8, requires_grad=True)
     assert torch.equal(pack_signs(x), ref_pack(x.detach()))
-
-
-def test_native_kernels_fall_back_cleanly(monkeypatch):
-    monkeypatch.setattr(_native, "unavailable", _native.unavailable)
-    monkeypatch.setenv("ONEBIT_NATIVE", "0")
-    assert _native._load() is None and "ONEBIT_NATIVE" in _native.unavailable
-    monkeypatch.delenv("ONEBIT_NATIVE")
-    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
-    assert _native._load() is None and "compiler" in _native.unavailable
-
-
-def test_native_build_failure_is_reported(monkeypatch, tmp_path):
-    if _native._compiler() is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setattr(_native, "SOURCE", "this is not C")
-    monkeypatch.setenv("ONEBIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(_native, "_tried", False)
-    monkeypatch.setattr(_native, "_lib", None)
-    monkeypatch.setattr(_native, "unavailable", None)
-    assert _native.load() is None
-    assert "failed" in _native.unavailable
-    assert not list(tmp_path.glob("*.so"))

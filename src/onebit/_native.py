@@ -1,17 +1,18 @@
-"""Optional fused CPU kernels in C (AVX2), compiled on first use and loaded with ctypes.
+"""Optional fused CPU kernels in C (AVX2), built with the package and loaded with ctypes.
 
 Why: the compressor's five steps (add the error, scale, signs, packing, error update) are each a
 trivial pass, and numpy or torch run them as separate passes that each cost about as much as
 the whole fused loop. Fused, they run at memory speed (``benchmarks/kernels.py``).
 
-How: the C source below is compiled with the system's C compiler (``$CC``, else ``cc``/``gcc``/
-``clang``) into ``$ONEBIT_CACHE`` (default ``~/.cache/onebit``), once per source version and
-compiler, atomically, so concurrent processes are safe. Nothing happens at import: the first
-kernel call does it (about half a second, once per machine).
+How: ``setup.py`` compiles ``_kernels.c`` at install time into the optional extension
+``onebit._kernels`` (a shared library beside this file; nothing is compiled or cached at run
+time, so nothing is ever loaded from a directory other than the installed package's). Loading it
+is the first kernel call's only cost.
 
-When it does not apply: not x86-64, a CPU without AVX2 and FMA, no compiler, a failed build, or
-``ONEBIT_NATIVE=0`` in the environment. :func:`load` then returns ``None``, the reason is in
-:data:`unavailable`, and :mod:`onebit.compress` uses its numpy kernels, which give the same bits.
+When it does not apply: the install had no C compiler or was not on x86-64 (the extension is
+optional, so the install still succeeds), a CPU without AVX2 and FMA, or ``ONEBIT_NATIVE=0`` in
+the environment. :func:`load` then returns ``None``, the reason is in :data:`unavailable`, and
+:mod:`onebit.compress` uses its numpy kernels, which give the same bits.
 
 The kernels reproduce the torch formulation bit for bit: signs are ``x >= 0`` (ordered compare:
 NaN is negative, ``-0.0`` positive), the error update is ``y - s`` or ``y - (-1 * s)``, and the
@@ -22,206 +23,9 @@ order differs (fp32 partial sums of 4096 elements, added in fp64).
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.machinery
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
-
-SOURCE = r"""
-#include <stdint.h>
-#include <immintrin.h>
-
-#define KERNEL __attribute__((target("avx2,fma")))
-#define BLOCK 4096
-
-int ob_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-/* b = b + e; out[i/8] bit i%8 = (b[i] >= 0); returns the sum of b*b (or of |b| if mean_abs).
-   n is a multiple of 8. */
-KERNEL double ob_compress(float *b, const float *e, uint8_t *out, int64_t n, int mean_abs) {
-    const __m256 zero = _mm256_setzero_ps();
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    double total = 0.0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        __m256 acc0 = zero, acc1 = zero;
-        int64_t i = start;
-        for (; i + 16 <= end; i += 16) {
-            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
-            __m256 y1 = _mm256_add_ps(_mm256_loadu_ps(b + i + 8), _mm256_loadu_ps(e + i + 8));
-            _mm256_storeu_ps(b + i, y0);
-            _mm256_storeu_ps(b + i + 8, y1);
-            if (mean_abs) {
-                acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
-                acc1 = _mm256_add_ps(acc1, _mm256_and_ps(y1, absmask));
-            } else {
-                acc0 = _mm256_fmadd_ps(y0, y0, acc0);
-                acc1 = _mm256_fmadd_ps(y1, y1, acc1);
-            }
-            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
-            out[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y1, zero, _CMP_GE_OQ));
-        }
-        for (; i < end; i += 8) {
-            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
-            _mm256_storeu_ps(b + i, y0);
-            if (mean_abs) acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
-            else acc0 = _mm256_fmadd_ps(y0, y0, acc0);
-            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
-        for (int j = 0; j < 8; j++) total += lanes[j];
-    }
-    return total;
-}
-
-/* out = y >= 0 ? y - s : y - (-1 * s), for any n; out may be y. */
-KERNEL void ob_commit(const float *y, float s, float *out, int64_t n) {
-    const float ns = s * -1.0f;
-    const __m256 zero = _mm256_setzero_ps(), vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(y + i);
-        __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
-        _mm256_storeu_ps(out + i, _mm256_sub_ps(v, t));
-    }
-    for (; i < n; i++) out[i] = y[i] >= 0.0f ? y[i] - s : y[i] - ns;
-}
-
-/* out[0..count) = bit ? s : -1 * s for the bits of p (bit i of byte q = element 8q + i). */
-KERNEL static void signed_row(const uint8_t *p, float s, float *out, int64_t count, int add) {
-    const float ns = s * -1.0f;
-    const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
-    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    int64_t whole = count / 8;
-    for (int64_t q = 0; q < whole; q++) {
-        __m256i v = _mm256_and_si256(_mm256_set1_epi32(p[q]), bits);
-        __m256 t = _mm256_blendv_ps(vns, vs, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, bits)));
-        if (add) t = _mm256_add_ps(_mm256_loadu_ps(out + 8 * q), t);
-        _mm256_storeu_ps(out + 8 * q, t);
-    }
-    for (int64_t i = 8 * whole; i < count; i++) {
-        float t = (p[whole] >> (i % 8)) & 1 ? s : ns;
-        out[i] = add ? out[i] + t : t;
-    }
-}
-
-/* out[start..end) = bit ? s : -1 * s for bits start..end of p (or added to out), any bounds. */
-KERNEL static void signed_range(const uint8_t *p, float s, float *out, int64_t start, int64_t end,
-                                int add) {
-    const float ns = s * -1.0f;
-    int64_t i = start;
-    for (; i < end && (i & 7); i++) {
-        float t = (p[i >> 3] >> (i & 7)) & 1 ? s : ns;
-        out[i] = add ? out[i] + t : t;
-    }
-    int64_t whole = (end - i) / 8;
-    if (whole > 0) {
-        signed_row(p + (i >> 3), s, out + i, 8 * whole, add);
-        i += 8 * whole;
-    }
-    for (; i < end; i++) {
-        float t = (p[i >> 3] >> (i & 7)) & 1 ? s : ns;
-        out[i] = add ? out[i] + t : t;
-    }
-}
-
-/* k rows of m bytes (row j at packed + j * stride) times scales[j], concatenated, first numel. */
-KERNEL void ob_decompress(const uint8_t *packed, int64_t stride, const float *scales, int64_t k,
-                          int64_t m, float *out, int64_t numel) {
-    for (int64_t j = 0; j < k; j++) {
-        int64_t base = 8 * m * j;
-        if (base >= numel) break;
-        int64_t count = numel - base < 8 * m ? numel - base : 8 * m;
-        signed_row(packed + j * stride, scales[j], out + base, count, 0);
-    }
-}
-
-/* out[0..8m) = (sum over rows j in order of scales[j] * sign_j) / k, a block at a time. */
-KERNEL void ob_average(const uint8_t *packed, int64_t stride, const float *scales, int64_t k,
-                       int64_t m, float *out) {
-    const __m256 vk = _mm256_set1_ps((float)k);
-    for (int64_t b0 = 0; b0 < m; b0 += BLOCK / 8) {
-        int64_t bytes = m - b0 < BLOCK / 8 ? m - b0 : BLOCK / 8;
-        float *z = out + 8 * b0;
-        for (int64_t j = 0; j < k; j++)
-            signed_row(packed + j * stride + b0, scales[j], z, 8 * bytes, j > 0);
-        if (k > 1)
-            for (int64_t i = 0; i < 8 * bytes; i += 8)
-                _mm256_storeu_ps(z + i, _mm256_div_ps(_mm256_loadu_ps(z + i), vk));
-    }
-}
-
-/* Segments [bounds[q], bounds[q+1]), q < nseg: totals[q] = the sum of y*y (or of |y|) over the
-   segment, in fp32 partial sums of BLOCK elements added in fp64, as ob_compress. */
-KERNEL void ob_sums(const float *y, const int64_t *bounds, int64_t nseg, int mean_abs,
-                    double *totals) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t q = 0; q < nseg; q++) {
-        double total = 0.0;
-        for (int64_t start = bounds[q]; start < bounds[q + 1]; start += BLOCK) {
-            int64_t end = start + BLOCK < bounds[q + 1] ? start + BLOCK : bounds[q + 1];
-            __m256 acc = _mm256_setzero_ps();
-            int64_t i = start;
-            for (; i + 8 <= end; i += 8) {
-                __m256 v = _mm256_loadu_ps(y + i);
-                acc = mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask))
-                               : _mm256_fmadd_ps(v, v, acc);
-            }
-            float lanes[8], rest = 0.0f;
-            _mm256_storeu_ps(lanes, acc);
-            for (; i < end; i++) rest += mean_abs ? (y[i] < 0 ? -y[i] : y[i]) : y[i] * y[i];
-            for (int j = 0; j < 8; j++) total += lanes[j];
-            total += rest;
-        }
-        totals[q] = total;
-    }
-}
-
-/* ob_commit on each segment [bounds[q], bounds[q+1]) with its own scale scales[q]. */
-KERNEL void ob_commit_segments(const float *y, const float *scales, const int64_t *bounds,
-                               int64_t nseg, float *out) {
-    for (int64_t q = 0; q < nseg; q++)
-        ob_commit(y + bounds[q], scales[q], out + bounds[q], bounds[q + 1] - bounds[q]);
-}
-
-/* ob_average with a scale per piece: pieces[3p..3p+2] = start, end, column c, and row j's term
-   for the piece is scales[j * ncols + c] * sign_j. Elements outside the pieces are untouched. */
-KERNEL void ob_average_pieces(const uint8_t *packed, int64_t stride, const float *scales,
-                              int64_t ncols, int64_t k, const int64_t *pieces, int64_t npieces,
-                              float *out) {
-    for (int64_t p = 0; p < npieces; p++) {
-        int64_t a = pieces[3 * p], b = pieces[3 * p + 1], c = pieces[3 * p + 2];
-        for (int64_t b0 = a; b0 < b; b0 += BLOCK) {
-            int64_t e = b0 + BLOCK < b ? b0 + BLOCK : b;
-            for (int64_t j = 0; j < k; j++)
-                signed_range(packed + j * stride, scales[j * ncols + c], out, b0, e, j > 0);
-            if (k > 1)
-                for (int64_t i = b0; i < e; i++) out[i] = out[i] / (float)k;
-        }
-    }
-}
-
-/* Decompress pieces[4p..4p+3] = row j, start, end, column c (start and end within row j's
-   8m elements): out[j * 8m + i] = scales[j * ncols + c] * sign for i in [start, end), as far as
-   out's numel elements go. */
-KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const float *scales,
-                                 int64_t ncols, int64_t m, const int64_t *pieces,
-                                 int64_t npieces, float *out, int64_t numel) {
-    for (int64_t p = 0; p < npieces; p++) {
-        int64_t j = pieces[4 * p], c = pieces[4 * p + 3], base = 8 * m * j;
-        int64_t end = pieces[4 * p + 2] < numel - base ? pieces[4 * p + 2] : numel - base;
-        signed_range(packed + j * stride, scales[j * ncols + c], out + base, pieces[4 * p + 1],
-                     end, 0);
-    }
-}
-"""
 
 unavailable: str | None = None
 """Why the native kernels are not in use (``None`` while they are, or before the first try)."""
@@ -230,8 +34,19 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def library_path() -> Path | None:
+    """The installed ``onebit._kernels`` shared library beside this module, if the install built
+    it (``None`` otherwise)."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on the first call; ``None`` if they do not apply."""
+    """The installed kernels, loaded on the first call; ``None`` if they do not apply."""
     global _lib, _tried, unavailable
     if _tried:
         return _lib
@@ -248,18 +63,13 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("ONEBIT_NATIVE", "1") == "0":
         unavailable = "disabled by ONEBIT_NATIVE=0"
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        unavailable = f"not x86-64 ({platform.machine()})"
+    path = library_path()
+    if path is None:
+        unavailable = (
+            "onebit was installed without its C kernels (no C compiler at install time, or not "
+            "x86-64); reinstall with a compiler for the fast path"
+        )
         return None
-    compiler = _compiler()
-    if compiler is None:
-        unavailable = "no C compiler found (set CC)"
-        return None
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"onebit-kernels-{digest}.so"
-    if not path.exists():
-        _build(compiler, flags, path)
     lib = ctypes.CDLL(str(path))
     if not lib.ob_supported():
         unavailable = "CPU lacks AVX2/FMA"
@@ -282,44 +92,3 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_decompress_pieces.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.ob_decompress_pieces.restype = None
     return lib
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("ONEBIT_CACHE")
-    if root is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "onebit")
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"onebit-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _build(compiler: str, flags: list[str], path: Path) -> None:
-    """Compile into a temporary file next to ``path``, then rename: atomic for other processes."""
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source = Path(tmp) / "kernels.c"
-        source.write_text(SOURCE)
-        target = Path(tmp) / path.name
-        result = subprocess.run(
-            [compiler, *flags, str(source), "-o", str(target)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(target, path)

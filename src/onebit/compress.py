@@ -11,13 +11,14 @@ Conventions shared with the SPEC:
 
 Three implementations sit behind one interface, chosen per call:
 
-* contiguous fp32 CPU tensors go through fused C loops (:mod:`onebit._native`, AVX2, compiled on
-  first use): one pass adds the error, sums the squares and packs the signs, another updates the
+* contiguous fp32 CPU tensors go through fused C loops (:mod:`onebit._native`, AVX2, built at
+  install): one pass adds the error, sums the squares and packs the signs, another updates the
   error. They run at about memory speed: compress under 2.5x a ``copy_`` of the same buffer,
   decompress under 1x (``benchmarks/kernels.py``, 2-core EPYC VM);
-* where those are unavailable (no compiler, not x86-64, ``ONEBIT_NATIVE=0``), numpy does the same
-  work in cache-sized chunks of :data:`CHUNK` elements (zero-copy views, ``np.packbits``): about
-  3-4x a copy for large buffers, more for small ones;
+* where those are unavailable (installed without a compiler, not x86-64,
+  ``ONEBIT_NATIVE=0``), numpy does the same work in cache-sized chunks of :data:`CHUNK`
+  elements (zero-copy views, ``np.packbits``): about 3-4x a copy for large buffers, more for
+  small ones;
 * everything else (CUDA, other dtypes, no numpy) runs a few whole-tensor torch ops, the
   straightforward formulation with as few passes as it allows.
 
@@ -93,6 +94,14 @@ def fast_path(*tensors: Tensor) -> bool:
 def _kernels():
     """The fused C kernels (:mod:`onebit._native`), or ``None``: then the numpy kernels run."""
     return _native.load()
+
+
+def cpu_kernels() -> str:
+    """Which kernels contiguous fp32 CPU tensors get: ``"native"`` (the C kernels built at
+    install), ``"numpy"`` (same bits, slower) or ``"torch"`` (no numpy)."""
+    if not fast_path(torch.zeros(8)):
+        return "torch"
+    return "native" if _kernels() is not None else "numpy"
 
 
 def _np(t: Tensor):
