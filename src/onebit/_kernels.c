@@ -129,29 +129,65 @@ KERNEL void ob_average(const uint8_t *packed, int64_t stride, const float *scale
     }
 }
 
+/* Per-segment sums in a fixed order that depends only on absolute positions, so that a fused
+   pass walking a segment in several runs gets the same bits: 8-lane fp32 partial sums over whole
+   8-element groups (aligned to multiples of 8) and a scalar fp32 sum of the elements of partial
+   groups, both flushed into an fp64 total at every BLOCK boundary (aligned to multiples of BLOCK)
+   and at the segment's end. */
+typedef struct {
+    __m256 acc;
+    float rest;
+    int64_t block;
+    double total;
+} Sum;
+
+KERNEL static void sum_flush(Sum *s) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, s->acc);
+    for (int j = 0; j < 8; j++) s->total += lanes[j];
+    s->total += s->rest;
+    s->acc = _mm256_setzero_ps();
+    s->rest = 0.0f;
+}
+
+KERNEL static void sum_start(Sum *s) {
+    s->acc = _mm256_setzero_ps();
+    s->rest = 0.0f;
+    s->block = -1;
+    s->total = 0.0;
+}
+
+KERNEL static inline void sum_vec(Sum *s, int64_t i, __m256 v, int mean_abs) {
+    if (i / BLOCK != s->block) {
+        sum_flush(s);
+        s->block = i / BLOCK;
+    }
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    s->acc = mean_abs ? _mm256_add_ps(s->acc, _mm256_and_ps(v, absmask))
+                      : _mm256_fmadd_ps(v, v, s->acc);
+}
+
+KERNEL static inline void sum_one(Sum *s, int64_t i, float v, int mean_abs) {
+    if (i / BLOCK != s->block) {
+        sum_flush(s);
+        s->block = i / BLOCK;
+    }
+    s->rest += mean_abs ? (v < 0 ? -v : v) : v * v;
+}
+
 /* Segments [bounds[q], bounds[q+1]), q < nseg: totals[q] = the sum of y*y (or of |y|) over the
-   segment, in fp32 partial sums of BLOCK elements added in fp64, as ob_compress. */
+   segment, in the order of Sum. */
 KERNEL void ob_sums(const float *y, const int64_t *bounds, int64_t nseg, int mean_abs,
                     double *totals) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t q = 0; q < nseg; q++) {
-        double total = 0.0;
-        for (int64_t start = bounds[q]; start < bounds[q + 1]; start += BLOCK) {
-            int64_t end = start + BLOCK < bounds[q + 1] ? start + BLOCK : bounds[q + 1];
-            __m256 acc = _mm256_setzero_ps();
-            int64_t i = start;
-            for (; i + 8 <= end; i += 8) {
-                __m256 v = _mm256_loadu_ps(y + i);
-                acc = mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask))
-                               : _mm256_fmadd_ps(v, v, acc);
-            }
-            float lanes[8], rest = 0.0f;
-            _mm256_storeu_ps(lanes, acc);
-            for (; i < end; i++) rest += mean_abs ? (y[i] < 0 ? -y[i] : y[i]) : y[i] * y[i];
-            for (int j = 0; j < 8; j++) total += lanes[j];
-            total += rest;
-        }
-        totals[q] = total;
+        Sum s;
+        sum_start(&s);
+        int64_t i = bounds[q], end = bounds[q + 1];
+        for (; i < end && (i & 7); i++) sum_one(&s, i, y[i], mean_abs);
+        for (; i + 8 <= end; i += 8) sum_vec(&s, i, _mm256_loadu_ps(y + i), mean_abs);
+        for (; i < end; i++) sum_one(&s, i, y[i], mean_abs);
+        sum_flush(&s);
+        totals[q] = s.total;
     }
 }
 
@@ -190,5 +226,183 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
         int64_t end = pieces[4 * p + 2] < numel - base ? pieces[4 * p + 2] : numel - base;
         signed_range(packed + j * stride, scales[j * ncols + c], out + base, pieces[4 * p + 1],
                      end, 0);
+    }
+}
+
+/* The fused passes of a 1-bit Adam compression step (onebit/fused.py). A bucket is walked in
+   runs, in order: runs[4r..4r+3] = start, end (bucket positions), segment q, momentum column c;
+   grads[r] is the address of the gradient element at `start` (0: no gradient, zeros). Element i
+   of a run computes, as torch does (torch.lerp is an FMA):
+       g = grad * inv (if use_inv) or grad
+       m = dense[i] if dense, else +-mscales[c] from bit i of the packed momentum (row i / chunk
+           of mbits, rows stride bytes apart)
+       y = lerp(m, g, w) + e[i]   (e = NULL: + 0.0f)
+   A run with c < 0 is padding: y = 0.0f + e[i]. */
+typedef struct {
+    const float *dense;
+    const uint8_t *bits;
+    int64_t stride, chunk;
+    const float *scales;
+} Momentum;
+
+KERNEL static inline float lerp_one(float m, float g, float w) {
+    return __builtin_fabsf(w) < 0.5f ? __builtin_fmaf(w, g - m, m) : __builtin_fmaf(w - 1.0f, g - m, g);
+}
+
+KERNEL static inline float momentum_one(const Momentum *mo, int64_t i, float s) {
+    if (mo->dense) return mo->dense[i];
+    uint8_t byte = mo->bits[(i / mo->chunk) * mo->stride + (i % mo->chunk) / 8];
+    return (byte >> (i & 7)) & 1 ? s : s * -1.0f;
+}
+
+KERNEL static inline __m256 momentum_vec(const Momentum *mo, int64_t i, __m256 vs, __m256 vns) {
+    if (mo->dense) return _mm256_loadu_ps(mo->dense + i);
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    uint8_t byte = mo->bits[(i / mo->chunk) * mo->stride + (i % mo->chunk) / 8];
+    __m256i v = _mm256_and_si256(_mm256_set1_epi32(byte), bits);
+    return _mm256_blendv_ps(vns, vs, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, bits)));
+}
+
+/* y of element i (k elements into run r's gradient). */
+KERNEL static inline float y_one(const float *g, int64_t k, float inv, int use_inv,
+                                 const Momentum *mo, int64_t i, float s, int64_t c, float w,
+                                 const float *e) {
+    float ei = e ? e[i] : 0.0f;
+    if (c < 0) return 0.0f + ei;
+    float gi = g ? (use_inv ? g[k] * inv : g[k]) : 0.0f;
+    return lerp_one(momentum_one(mo, i, s), gi, w) + ei;
+}
+
+KERNEL static inline __m256 y_vec(const float *g, int64_t k, float inv, int use_inv,
+                                  const Momentum *mo, int64_t i, float s, int64_t c, float w,
+                                  const float *e) {
+    __m256 ev = e ? _mm256_loadu_ps(e + i) : _mm256_setzero_ps();
+    if (c < 0) return _mm256_add_ps(_mm256_setzero_ps(), ev);
+    __m256 gv = _mm256_setzero_ps();
+    if (g) {
+        gv = _mm256_loadu_ps(g + k);
+        if (use_inv) gv = _mm256_mul_ps(gv, _mm256_set1_ps(inv));
+    }
+    __m256 m = momentum_vec(mo, i, _mm256_set1_ps(s), _mm256_set1_ps(s * -1.0f));
+    int small = __builtin_fabsf(w) < 0.5f;
+    __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
+    __m256 lerp = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gv, m), small ? m : gv);
+    return _mm256_add_ps(lerp, ev);
+}
+
+#define RUN_FIELDS                                                                  \
+    int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];         \
+    int64_t c = runs[4 * r + 3];                                                     \
+    const float *g = (const float *)(intptr_t)grads[r];                             \
+    float s = c >= 0 && !mo.dense ? mo.scales[c] : 0.0f;                             \
+    (void)q;
+
+/* Pass 1: the signs of y, packed into out_bits (bit i of byte i / 8), and totals[q] = the sum of
+   y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats. */
+KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
+                           int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
+                           int64_t chunk, const float *mscales, float w, const float *e,
+                           uint8_t *out_bits, int mean_abs, double *totals, int64_t nseg) {
+    const Momentum mo = {dense, mbits, stride, chunk, mscales};
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
+    Sum sum;
+    sum_start(&sum);
+    int64_t current = -1;
+    for (int64_t r = 0; r < nruns; r++) {
+        RUN_FIELDS
+        if (q != current) {
+            if (current >= 0) {
+                sum_flush(&sum);
+                totals[current] = sum.total;
+            }
+            sum_start(&sum);
+            current = q;
+        }
+        int64_t i = start;
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            sum_one(&sum, i, y, mean_abs);
+            uint8_t bit = (uint8_t)((y >= 0.0f) << (i & 7));
+            out_bits[i >> 3] = (i & 7) ? out_bits[i >> 3] | bit : bit;
+        }
+        for (; i + 8 <= end; i += 8) {
+            __m256 y = y_vec(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            sum_vec(&sum, i, y, mean_abs);
+            out_bits[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ));
+        }
+        for (; i < end; i++) {
+            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            sum_one(&sum, i, y, mean_abs);
+            uint8_t bit = (uint8_t)((y >= 0.0f) << (i & 7));
+            out_bits[i >> 3] = (i & 7) ? out_bits[i >> 3] | bit : bit;
+        }
+    }
+    if (current >= 0) {
+        sum_flush(&sum);
+        totals[current] = sum.total;
+    }
+}
+
+/* Pass 2, once every rank's scales are known finite: e_out[i] = y - (y >= 0 ? s_q : -1 * s_q)
+   with s_q = scales[q], y recomputed as in pass 1. e_out may be e or dense. */
+KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
+                            int use_inv, const float *dense, const uint8_t *mbits,
+                            int64_t stride, int64_t chunk, const float *mscales, float w,
+                            const float *e, const float *scales, float *e_out) {
+    const Momentum mo = {dense, mbits, stride, chunk, mscales};
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < nruns; r++) {
+        RUN_FIELDS
+        const float sq = scales[q], nsq = sq * -1.0f;
+        const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
+        int64_t i = start;
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            e_out[i] = y >= 0.0f ? y - sq : y - nsq;
+        }
+        for (; i + 8 <= end; i += 8) {
+            __m256 y = y_vec(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(y, zero, _CMP_GE_OQ));
+            _mm256_storeu_ps(e_out + i, _mm256_sub_ps(y, t));
+        }
+        for (; i < end; i++) {
+            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            e_out[i] = y >= 0.0f ? y - sq : y - nsq;
+        }
+    }
+}
+
+/* Pass 3, AdamW's update from the new packed momentum: per run r (parameter element at address
+   params[r]), p = p * decay[r] (skipped when it is 1) then p = p + (value[r] * m) / denom[i],
+   as torch._foreach_mul_ and _foreach_addcdiv_ compute it. Padding runs (c < 0) are skipped. */
+KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *params,
+                            const uint8_t *mbits, int64_t stride, int64_t chunk,
+                            const float *mscales, const float *denom, const float *decay,
+                            const float *value) {
+    const Momentum mo = {NULL, mbits, stride, chunk, mscales};
+    for (int64_t r = 0; r < nruns; r++) {
+        int64_t start = runs[4 * r], end = runs[4 * r + 1], c = runs[4 * r + 3];
+        if (c < 0) continue;
+        float *p = (float *)(intptr_t)params[r] - start;
+        const float s = mscales[c], d = decay[r], v = value[r];
+        const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(s * -1.0f);
+        const __m256 vd = _mm256_set1_ps(d), vv = _mm256_set1_ps(v);
+        int64_t i = start;
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float t = d != 1.0f ? p[i] * d : p[i];
+            p[i] = t + (v * momentum_one(&mo, i, s)) / denom[i];
+        }
+        for (; i + 8 <= end; i += 8) {
+            __m256 t = _mm256_loadu_ps(p + i);
+            if (d != 1.0f) t = _mm256_mul_ps(t, vd);
+            __m256 m = momentum_vec(&mo, i, vs, vns);
+            __m256 u = _mm256_div_ps(_mm256_mul_ps(vv, m), _mm256_loadu_ps(denom + i));
+            _mm256_storeu_ps(p + i, _mm256_add_ps(t, u));
+        }
+        for (; i < end; i++) {
+            float t = d != 1.0f ? p[i] * d : p[i];
+            p[i] = t + (v * momentum_one(&mo, i, s)) / denom[i];
+        }
     }
 }

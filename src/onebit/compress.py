@@ -344,8 +344,14 @@ def segment_scales(y: Tensor, bounds: Tensor, scale: str = "rms") -> Tensor:
         norms = torch._foreach_norm(views, 2 if scale == "rms" else 1) if views else []
         totals = torch.stack(norms).double().cpu() if norms else lengths.clone()
         totals = totals.square() if scale == "rms" else totals
+    return scales_from_totals(totals, lengths, scale).to(y.device)
+
+
+def scales_from_totals(totals: Tensor, lengths: Tensor, scale: str = "rms") -> Tensor:
+    """Segment scales (fp32) from their fp64 sums of squares (``"rms"``) or of absolute values
+    (``"mean_abs"``) and their lengths; an empty segment has scale 0."""
     value = totals.sqrt() / lengths.sqrt() if scale == "rms" else totals / lengths
-    return torch.where(lengths > 0, value, 0.0).float().to(y.device)
+    return torch.where(lengths > 0, value, 0.0).float()
 
 
 def subtract_compressed_segments_(y: Tensor, scales: Tensor, bounds: Tensor, out: Tensor) -> Tensor:

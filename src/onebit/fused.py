@@ -1,0 +1,167 @@
+"""The fused passes of 1-bit Adam's compression step (CPU, the C kernels of :mod:`onebit._native`).
+
+Unfused, a compression step makes about a dozen passes over model-sized buffers: gather the
+gradients, the momentum update, add the error, the signs, the scales, the error update,
+decompress into the momentum, the denominator, weight decay and the update. Fused, the worker
+side of a bucket makes three, each reading the gradient straight from ``.grad``:
+
+1. :func:`signs`: ``y = lerp(m, g, 1 - β1) + e``, packed into signs and per-tensor sums of squares
+   (reads ``g`` and ``e``; no float is written);
+2. :func:`commit`, once every rank's scales are known to be finite: ``e = y - ±s``, with ``y``
+   computed again (reads ``g`` and ``e``, writes ``e``);
+3. :func:`update`: ``p = p·(1 - lr·wd) + (-lr/bc1)·m / denominator``, with ``m = ±σ`` read from
+   the packed result of the allreduce (reads ``p`` and the frozen denominator, writes ``p``).
+
+The momentum ``m`` is read either from an fp32 buffer (the first compression step, after the
+warmup) or from the signs and scales the previous step's allreduce returned (about ``d/8``
+bytes): after a compression step every momentum element is ``±σ`` of its piece, so it needs no
+fp32 copy. The results are bit for bit those of the unfused torch formulation
+(``torch.lerp``, ``torch._foreach_mul_``, ``torch._foreach_addcdiv_`` and
+:mod:`onebit.compress`), which ``tests/test_fused.py`` checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _native
+from .compress import scales_from_totals
+
+
+@dataclass
+class PackedMomentum:
+    """Momentum that is ``±scale`` per element: ``bits`` ``uint8 [rows, chunk // 8]`` (rows may
+    be strided, as in a gathered message; bit ``i % 8`` of byte ``(i % chunk) // 8`` of row
+    ``i // chunk`` is element ``i``'s sign) and ``scales`` fp32, indexed by the runs' columns."""
+
+    bits: Tensor
+    scales: Tensor
+    chunk: int
+
+
+class BucketRuns:
+    """One bucket cut into runs: pieces of one parameter within one chunk, with one momentum scale.
+
+    Args:
+        segments: the sizes of the parameters' parts in the bucket, in order (as given to
+            :class:`~onebit.comm.CompressedAllreduce`), followed by the padding, if any.
+        served: per chunk, its pieces as ``(start, end, segment)`` rows in chunk coordinates
+            (``CompressedAllreduce``'s geometry).
+        chunk: elements per chunk.
+        columns: momentum scale columns per chunk (scales of chunk ``j`` start at
+            ``j * columns``).
+        params: the parameter index of each segment (``None`` for the padding).
+        param_offsets: the element of each segment's parameter where the segment starts.
+    """
+
+    def __init__(
+        self,
+        segments: list[int],
+        served: list[Tensor],
+        chunk: int,
+        columns: int,
+        params: list[int | None],
+        param_offsets: list[int],
+    ) -> None:
+        rows, run_params, run_offsets = [], [], []
+        starts = [0]
+        for size in segments:
+            starts.append(starts[-1] + size)
+        for j, pieces in enumerate(served):
+            for i, (a, b, q) in enumerate(pieces.tolist()):
+                start = j * chunk + a
+                padding = params[q] is None
+                rows.append((start, j * chunk + b, q, -1 if padding else j * columns + i))
+                run_params.append(-1 if padding else params[q])
+                run_offsets.append(0 if padding else param_offsets[q] + start - starts[q])
+        self.runs = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        self.run_params = torch.tensor(run_params, dtype=torch.int64)
+        self.run_offsets = torch.tensor(run_offsets, dtype=torch.int64) * 4  # bytes, fp32
+        self.lengths = torch.tensor(segments, dtype=torch.float64)
+
+    def addresses(self, bases: Tensor) -> Tensor:
+        """Per run, the address of its first element given each parameter's base address in
+        ``bases`` (int64; 0 for a missing tensor, which stays 0)."""
+        base = bases[self.run_params.clamp(min=0)]
+        present = (self.run_params >= 0) & (base != 0)
+        return torch.where(present, base + self.run_offsets, 0)
+
+
+def _momentum(m: Tensor | PackedMomentum) -> tuple[int, int, int, int, int]:
+    if isinstance(m, PackedMomentum):
+        return 0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr()
+    return m.data_ptr(), 0, 0, 1, 0
+
+
+def signs(
+    runs: BucketRuns,
+    grads: Tensor,
+    inv_scale: float | None,
+    momentum: Tensor | PackedMomentum,
+    weight: float,
+    error: Tensor | None,
+    out: Tensor,
+    scale: str = "rms",
+) -> Tensor:
+    """Pass 1: pack the signs of ``y = lerp(m, g·inv_scale, weight) + error`` into ``out``
+    (``uint8``, one bit per element of the bucket) and return each segment's scale (fp32).
+
+    ``grads`` holds each run's gradient address (:meth:`BucketRuns.addresses`; 0 is a zero
+    gradient). ``error`` ``None`` is an error of zeros.
+    """
+    lib = _native.load()
+    totals = torch.empty(len(runs.lengths), dtype=torch.float64)
+    inv = 1.0 if inv_scale is None else inv_scale
+    lib.ob_fused_signs(
+        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
+        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(), out.data_ptr(),
+        scale == "mean_abs", totals.data_ptr(), len(totals),
+    )  # fmt: skip
+    return scales_from_totals(totals, runs.lengths, scale)
+
+
+def commit(
+    runs: BucketRuns,
+    grads: Tensor,
+    inv_scale: float | None,
+    momentum: Tensor | PackedMomentum,
+    weight: float,
+    error: Tensor | None,
+    scales: Tensor,
+    out: Tensor,
+) -> None:
+    """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
+    arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
+    ``momentum`` itself."""
+    lib = _native.load()
+    inv = 1.0 if inv_scale is None else inv_scale
+    scales = scales.to(torch.float32).contiguous()
+    lib.ob_fused_commit(
+        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
+        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(), scales.data_ptr(),
+        out.data_ptr(),
+    )  # fmt: skip
+
+
+def update(
+    runs: BucketRuns,
+    params: Tensor,
+    momentum: PackedMomentum,
+    denominator: Tensor,
+    decay: Tensor,
+    value: Tensor,
+) -> None:
+    """Pass 3: per run ``r``, ``p = p·decay[r]`` (skipped where it is 1), then
+    ``p = p + (value[r]·m) / denominator`` with ``m = ±σ`` from ``momentum``.
+
+    ``params`` holds each run's parameter address, ``denominator`` is the bucket's fp32 slice,
+    ``decay`` and ``value`` are fp32 per run.
+    """
+    lib = _native.load()
+    lib.ob_fused_update(
+        runs.runs.data_ptr(), len(runs.runs), params.data_ptr(), *_momentum(momentum)[1:],
+        denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
+    )  # fmt: skip

@@ -1,0 +1,125 @@
+"""The fused compression-step passes against the unfused torch formulation, bit for bit."""
+
+import pytest
+import torch
+
+from onebit import _native, fused
+from onebit.comm import _Segments
+from onebit.compress import (
+    decompress_pieces_,
+    pack_signs,
+    padded_numel,
+    segment_scales,
+    subtract_compressed_segments_,
+)
+
+pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
+
+SIZES = [5, 0, 300, 1, 17, 4096 + 9, 64, 3]  # odd sizes, an empty one, one past a block
+
+
+def _bucket(world: int, gen: torch.Generator):
+    numel = sum(SIZES)
+    padded = padded_numel(numel, world)
+    present = [s for s in SIZES if s]  # as FlatLayout.segments gives them
+    geometry = _Segments(present, padded, world)
+    sizes = present + ([padded - numel] if padded > numel else [])
+    params = [i for i, s in enumerate(SIZES) if s] + ([None] if padded > numel else [])
+    runs = fused.BucketRuns(sizes, geometry.served, padded // world, geometry.most_pieces,
+                            params, [0] * len(sizes))  # fmt: skip
+    tensors = [torch.randn(s, generator=gen) for s in SIZES]
+    return geometry, runs, tensors, numel, padded
+
+
+def _packed(geometry: _Segments, world: int, padded: int, gen: torch.Generator):
+    chunk = padded // world
+    message = torch.randint(0, 256, (world, chunk // 8 + 4 * geometry.most_pieces + 3),
+                            generator=gen, dtype=torch.uint8)  # fmt: skip
+    scales = torch.rand(world, geometry.most_pieces, generator=gen)
+    bits = message[:, : chunk // 8]
+    dense = torch.empty(padded)
+    decompress_pieces_(bits, scales, geometry.gathered, dense)
+    return fused.PackedMomentum(bits, scales.reshape(-1), chunk), dense
+
+
+def _addresses(runs: fused.BucketRuns, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    bases = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+    return runs.addresses(bases)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("inv_scale", [None, 2.0**-7])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_signs_and_commit_match_the_torch_formulation(world, packed, inv_scale, beta1):
+    gen = torch.Generator().manual_seed(world)
+    geometry, runs, grads, numel, padded = _bucket(world, gen)
+    grads[2] = None  # a parameter without a gradient: zeros
+    grads[4][3] = float("-0.0")
+    if packed:
+        momentum, m = _packed(geometry, world, padded, gen)
+    else:
+        m = momentum = torch.randn(padded, generator=gen)
+    error = torch.randn(padded, generator=gen) * 0.1
+    weight = 1 - beta1
+
+    g = torch.cat([torch.zeros(s) if t is None else t for s, t in zip(SIZES, grads)])
+    if inv_scale is not None:
+        g = torch.mul(g, inv_scale)
+    y = torch.zeros(padded)
+    torch.lerp(m[:numel], g, weight, out=y[:numel])
+    y += error
+    want_scales = segment_scales(y, geometry.bounds)
+    want_error = subtract_compressed_segments_(y, want_scales, geometry.bounds, torch.empty(padded))
+
+    addresses = _addresses(runs, grads)
+    bits = torch.full((padded // 8,), 0xA5, dtype=torch.uint8)  # stale bits are overwritten
+    scales = fused.signs(runs, addresses, inv_scale, momentum, weight, error, bits)
+    assert torch.equal(bits, pack_signs(y))
+    assert torch.equal(scales, want_scales)
+    fused.commit(runs, addresses, inv_scale, momentum, weight, error, scales, out=error)
+    assert torch.equal(error, want_error)
+
+
+def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error():
+    gen = torch.Generator().manual_seed(0)
+    geometry, runs, grads, numel, padded = _bucket(2, gen)
+    m = torch.randn(padded, generator=gen)
+    addresses = _addresses(runs, grads)
+    bits = torch.empty(padded // 8, dtype=torch.uint8)
+    zeros = torch.zeros(padded)
+    want_bits = bits.clone()
+    want_scales = fused.signs(runs, addresses, None, m, 0.1, zeros, want_bits)
+    want_error = torch.empty(padded)
+    fused.commit(runs, addresses, None, m, 0.1, zeros, want_scales, out=want_error)
+
+    scales = fused.signs(runs, addresses, None, m, 0.1, None, bits)
+    assert torch.equal(bits, want_bits) and torch.equal(scales, want_scales)
+    fused.commit(runs, addresses, None, m, 0.1, None, scales, out=m)  # in place over m
+    assert torch.equal(m[:numel], want_error[:numel])
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_update_matches_adamw_update(world, weight_decay):
+    gen = torch.Generator().manual_seed(world)
+    geometry, runs, params, numel, padded = _bucket(world, gen)
+    momentum, m = _packed(geometry, world, padded, gen)
+    denominator = torch.rand(numel, generator=gen) + 1e-3
+    lrs = [1e-3 * (1 + i) for i in range(len(SIZES))]  # a "param group" per tensor
+    step_scale = 1 / (1 - 0.9**7)
+    want = [p.clone() for p in params]
+    ms = list(m[:numel].split(SIZES))
+    denoms = list(denominator.split(SIZES))
+    for i, lr in enumerate(lrs):
+        if weight_decay:
+            torch._foreach_mul_(want[i : i + 1], 1 - lr * weight_decay)
+        torch._foreach_addcdiv_(want[i : i + 1], ms[i : i + 1], denoms[i : i + 1],
+                                value=-lr * step_scale)  # fmt: skip
+
+    run_params = runs.run_params.clamp(min=0).tolist()
+    decay = torch.tensor([1 - lrs[i] * weight_decay for i in run_params], dtype=torch.float32)
+    value = torch.tensor([-lrs[i] * step_scale for i in run_params], dtype=torch.float32)
+    fused.update(runs, _addresses(runs, params), momentum, denominator, decay, value)
+    for p, q in zip(params, want):
+        assert torch.equal(p, q)
