@@ -43,297 +43,45 @@ Needs root for namespaces and ``tc``. Without root, or without ``ip``/``tc``, it
 all hosts over plain loopback, unlimited, where wire bytes are the loopback total divided by the
 number of hosts. Namespaces are removed on exit, even on failure, and leftovers of an earlier run
 are removed first.
+
+The emulation is in ``netem.py``, the methods in ``network_methods.py``, the tables and plot in
+``network_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import inspect
 import json
 import os
-import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from machine import cpu_name
+from netem import INTERFACE, Network, namespaces_available, parse_rate, rate_name, tx_bytes
+from network_methods import METHODS, MODELS, build
+from network_report import derive, plot, print_table, write_json
 
-PREFIX = "obnet"
-SUBNET = "10.77.0"
-BRIDGE_NS = f"{PREFIX}-br"
 PORT = 29577
-WARMUP_FRACTION = 0.15
-
-MODELS: dict[str, dict[str, Any]] = {
-    # Communication-bound: 25M parameters, 2 sequences of 32 tokens per worker.
-    "comm": dict(block_size=32, n_layer=2, n_head=16, n_embd=1024, batch=2),
-    # The same with 16 tokens per worker: communication-bound even at 1 Gbit/s.
-    "comm-b1": dict(block_size=16, n_layer=2, n_head=16, n_embd=1024, batch=1),
-    # The default `onebit train` model (0.84M parameters) and batch (16 x 128 tokens per worker).
-    "gpt": dict(block_size=128, n_layer=4, n_head=4, n_embd=128, batch=16),
-}
-
-METHODS = [
-    "compute",
-    "adamw",
-    "fp16",
-    "powersgd",
-    "powersgd-1b",
-    "onebit-warmup",
-    "onebit-warmup-bf16",
-    "onebit-warmup-int8",
-    "onebit-warmup-int4",
-    "onebit",
-    "zero-one-a",
-    "zero-one",
-    "lamb-warmup",
-    "onebit-lamb",
-]
-
-LABELS = {
-    "compute": "compute only (no comm)",
-    "adamw": "AdamW + DDP (fp32)",
-    "fp16": "DDP + fp16_compress_hook",
-    "powersgd": "DDP + PowerSGD hook",
-    "powersgd-1b": "DDP (1 bucket) + PowerSGD",
-    "onebit-warmup": "OnebitAdam warmup",
-    "onebit-warmup-bf16": "OnebitAdam warmup, bf16",
-    "onebit-warmup-int8": "OnebitAdam warmup, int8",
-    "onebit-warmup-int4": "OnebitAdam warmup, int4",
-    "onebit": "OnebitAdam compression",
-    "zero-one-a": "ZeroOneAdam phase A (1-bit)",
-    "zero-one": "ZeroOneAdam phase B (local)",
-    "lamb-warmup": "OnebitLamb warmup",
-    "onebit-lamb": "OnebitLamb compression",
-}
-
-CLASSES = {
-    "onebit-warmup": "OnebitAdam",
-    "onebit-warmup-bf16": "OnebitAdam",
-    "onebit-warmup-int8": "OnebitAdam",
-    "onebit-warmup-int4": "OnebitAdam",
-    "onebit": "OnebitAdam",
-    "zero-one-a": "ZeroOneAdam",
-    "zero-one": "ZeroOneAdam",
-    "lamb-warmup": "OnebitLamb",
-    "onebit-lamb": "OnebitLamb",
-}
-
-# Which stage a run of 15% warmup and 85% compression is made of, per method. 0/1 Adam's phase
-# A mixes fp32 variance steps with 1-bit ones in proportions that depend on the run's length:
-# benchmarks/convergence.py weights every stage by the steps real runs spent in it.
-END_TO_END = {
-    "onebit": ("onebit-warmup", "onebit"),
-    "onebit-lamb": ("lamb-warmup", "onebit-lamb"),
-}
-
-
-def parse_rate(text: str) -> float:
-    """``"100mbit"``, ``"1gbit"``, ``"2.5gbit"`` or bits/s as a number, to bits per second."""
-    text = text.strip().lower()
-    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * factor
-    return float(text)
-
-
-def rate_name(bits: float | None) -> str:
-    if bits is None:
-        return "loopback"
-    if bits >= 1e9:
-        return f"{bits / 1e9:g} Gbit/s"
-    return f"{bits / 1e6:g} Mbit/s"
-
-
-# ----------------------------------------------------------------------------------------------
-# The emulated network (root only).
-
-
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-class Network:
-    """``hosts`` namespaces on one bridge, each link limited with tbf in both directions."""
-
-    def __init__(self, hosts: int) -> None:
-        self.hosts = hosts
-        self.namespaces = [f"{PREFIX}-h{k}" for k in range(hosts)]
-
-    @staticmethod
-    def cleanup() -> None:
-        """Remove every namespace and stray veth of this benchmark (also an earlier run's)."""
-        listing = _run("ip", "netns", "list", check=False).stdout.split("\n")
-        for line in listing:
-            name = line.split(" ")[0]
-            if name.startswith(f"{PREFIX}-"):
-                _run("ip", "netns", "pids", name, check=False)
-                _run("ip", "netns", "del", name, check=False)
-        links = _run("ip", "-o", "link", "show", check=False).stdout.split("\n")
-        for line in links:
-            parts = line.split(": ")
-            if len(parts) > 1 and parts[1].split("@")[0].startswith(("obh", "obp")):
-                _run("ip", "link", "del", parts[1].split("@")[0], check=False)
-
-    def setup(self) -> None:
-        self.cleanup()
-        _run("ip", "netns", "add", BRIDGE_NS)
-        _run("ip", "-n", BRIDGE_NS, "link", "set", "lo", "up")
-        _run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
-        for k, ns in enumerate(self.namespaces):
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", f"obh{k}", "type", "veth", "peer", "name", f"obp{k}")
-            _run("ip", "link", "set", f"obh{k}", "netns", ns)
-            _run("ip", "link", "set", f"obp{k}", "netns", BRIDGE_NS)
-            _run("ip", "-n", ns, "link", "set", f"obh{k}", "name", "eth0")
-            _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{k + 1}/24", "dev", "eth0")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", BRIDGE_NS, "link", "set", f"obp{k}", "master", "br0")
-            _run("ip", "-n", BRIDGE_NS, "link", "set", f"obp{k}", "up")
-
-    def set_rate(self, bits: float) -> None:
-        """Limit every link to ``bits``/s each way: tbf on both ends of each veth."""
-        rate_bytes = bits / 8
-        # The bucket must hold a GSO super-packet (64 KiB) and a few ms at the rate.
-        burst = max(128 * 1024, int(rate_bytes * 0.004))
-        args = ["root", "tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "100ms"]
-        for k, ns in enumerate(self.namespaces):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", *args)
-            _run("tc", "-n", BRIDGE_NS, "qdisc", "replace", "dev", f"obp{k}", *args)
-
-    def command(self, k: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.namespaces[k], *argv]
-
-
-def namespaces_available() -> tuple[bool, str]:
-    """Whether this process can build the emulated network, and why not."""
-    if os.geteuid() != 0:
-        return False, "not root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"'{tool}' not found (apt-get install iproute2)"
-    probe = f"{PREFIX}-probe"
-    _run("ip", "netns", "del", probe, check=False)
-    result = _run("ip", "netns", "add", probe, check=False)
-    _run("ip", "netns", "del", probe, check=False)
-    if result.returncode:
-        return False, f"ip netns add failed: {result.stderr.strip()}"
-    return True, ""
 
 
 # ----------------------------------------------------------------------------------------------
 # The worker: one per host.
 
 
-def _tx_bytes(interface: str) -> int:
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, fields = line.partition(":")
-            if name.strip() == interface:
-                return int(fields.split()[8])
-    raise RuntimeError(f"interface {interface} not in /proc/net/dev")
-
-
-@dataclass
-class Plan:
-    """How many steps to run before measuring, how many to measure, and how to summarise."""
-
-    warmup: int
-    measured: int
-    mean: bool = False  # mean over the measured steps (whole sync periods) instead of median
-
-
-def _build(method: str, model_name: str, world: int, args: argparse.Namespace):
-    """``(module to run, optimizer, plan)`` for ``method``; the model is seeded identically on
-    every rank."""
-    import torch
-    from torch import nn
-
-    import onebit
-    from onebit.train.model import ModelConfig, Transformer
-
-    spec = MODELS[model_name]
-    torch.manual_seed(0)
-    config = ModelConfig("gpt", spec["block_size"], spec["n_layer"], spec["n_head"], spec["n_embd"])
-    model = Transformer(config)
-    params = model.parameters()
-    # The variance is frozen after 1-4 steps here, to reach each stage quickly. Embedding rows
-    # no batch has touched yet then have v = 0, and eps = 1e-8 would divide their later momentum
-    # by 1e-8 until the weights overflow and steps are skipped. eps = 1e-3 keeps every update
-    # finite; it changes no byte sent and no kernel's cost.
-    steps, lr, eps = args.steps, 1e-4, 1e-3
-    if method in ("compute", "adamw", "fp16", "powersgd", "powersgd-1b"):
-        optimizer = torch.optim.AdamW(params, lr=lr, eps=eps)
-        if method == "compute":
-            return model, optimizer, Plan(1, steps)
-        one_bucket = {"bucket_cap_mb": 1 << 14} if method == "powersgd-1b" else {}
-        ddp = nn.parallel.DistributedDataParallel(model, **one_bucket)
-        if method == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        if method in ("powersgd", "powersgd-1b"):
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=args.powersgd_rank,
-                start_powerSGD_iter=2,
-                use_error_feedback=True,
-                warm_start=True,
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            return ddp, optimizer, Plan(3, steps)
-        return ddp, optimizer, Plan(2, steps)
-    cls = getattr(onebit, CLASSES[method], None)
-    if cls is None:
-        raise NotImplementedError(f"onebit.{CLASSES[method]} does not exist in this version")
-    # Overlap communication with backward where the optimizer offers it, as DDP does.
-    extra: dict[str, Any] = {"eps": eps}
-    if args.overlap and "overlap_backward" in inspect.signature(cls).parameters:
-        extra["overlap_backward"] = True
-    if method.startswith("onebit-warmup"):
-        bits = method.removeprefix("onebit-warmup").lstrip("-") or "fp32"
-        optimizer = cls(params, lr=lr, freeze_step=10**9, warmup_compression=bits, **extra)
-        return model, optimizer, Plan(1 if bits == "fp32" else 2, steps)
-    if method == "onebit":  # step 1 is the warmup; steps 2-3 warm the compression stage up
-        return model, cls(params, lr=lr, freeze_step=1, **extra), Plan(3, steps)
-    if method == "lamb-warmup":
-        return model, cls(params, lr=lr, freeze_step=10**9, **extra), Plan(1, steps)
-    if method == "onebit-lamb":
-        return model, cls(params, lr=lr, freeze_step=1, **extra), Plan(3, steps)
-    if method == "zero-one-a":
-        # var_interval doubles after every variance step: fp32 at steps 1, 2, 4, 8; 5-7 are 1-bit.
-        optimizer = cls(params, lr=lr, var_freeze_step=10**9, var_update_scaler=1, **extra)
-        return model, optimizer, Plan(4, min(steps, 3))
-    if method == "zero-one":
-        # Phase B from step 2; the local interval doubles every step up to H, so from step 2H on
-        # every H-th step is a sync. Measure whole periods, each ending with its sync.
-        h = args.local_steps
-        optimizer = cls(
-            params, lr=lr, var_freeze_step=1, local_step_scaler=1, local_step_clipper=h, **extra
-        )
-        warmup = h * -(-max(h, 2) // h)  # the interval is h by step h (h >= 2): syncs at k*h
-        return model, optimizer, Plan(warmup, h * max(1, -(-steps // h)), mean=True)
-    raise ValueError(f"unknown method {method!r}")
-
-
-def _measure(method: str, model_name: str, rank: int, world: int, args) -> dict[str, Any]:
+def _measure(method: str, model_name: str, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``method`` on ``model_name`` for its plan's steps: the step times and bytes sent."""
     import torch
     import torch.distributed as dist
 
-    module, optimizer, plan = _build(method, model_name, world, args)
+    module, optimizer, plan = build(method, model_name, args)
     spec = MODELS[model_name]
     numel = sum(p.numel() for p in module.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -345,12 +93,12 @@ def _measure(method: str, model_name: str, rank: int, world: int, args) -> dict[
     ]
     durations, stages = [], []
     dist.barrier()
-    tx_start = _tx_bytes(args.interface)
+    tx_start = tx_bytes(args.interface)
     skipped_start = 0
     for i, (x, y) in enumerate(batches):
         if i == plan.warmup:
             dist.barrier()
-            tx_start = _tx_bytes(args.interface)
+            tx_start = tx_bytes(args.interface)
             skipped_start = _skipped(optimizer)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -361,7 +109,7 @@ def _measure(method: str, model_name: str, rank: int, world: int, args) -> dict[
         stats = getattr(optimizer, "comm_stats", None)
         stages.append(stats.last_step_stage if stats is not None else "")
     dist.barrier()
-    tx = _tx_bytes(args.interface) - tx_start
+    tx = tx_bytes(args.interface) - tx_start
     measured = durations[plan.warmup :]
     result = {
         "params": numel,
@@ -371,13 +119,13 @@ def _measure(method: str, model_name: str, rank: int, world: int, args) -> dict[
         "mean_step_time": statistics.fmean(measured),
         "tx_bytes_per_step": tx / plan.measured,
         "batch": spec["batch"],
-        "skipped_steps": _skipped(optimizer) - skipped_start,  # must be 0: see _build's eps
+        "skipped_steps": _skipped(optimizer) - skipped_start,  # must be 0: see network_methods.EPS
     }
     del module, optimizer, batches
     return result
 
 
-def _skipped(optimizer) -> int:
+def _skipped(optimizer: Any) -> int:
     """Steps the optimizer skipped or dropped for non-finite values so far."""
     return getattr(optimizer, "skipped_steps", 0) + getattr(optimizer, "local_skipped_steps", 0)
 
@@ -418,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
             for method in args.methods.split(","):
                 key = f"{model_name}/{method}"
                 try:
-                    result = _measure(method, model_name, rank, world, args)
+                    result = _measure(method, model_name, rank, args)
                     if key in results and "error" not in results[key]:
                         result = _combine(results[key], result)
                     results[key] = result
@@ -450,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(
-    args,
+    args: argparse.Namespace,
     network: Network | None,
     port: int,
     models: list[str],
@@ -460,8 +208,8 @@ def _launch(
     """Run one worker per host on ``models`` x ``methods`` and wait; return whether all exited
     cleanly."""
     script = str(Path(__file__).resolve())
-    master = f"{SUBNET}.1" if network else "127.0.0.1"
-    interface = "eth0" if network else "lo"
+    master = Network.address(0) if network else "127.0.0.1"
+    interface = INTERFACE if network else "lo"
     procs = []
     for k in range(args.hosts):
         argv = [
@@ -481,7 +229,7 @@ def _launch(
                 subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
             )
     # PowerSGD's collective mismatch may hang instead of crash: give its launches less time.
-    limit = args.timeout * (1 if any(m.startswith("powersgd") for m in methods) else 4)
+    limit = args.timeout * (1 if any(METHODS[m].launch == "alone" for m in methods) else 4)
     deadline = time.monotonic() + limit
     ok = True
     try:
@@ -515,10 +263,10 @@ def _first_error(result_dir: str, hosts: int) -> str:
 def _launch_groups(models: list[str], methods: list[str]) -> list[tuple[list[str], list[str]]]:
     """``(models, methods)`` per launch: methods that may kill their worker (PowerSGD on gloo)
     run alone, once per model, so that a crash loses nothing else."""
-    risky = [m for m in methods if m.startswith("powersgd")]
+    risky = [m for m in methods if METHODS[m].launch == "alone"]
     safe = [m for m in methods if m not in risky]
-    if "compute" in safe and len(safe) > 1:
-        safe.append("compute")  # the floor again at the end: see _combine
+    if len(safe) > 1:  # the floor again at the end: see _combine
+        safe += [m for m in dict.fromkeys(safe) if METHODS[m].launch == "twice"]
     groups = [(models, safe)] if safe else []
     return groups + [([model], [m]) for m in risky for model in models]
 
@@ -544,113 +292,8 @@ def _collect(result_dir: str, hosts: int, per_host_divisor: int) -> dict[str, di
     return merged
 
 
-def derive(rows: dict[str, dict[str, Any]], model: str, hosts: int) -> None:
-    """Add the speedups, throughput and per-parameter bytes to ``rows[f"{model}/{method}"]``."""
-    base = rows.get(f"{model}/adamw", {})
-    compute = rows.get(f"{model}/compute", {})
-    for method in METHODS:
-        r = rows.get(f"{model}/{method}")
-        if not r or "error" in r:
-            continue
-        r["samples_per_s"] = hosts * r["batch"] / r["step_time"]
-        r["bytes_per_param"] = r["tx_bytes_per_step"] / r["params"]
-        if "step_time" in base:
-            r["speedup"] = base["step_time"] / r["step_time"]
-            r["bytes_vs_adamw"] = r["tx_bytes_per_step"] / max(base["tx_bytes_per_step"], 1)
-        if "step_time" in compute:
-            r["vs_compute"] = r["step_time"] / compute["step_time"]
-        stages = END_TO_END.get(method)
-        warm = rows.get(f"{model}/{stages[0]}", {}) if stages else r
-        if "step_time" in base and "step_time" in warm:
-            run = WARMUP_FRACTION * warm["step_time"] + (1 - WARMUP_FRACTION) * r["step_time"]
-            r["end_to_end_speedup"] = base["step_time"] / run
-            volume = WARMUP_FRACTION * warm["tx_bytes_per_step"]
-            volume += (1 - WARMUP_FRACTION) * r["tx_bytes_per_step"]
-            r["end_to_end_volume_reduction"] = base["tx_bytes_per_step"] / max(volume, 1)
-
-
-def print_table(rows: dict[str, dict[str, Any]], model: str, markdown: bool = False) -> str:
-    """The results of one model at one rate, as aligned text or a markdown table."""
-    head = [
-        "method", "step s", "samples/s", "vs AdamW+DDP", "/ compute", "wire MB/step/host",
-        "wire B/param", "e2e speedup (15% warmup)",
-    ]  # fmt: skip
-    table = []
-    for method in METHODS:
-        r = rows.get(f"{model}/{method}")
-        if r is None:
-            continue
-        if "error" in r:
-            error = re.sub(r"/\S*/(\w+\.\w+:\d+)", r"\1", r["error"].strip().split("\n")[0])
-            error = error if len(error) < 150 else error[:147] + "..."
-            table.append([LABELS[method], f"failed: {error}"] + [""] * (len(head) - 2))
-            continue
-
-        def fmt(key: str, spec: str, suffix: str = "", r: dict = r) -> str:
-            return format(r[key], spec) + suffix if key in r else "-"
-
-        label = LABELS[method] + (
-            f" ({r['skipped_steps']} skipped!)" if r.get("skipped_steps") else ""
-        )
-        table.append([
-            label, fmt("step_time", ".3f"), fmt("samples_per_s", ".1f"),
-            fmt("speedup", ".2f", "x"), fmt("vs_compute", ".2f", "x"),
-            format(r["tx_bytes_per_step"] / 1e6, ".2f"), fmt("bytes_per_param", ".3f"),
-            fmt("end_to_end_speedup", ".2f", "x") if method in END_TO_END else "",
-        ])  # fmt: skip
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table])
-    fine = [row for row in [head, *table] if not row[1].startswith("failed")]
-    widths = [max(len(row[i]) for row in fine) for i in range(len(head))]
-    lines = []
-    for row in [head, *table]:
-        if row[1].startswith("failed"):
-            lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
-        else:
-            cells = [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-            lines.append("  ".join([row[0].ljust(widths[0]), *cells]))
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    models = results["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        runs = [r for r in results["runs"] if r["rate_bits"] is not None]
-        for method in METHODS:
-            xs, ys = [], []
-            for run in sorted(runs, key=lambda r: r["rate_bits"]):
-                row = run["rows"].get(f"{model}/{method}")
-                if row and "step_time" in row:
-                    xs.append(run["rate_bits"] / 1e9)
-                    ys.append(row["step_time"])
-            if xs:
-                style = "k--" if method == "compute" else "o-"
-                ax.plot(xs, ys, style, label=LABELS[method])
-        params = next(
-            (r["rows"][k]["params"] for r in runs for k in r["rows"]
-             if k.startswith(model + "/") and "params" in r["rows"][k]), 0,
-        )  # fmt: skip
-        ax.set(xscale="log", yscale="log", xlabel="link bandwidth per host (Gbit/s)",
-               ylabel="step time (s)",
-               title=f"{model}: {params / 1e6:.1f}M params, {results['hosts']} hosts")  # fmt: skip
-        ax.grid(True, which="both", alpha=0.3)
-        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
-        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
+    """The command: parse the flags, then run as a worker, redraw the plot, or run the benchmark."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rates", default="100mbit,1gbit,10gbit", help="comma separated")
@@ -708,7 +351,7 @@ def main() -> None:
             parser.error(f"unknown model {name!r}; choose from {sorted(MODELS)}")
     for name in args.methods.split(","):
         if name not in METHODS:
-            parser.error(f"unknown method {name!r}; choose from {METHODS}")
+            parser.error(f"unknown method {name!r}; choose from {list(METHODS)}")
 
     available, why = (False, "--loopback") if args.loopback else namespaces_available()
     network = Network(args.hosts) if available else None
@@ -774,12 +417,12 @@ def main() -> None:
             results["runs"].append(
                 {"rate_bits": rate, "rate": rate_name(rate), "ok": ok, "rows": rows}
             )
-            (out / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
+            write_json(results, out / f"{args.tag}.json")
     finally:
         if network:
             Network.cleanup()
     results["wall_s"] = time.monotonic() - started
-    (out / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
+    write_json(results, out / f"{args.tag}.json")
     if network and len(rates) > 1:
         plot(results, out / f"{args.tag}.png")
         print(f"\nplot: {out / f'{args.tag}.png'}")

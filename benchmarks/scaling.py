@@ -229,7 +229,7 @@ def main() -> None:
     args = parser.parse_args()  # fmt: skip
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from network import LABELS, MODELS
+    from network_methods import LABELS, MODELS
 
     from onebit.train.model import ModelConfig, Transformer
 
