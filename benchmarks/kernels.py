@@ -13,7 +13,9 @@ For each size, one repetition times, one after the other on the same buffers:
 * ``decompress``: rebuild the fp32 buffer from ``world`` packed chunks and their scales
   (:func:`onebit.compress.decompress_`);
 * ``server``: one rank's server share for ``world`` ranks: average the ``world`` signed
-  chunks of ``numel / world`` elements, add the server error, compress, update the error.
+  chunks of ``numel / world`` elements, add the server error, compress, update the error;
+* ``call``: the public ``CompressedAllreduce(numel)(src, out=dst)`` at world size 1 (no process
+  group): a worker's and the server's whole share plus the copy into its scratch buffer.
 
 Each case is timed right after an untimed run of itself (so all start with the same warm
 caches: a 1M-element copy runs from L3), and is reported as the median over repetitions and as a
@@ -38,10 +40,10 @@ from contextlib import contextmanager
 import torch
 from machine import cpu_name
 
-from onebit import _native, compress
+from onebit import CompressedAllreduce, _native, compress
 from onebit.compress import average_signs_, compress_, decompress_, subtract_compressed_
 
-OPS = ("compress", "decompress", "server")
+OPS = ("compress", "decompress", "server", "call")
 
 
 def _sync(device: torch.device) -> None:
@@ -111,10 +113,12 @@ def measure(numel: int, world: int, reps: int, device: torch.device, paths: list
         signs, sigma = compress_(z, server_error)
         subtract_compressed_(z, sigma, out=server_error, signs=signs)
 
+    comm = CompressedAllreduce(numel, device=device)  # world size 1: no process group here
     cases = {
         "compress": (run_compress, reset),
         "decompress": (lambda: decompress_(packed, scales, dst), lambda: None),
         "server": (run_server, server_error.zero_),
+        "call": (lambda: comm(src, out=dst), lambda: None),
     }
     times: dict[str, list[float]] = {"copy": []}
     for rep in range(reps + 1):  # the first repetition warms up and is dropped

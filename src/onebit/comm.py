@@ -159,6 +159,8 @@ class CompressedAllreduce:
         self._geometry: _Segments | None = None
         if segments is not None and numel:
             self._geometry = _Segments(segments, self.padded_numel, self.world_size)
+        self._scratch: Tensor | None = None  # __call__'s padded input, made on first use
+        self._server_scratch: Tensor | None = None
         self.worker_scale_count = 1 if self._geometry is None else self._geometry.count
         self.server_scale_count = 1 if self._geometry is None else self._geometry.most_pieces
 
@@ -178,15 +180,51 @@ class CompressedAllreduce:
     def _phase1_extra(self) -> int:
         return _SCALE_BYTES * self.worker_scale_count + 4 * self.header_numel
 
-    def __call__(self, tensor: Tensor) -> Tensor:
+    def __call__(self, tensor: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """The compressed mean of ``tensor`` (``numel`` elements, any shape and float dtype)
+        across the group, written into ``out`` (default: a new tensor like ``tensor``; it may be
+        ``tensor`` itself) and returned. NaN everywhere if some rank's input is non-finite.
+
+        Every rank must call it together. The padded input and the server's chunk live in
+        scratch buffers kept between calls, so a call allocates no model-sized memory; an
+        in-place call on a contiguous fp32 tensor of ``padded_numel`` elements needs no copy.
+        """
         if tensor.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {tensor.numel()}")
-        buffer = torch.zeros(self.padded_numel, device=self.worker_error.device)
-        buffer[: self.numel] = tensor.reshape(-1)
-        out = torch.empty(self.numel, device=self.worker_error.device)
-        if not reduce_compressed_([self], [buffer], [out]):
-            out.fill_(float("nan"))
-        return out.view(tensor.shape).to(tensor.dtype)
+        if out is None:
+            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        elif out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise ValueError(
+                f"out must have the input's shape and dtype {tuple(tensor.shape)} "
+                f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+        device = self.worker_error.device
+        in_place = (
+            out is tensor
+            and tensor.is_contiguous()
+            and tensor.dtype == torch.float32
+            and tensor.device == device
+            and self.numel == self.padded_numel
+        )
+        if in_place:
+            buffer = tensor.view(-1)
+        else:
+            if self._scratch is None:
+                self._scratch = torch.empty(self.padded_numel, device=device)
+            buffer = self._scratch
+            buffer[: self.numel].copy_(tensor.reshape(-1))
+        if self._server_scratch is None:
+            self._server_scratch = torch.empty(self.chunk_numel, device=device)
+        call = self.start(buffer)
+        if not bool(torch.isfinite(self.worker_scales(call)).all()):
+            return out.fill_(float("nan"))
+        self.serve(call, z=self._server_scratch)
+        direct = out.is_contiguous() and out.dtype == torch.float32 and out.device == device
+        target = out.view(-1) if direct else buffer[: self.numel]  # y is spent after serve()
+        self.finish(call, target)
+        if not direct:
+            out.copy_(target.view(out.shape))
+        return out
 
     # The three phases. reduce_compressed_ runs them over many buckets so they overlap.
 
@@ -237,8 +275,11 @@ class CompressedAllreduce:
             .view(torch.float32)
         )
 
-    def serve(self, call: _Call) -> None:
-        """Commit the worker error, compress this rank's chunk with server error, start phase 2."""
+    def serve(self, call: _Call, z: Tensor | None = None) -> None:
+        """Commit the worker error, compress this rank's chunk with server error, start phase 2.
+
+        ``z`` (``chunk_numel`` fp32) is scratch for the served chunk; default: a new buffer.
+        """
         geometry = self._geometry
         if geometry is None:
             subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
@@ -249,7 +290,8 @@ class CompressedAllreduce:
             call.gathered = call.received
             return
         chunk = self._chunk_bytes
-        z = torch.empty(self.chunk_numel, device=self.server_error.device)
+        if z is None:
+            z = torch.empty(self.chunk_numel, device=self.server_error.device)
         received = call.received[:, :chunk]
         scales = _scales(call.received, chunk, self.worker_scale_count)
         if geometry is None:
