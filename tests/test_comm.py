@@ -96,6 +96,25 @@ def test_world_size_one_without_process_group_has_the_same_math():
     torch.testing.assert_close(comm.worker_error, ref.worker_error[0])
 
 
+@pytest.mark.parametrize("numel", [64, 21])  # padded_numel equal to numel, and not
+def test_call_writes_into_out_or_in_place_with_the_same_bits(numel):
+    fresh, into, in_place = (onebit.CompressedAllreduce(numel) for _ in range(3))
+    out = torch.empty(numel, dtype=torch.float64)
+    for t in range(3):
+        x = _inputs(t, 0, numel).double()
+        want = fresh(x)
+        assert into(x, out=out) is out and torch.equal(out, want)
+        y = x.float()
+        assert in_place(y, out=y) is y and torch.equal(y, want.float())
+    scratch = into._scratch.data_ptr()
+    into(x, out=out)
+    assert into._scratch.data_ptr() == scratch  # kept between calls
+    with pytest.raises(ValueError, match="shape and dtype"):
+        into(x, out=torch.empty(numel))
+    with pytest.raises(ValueError, match="expected"):
+        into(torch.zeros(numel + 1))
+
+
 def _error_feedback_drift(rank, world_size, calls, numel, feedback):
     comm = onebit.CompressedAllreduce(numel)
     drift = torch.zeros(numel)
