@@ -10,7 +10,7 @@ all-gather, ``2(n-1)/n`` of an allreduce buffer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +87,7 @@ class _Call:
     work: dist.Work | None
     gathered: Tensor | None = None
     signs: Tensor | None = None  # pack_signs(y), kept for the error update
+    commit: Callable[[Tensor], None] | None = None  # updates the worker error instead of y
 
 
 class CompressedAllreduce:
@@ -120,6 +121,9 @@ class CompressedAllreduce:
         server_error: the error of the chunk this rank serves, ``padded_numel // world_size``.
         bytes_per_call: bytes this rank sends per call.
 
+    Both error buffers are allocated (zeros) when first used, so that an optimizer's buckets
+    cost no memory until its compression stage starts.
+
     The error buffers are state: save them with :meth:`state_dict` on every rank, or resume
     will not be exact. A non-finite input on any rank is seen by every rank through the
     exchanged scales; the call then returns NaN everywhere and leaves both errors untouched.
@@ -152,9 +156,9 @@ class CompressedAllreduce:
         self.numel = numel
         self.padded_numel = padded_numel(numel, self.world_size)
         self.chunk_numel = self.padded_numel // self.world_size
-        device = torch.device("cpu") if device is None else torch.device(device)
-        self.worker_error = torch.zeros(self.padded_numel, device=device)
-        self.server_error = torch.zeros(self.chunk_numel, device=device)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._worker_error: Tensor | None = None
+        self._server_error: Tensor | None = None
         self.segments = segments
         self._geometry: _Segments | None = None
         if segments is not None and numel:
@@ -163,6 +167,26 @@ class CompressedAllreduce:
         self._server_scratch: Tensor | None = None
         self.worker_scale_count = 1 if self._geometry is None else self._geometry.count
         self.server_scale_count = 1 if self._geometry is None else self._geometry.most_pieces
+
+    @property
+    def worker_error(self) -> Tensor:
+        if self._worker_error is None:
+            self._worker_error = torch.zeros(self.padded_numel, device=self.device)
+        return self._worker_error
+
+    @worker_error.setter
+    def worker_error(self, storage: Tensor) -> None:
+        """Keep the worker error in ``storage`` (``padded_numel`` fp32 on :attr:`device`), say
+        a buffer the caller no longer needs; its values become the error."""
+        if storage.shape != (self.padded_numel,) or storage.dtype != torch.float32:
+            raise ValueError(f"the worker error needs {self.padded_numel} fp32 elements")
+        self._worker_error = storage
+
+    @property
+    def server_error(self) -> Tensor:
+        if self._server_error is None:
+            self._server_error = torch.zeros(self.chunk_numel, device=self.device)
+        return self._server_error
 
     @property
     def _chunk_bytes(self) -> int:
@@ -198,7 +222,7 @@ class CompressedAllreduce:
                 f"out must have the input's shape and dtype {tuple(tensor.shape)} "
                 f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
             )
-        device = self.worker_error.device
+        device = self.device
         in_place = (
             out is tensor
             and tensor.is_contiguous()
@@ -236,26 +260,44 @@ class CompressedAllreduce:
         known to be finite.
         """
         buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
-        y = buffer
-        packed, scale = compress_(y, self.worker_error, self.scale)
+        packed, scale = compress_(buffer, self.worker_error, self.scale)
         if self._geometry is not None:
-            scale = segment_scales(y, self._geometry.bounds, self.scale)
+            scale = segment_scales(buffer, self._geometry.bounds, self.scale)
+        return self.start_compressed(packed, scale, header, y=buffer)
+
+    def start_compressed(
+        self,
+        signs: Tensor,
+        scales: Tensor,
+        header: Tensor | None = None,
+        *,
+        y: Tensor | None = None,
+        commit: Callable[[Tensor], None] | None = None,
+    ) -> _Call:
+        """Phase 1 of signs and scales the caller compressed itself (``pack_signs(y)``, and the
+        scale of ``y`` or of each segment), as :meth:`start`.
+
+        :meth:`serve` then updates the worker error from ``y``, or calls ``commit(worker_error)``
+        to do it (say a fused kernel that computes ``y`` again, see :mod:`onebit.fused`).
+        """
         n, chunk = self.world_size, self._chunk_bytes
+        device = signs.device
         scales_end = chunk + _SCALE_BYTES * self.worker_scale_count
-        message = torch.empty(n, chunk + self._phase1_extra, dtype=torch.uint8, device=y.device)
+        message = torch.empty(n, chunk + self._phase1_extra, dtype=torch.uint8, device=device)
         if self.header_numel:
             if header is None or header.numel() != self.header_numel:
                 raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
-            values = header.to(device=y.device, dtype=torch.float32).reshape(1, -1)
+            values = header.to(device=device, dtype=torch.float32).reshape(1, -1)
             message[:, scales_end:] = values.view(torch.uint8)
-        message[:, chunk:scales_end] = scale.reshape(1, -1).to(y.device).view(torch.uint8)
+        message[:, chunk:scales_end] = scales.reshape(1, -1).to(device).view(torch.uint8)
         if self.numel:
-            message[:, :chunk] = packed.view(n, chunk)
-        if n == 1 or not self.numel:
-            return _Call(y, scale, message, None, signs=packed)
-        received = torch.empty_like(message)
-        work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
-        return _Call(y, scale, received, work, signs=packed)
+            message[:, :chunk] = signs.view(n, chunk)
+        work = None
+        received = message
+        if n > 1 and self.numel:
+            received = torch.empty_like(message)
+            work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
+        return _Call(y, scales, received, work, signs=signs, commit=commit)
 
     def worker_scales(self, call: _Call) -> Tensor:
         """Wait for phase 1 and return every rank's worker scales, ``[world_size, count]`` in
@@ -281,7 +323,9 @@ class CompressedAllreduce:
         ``z`` (``chunk_numel`` fp32) is scratch for the served chunk; default: a new buffer.
         """
         geometry = self._geometry
-        if geometry is None:
+        if call.commit is not None:
+            call.commit(self.worker_error)
+        elif geometry is None:
             subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
         else:
             subtract_compressed_segments_(call.y, call.scale, geometry.bounds, self.worker_error)
@@ -317,12 +361,13 @@ class CompressedAllreduce:
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 
-    def finish(self, call: _Call, out: Tensor) -> None:
-        """Wait for phase 2 and write the result, ``numel`` elements, into ``out``."""
+    def finish(self, call: _Call, out: Tensor | None) -> None:
+        """Wait for phase 2 and write the result, ``numel`` elements, into ``out`` (``None``:
+        leave it packed, for :meth:`result_signs`)."""
         if call.work is not None:
             call.work.wait()
             call.work = None
-        if not self.numel:
+        if not self.numel or out is None:
             return
         chunk = self._chunk_bytes
         scales = _scales(call.gathered, chunk, self.server_scale_count)
@@ -334,14 +379,22 @@ class CompressedAllreduce:
         if target is not out:
             out.copy_(target)
 
+    def result_signs(self, call: _Call) -> tuple[Tensor, Tensor]:
+        """The result of a finished ``call``, packed: signs ``uint8 [world_size, chunk_numel / 8]``
+        (rows strided) and fp32 scales ``[world_size, server_scale_count]``: element ``i`` of
+        chunk ``j`` is ``±scales[j, c]`` of the piece ``c`` it falls in (one column without
+        segments)."""
+        chunk = self._chunk_bytes
+        return call.gathered[:, :chunk], _scales(call.gathered, chunk, self.server_scale_count)
+
     def state_dict(self) -> dict:
         """The error buffers and the geometry they belong to."""
         return {
             "numel": self.numel,
             "world_size": self.world_size,
             "scale": self.scale,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
+            "worker_error": _clone(self._worker_error),
+            "server_error": _clone(self._server_error),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -356,13 +409,23 @@ class CompressedAllreduce:
                 f"{state['world_size']}; this communicator has numel={self.numel}, "
                 f"world_size={self.world_size}"
             )
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        for name in ("worker_error", "server_error"):
+            saved = state[name]
+            if saved is None:  # never used: zeros
+                if getattr(self, f"_{name}") is not None:
+                    getattr(self, name).zero_()
+            else:
+                getattr(self, name).copy_(saved)
 
     def reset(self) -> None:
-        """Zero both error buffers."""
-        self.worker_error.zero_()
-        self.server_error.zero_()
+        """Zero both error buffers (those in use)."""
+        for buffer in (self._worker_error, self._server_error):
+            if buffer is not None:
+                buffer.zero_()
+
+
+def _clone(buffer: Tensor | None) -> Tensor | None:
+    return None if buffer is None else buffer.clone()
 
 
 def _scales(messages: Tensor, chunk_bytes: int, count: int) -> Tensor:
