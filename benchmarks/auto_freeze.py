@@ -20,17 +20,12 @@ The model uses tanh on purpose: with ReLU, units that die early keep ``v = 0``, 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import onebit
+from onebit.train.launch import run_ranks
 
 IN, HIDDEN, CLASSES, BATCH = 32, 256, 10, 32
 
@@ -71,13 +66,8 @@ def _optimizer(kind: str, freeze: int | str | None, params, steps: int, lr: floa
     )
 
 
-def _train(rank, world_size, runs, steps, lr, store, out):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=600),
-    )  # fmt: skip
+def _train(rank: int, world_size: int, runs: list, steps: int, lr: float) -> list[dict]:
+    """One rank of every run in turn (a gloo group is up): what each run measured."""
     teacher = _teacher()
     eval_x, eval_y = _batch(teacher, seed=-1 % 2**31, size=4096)
     results = []
@@ -110,9 +100,7 @@ def _train(rank, world_size, runs, steps, lr, store, out):
                 "seconds": time.perf_counter() - start,
             }
         )
-    dist.destroy_process_group()
-    if rank == 0:
-        torch.save(results, out)
+    return results
 
 
 def main() -> None:
@@ -139,15 +127,9 @@ def main() -> None:
         "zero-one": "ZeroOneAdam",
     }
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.pt")
-        mp.start_processes(
-            _train,
-            args=(args.world_size, runs, steps, args.lr, str(Path(tmp) / "store"), out),
-            nprocs=args.world_size,
-            start_method="spawn",
-        )
-        results = torch.load(out)
+    results = run_ranks(
+        _train, args.world_size, runs, steps, args.lr, timeout=None, collective_timeout=600
+    )[0]
     numel = sum(p.numel() for p in _student().parameters())
     print(
         f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({numel} parameters), {args.world_size} gloo ranks "

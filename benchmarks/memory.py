@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import tempfile
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import onebit
+from onebit.train.launch import run_ranks
 
 OPTIMIZERS = ("AdamW", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
 
@@ -100,13 +97,10 @@ def _run(
     return state, peaks
 
 
-def _rank(rank: int, world_size: int, name: str, width: int, depth: int, store: str, out: str):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=300),
-    )  # fmt: skip
+def _rank(
+    rank: int, world_size: int, name: str, width: int, depth: int
+) -> tuple[int, int, dict[str, int]]:
+    """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage."""
     _run(name, [p for p in torch.nn.Linear(64, 64).parameters()])  # page code in, warm pools
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(depth)]
@@ -117,22 +111,13 @@ def _rank(rank: int, world_size: int, name: str, width: int, depth: int, store: 
     dist.barrier()
     before = _rss()
     state, peaks = _run(name, params, before)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        torch.save((model_bytes, state, peaks), out)
+    return model_bytes, state, peaks
 
 
 def measure(name: str, world_size: int, width: int, depth: int) -> tuple[int, int, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.pt")
-        mp.start_processes(
-            _rank,
-            args=(world_size, name, width, depth, str(Path(tmp) / "store"), out),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        return torch.load(out)
+    """Rank 0's model bytes, largest optimizer state and peak per stage, in fresh processes."""
+    results = run_ranks(_rank, world_size, name, width, depth, timeout=None, collective_timeout=300)
+    return results[0]
 
 
 def main() -> None:

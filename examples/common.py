@@ -9,11 +9,12 @@ import argparse
 import difflib
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+# Destroy the process group and let gloo's threads finish before exit (pytorch/pytorch#179291).
+from onebit.train.launch import close_process_group as close_process_group
 
 # Nothing here needs the network: keep Hugging Face and Weights & Biases offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,12 +112,3 @@ def report(optimizer, final_loss):
         compressed_step = (stats.bytes_total - stats.total_bytes["warmup"]) / (steps - warmup)
         line += f" ({fp32_step / compressed_step:.0f}x fewer per step after warmup)"
     print(line)
-
-
-def close_process_group():
-    """Destroy the process group, then give gloo's worker threads a moment before the process
-    exits: exiting right after the last collective can abort with "terminate called without an
-    active exception" (pytorch/pytorch#179291)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        time.sleep(0.2)

@@ -14,10 +14,8 @@ import contextlib
 import json
 import math
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, fields
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import onebit
 from . import checkpoint, loggers, optim, report
 from .checkpoint import atomic_write
 from .data import get_batch, read_split, val_starts, windows
+from .launch import close_process_group, gloo_process_group
 from .model import ModelConfig, Transformer
 
 
@@ -105,20 +104,8 @@ def spawn_worker(
     rank: int, world_size: int, store: str, configs: list[RunConfig], resume: str | None
 ) -> None:
     """Entry point of a local worker started by ``torch.multiprocessing``: gloo over loopback."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := _loopback_interface()):
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=10),
-    )
-    try:
+    with gloo_process_group(rank, world_size, store, timeout=600):
         run_all(configs, torch.device("cpu"), resume)
-    finally:
-        _close_process_group()
 
 
 def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
@@ -142,26 +129,7 @@ def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
     try:
         run_all(configs, device, resume)
     finally:
-        _close_process_group()
-
-
-def _close_process_group() -> None:
-    """Destroy the process group, then give gloo's worker threads time to finish.
-
-    A gloo worker drops a finished collective (and its tensors, which needs the GIL) after the
-    waiting thread has already moved on. If the interpreter shuts down first, that worker is
-    killed while taking the GIL and the process aborts with "terminate called without an
-    active exception" (pytorch/pytorch#179291). Sleeping releases the GIL to it.
-    """
-    dist.destroy_process_group()
-    time.sleep(0.2)
-
-
-def _loopback_interface() -> str | None:
-    try:
-        return next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
-    except OSError:
-        return None
+        close_process_group()
 
 
 def run_all(configs: list[RunConfig], device: torch.device, resume: str | None = None) -> None:
