@@ -95,7 +95,10 @@ def test_another_layout_warns_and_resets_the_error_buffers():
     with pytest.warns(UserWarning, match="another bucket layout"):
         other.load_state_dict(opt.state_dict())
     assert all(float(c.worker_error.abs().sum()) == 0 for c in other.comms)
-    assert torch.equal(other._exp_avg, opt._exp_avg)  # the rest is restored
+    saved, restored = opt.state_dict()["state"], other.state_dict()["state"]
+    for i, state in saved.items():  # the rest is restored
+        assert torch.equal(restored[i]["exp_avg"], state["exp_avg"])
+        assert torch.equal(restored[i]["frozen_denom"], state["frozen_denom"])
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -3,11 +3,10 @@
 import copy
 import math
 import warnings
-from pathlib import Path
 
-import pytest
 import torch
 from distributed import run_ranks
+from harness import CASES, ZERO_ONE_SCHEDULE, low_precision_runs, poison, run
 from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
@@ -15,46 +14,12 @@ import onebit
 from onebit.base import HEADER_NUMEL
 from onebit.comm import allreduce_bytes
 
-SHAPES = [(7, 5), (13,), (0,), (3, 3, 2)]
-LRS, WDS = [1e-2, 1e-2, 3e-3, 3e-3], [0.1, 0.1, 0.0, 0.0]
-NUMEL = sum(math.prod(s) for s in SHAPES)
-SIZES = [math.prod(s) for s in SHAPES]
-# Variance updates at 1, 2, 4, 6, 8, 12; phase B syncs every step, then every 2, then every 4.
-CONFIG = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
-STEPS, CHECKPOINT = 30, 22  # the checkpoint falls between two syncs of phase B
-BUCKET = 32
-
-
-def _params(dtype=torch.float32):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def _groups(params):
-    return [
-        {"params": params[:2]},
-        {"params": params[2:], "lr": LRS[2], "weight_decay": WDS[2]},
-    ]
-
-
-def _optimizer(params, **overrides):
-    kwargs = dict(lr=LRS[0], weight_decay=WDS[0], bucket_size=BUCKET, **CONFIG)
-    kwargs.update(overrides)
-    return onebit.ZeroOneAdam(_groups(params), **kwargs)
-
-
-def _grad(step, rank, i, p):
-    """Depends on the parameter, so ranks whose parameters differ get different gradients."""
-    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + i)
-    return torch.randn(p.shape, generator=gen) * (1 + rank) + 0.3 * p.detach().float()
-
-
-def _set_grads(params, step, rank, poison=False):
-    for i, p in enumerate(params):
-        g = _grad(step, rank, i, p)
-        if poison and g.numel():
-            g.view(-1)[0] = float("inf")
-        p.grad = g.to(p.dtype)
+CASE = CASES["zero_one"]
+PROBLEM = CASE.problem
+SHAPES, LRS, WDS = PROBLEM.shapes, PROBLEM.lrs, PROBLEM.wds
+NUMEL, SIZES = PROBLEM.numel, PROBLEM.sizes
+CONFIG = ZERO_ONE_SCHEDULE
+STEPS, BUCKET = CASE.steps, CASE.settings["bucket_size"]
 
 
 def _unflat(flat):
@@ -76,7 +41,7 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     lr = torch.cat([torch.full((math.prod(s),), x) for s, x in zip(SHAPES, LRS)])
     wd = torch.cat([torch.full((math.prod(s),), x) for s, x in zip(SHAPES, WDS)])
-    params = [flat(_params()) for _ in range(world_size)]
+    params = [flat(PROBLEM.params()) for _ in range(world_size)]
     m, v = torch.zeros(NUMEL), torch.zeros(NUMEL)
     allreduce = RefBucketedAllreduce(NUMEL, world_size, BUCKET, SIZES)
     var_interval, var_counter, var_updates = 1, 0, 0
@@ -84,7 +49,7 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
     history, stages = [], []
     for t in range(1, steps + 1):
         grads = [
-            torch.cat([_grad(t, r, i, p).view(-1) for i, p in enumerate(_unflat(params[r]))])
+            torch.cat([PROBLEM.grad(t, r, i, p).view(-1) for i, p in enumerate(_unflat(params[r]))])
             for r in range(world_size)
         ]
         step_size = lr / (1 - beta1**t)
@@ -135,88 +100,24 @@ def reference_zero_one_adam(world_size, steps, *, var_freeze_step, var_update_sc
     return history, stages
 
 
-def _run(params, opt, rank, first, last, checkpoint=None, save_dir=None):
-    """Steps ``first..last``; returns each step's flat parameters and stage."""
-    history, stages = [], []
-    for t in range(first, last + 1):
-        stages.append(opt.stage)
-        _set_grads(params, t, rank)
-        opt.step()
-        history.append(flat(params))
-        if t == checkpoint:
-            torch.save(
-                {"model": [p.detach().clone() for p in params], "optim": opt.state_dict()},
-                Path(save_dir) / f"rank{rank}.pt",
-            )
-    return history, stages
-
-
-def _straight_run(rank, world_size, save_dir):
-    params = _params()
-    opt = _optimizer(params)
-    checkpoint = CHECKPOINT if save_dir is not None else None
-    history, stages = _run(params, opt, rank, 1, STEPS, checkpoint, save_dir)
+def _straight_run(rank, world_size, low_precision):
+    params = PROBLEM.params()
+    opt = CASE.optimizer(params)
+    trace = run(CASE, params, opt, rank, 1, STEPS)
     before_sync, stats = flat(params), copy.deepcopy(opt.comm_stats)
     opt.synchronize()
     result = {
-        "history": history,
-        "stages": stages,
+        "history": trace.params,
+        "stages": trace.stages,
         "stats": stats,
         "synchronize_bytes": opt.comm_stats.total_bytes["synchronize"],
         "bytes_per_call": [c.bytes_per_call for c in opt.comms],
         "before_sync": before_sync,
         "after_sync": flat(params),
     }
-    if save_dir is not None:
-        result["non_finite"] = _non_finite_run(rank)
-        result["low_precision"] = _low_precision_run(rank)
+    if low_precision:
+        result["low_precision"] = low_precision_runs(CASE, rank)
     return result
-
-
-def _resumed_run(rank, world_size, save_dir):
-    params = _params()
-    opt = _optimizer(params)
-    saved = torch.load(Path(save_dir) / f"rank{rank}.pt", weights_only=False)
-    with torch.no_grad():
-        for p, q in zip(params, saved["model"]):
-            p.copy_(q)
-    opt.load_state_dict(saved["optim"])
-    history, _ = _run(params, opt, rank, CHECKPOINT + 1, STEPS)
-    return history, opt.comm_stats, opt.state_dict()["onebit"]
-
-
-POISONED = {3: "compression", 5: "variance", 19: "local", 26: "sync"}  # call: stage
-
-
-def _non_finite_run(rank):
-    """Rank 1 has an inf gradient in the calls of ``POISONED``. Skipped calls are retried, so
-    call 3 is step 3, call 5 is step 4, call 19 is step 17 and call 26 is step 24."""
-    params = _params()
-    opt = _optimizer(params)
-    history = []
-    for call in range(1, 29):
-        stage, before = opt.stage, flat(params)
-        _set_grads(params, call, rank, poison=rank == 1 and call in POISONED)
-        opt.step()
-        history.append((stage, before, flat(params)))
-    return history, opt.skipped_steps, opt.local_skipped_steps, opt.num_steps
-
-
-def _low_precision_run(rank):
-    results = {}
-    for dtype in (torch.bfloat16, torch.float16):
-        params = _params(dtype)
-        opt = _optimizer(params)
-        synced = []
-        for t in range(1, STEPS + 1):
-            _set_grads(params, t, rank)
-            stage = opt.stage
-            opt.step()
-            if stage != "local":
-                synced.append(flat(params))
-        state = [s for p in params for s in opt.state[p].values()]
-        results[dtype] = (synced, all(s.dtype == torch.float32 for s in state))
-    return results
 
 
 def _check_against_reference(results, world_size):
@@ -255,70 +156,52 @@ def _check_against_reference(results, world_size):
     assert stats.freeze_step == CONFIG["var_freeze_step"]
 
 
-def test_two_ranks_match_reference_resume_exactly_and_skip_non_finite(tmp_path):
-    results = run_ranks(_straight_run, 2, str(tmp_path))
+def test_two_ranks_match_reference_and_keep_low_precision_replicas_together():
+    results = run_ranks(_straight_run, 2, True)
     _check_against_reference(results, 2)
-
-    # Exact resume between two syncs of phase B, in fresh processes.
-    resumed = run_ranks(_resumed_run, 2, str(tmp_path))
-    for rank, (history, stats, extra) in enumerate(resumed):
-        straight = results[rank]["history"][CHECKPOINT:]
-        assert all(torch.equal(a, b) for a, b in zip(history, straight))
-        assert stats == results[rank]["stats"]
-        assert extra["local_step_interval"] == 4 and extra["var_interval"] == 8
-
-    # Non-finite gradients on rank 1.
-    (hist0, skipped0, local0, steps0), (hist1, skipped1, local1, steps1) = [
-        r["non_finite"] for r in results
-    ]
-    assert skipped0 == skipped1 == 2  # phase A: every rank skips together
-    assert (local0, local1) == (0, 2)  # phase B: rank 1 drops its own update, alone
-    assert steps0 == steps1 == 26  # and the schedules stay in step
-    for call, ((stage, b0, a0), (_, b1, a1)) in enumerate(zip(hist0, hist1), start=1):
-        assert torch.isfinite(a0).all() and torch.isfinite(a1).all()
-        if call in POISONED:
-            assert stage == POISONED[call]
-        if call in (3, 5):
-            assert torch.equal(a0, b0) and torch.equal(a1, b1)
-        if call == 19:
-            assert torch.equal(a1, b1) and not torch.equal(a0, b0)
-        if stage != "local":
-            assert torch.equal(a0, a1), f"replicas differ after call {call} ({stage})"
 
     # bf16 and fp16 parameters: fp32 state, identical replicas after every synchronising step.
     for dtype in (torch.bfloat16, torch.float16):
-        (synced0, fp32_0), (synced1, fp32_1) = [r["low_precision"][dtype] for r in results]
+        (trace0, fp32_0), (trace1, fp32_1) = [r["low_precision"][dtype] for r in results]
+        synced0, synced1 = [
+            [p for p, stage in zip(t.params, t.stages) if stage != "local"]
+            for t in (trace0, trace1)
+        ]
         assert fp32_0 and fp32_1
         assert all(torch.equal(a, b) for a, b in zip(synced0, synced1))
         assert all(torch.isfinite(a).all() for a in synced0)
 
 
 def test_four_ranks_match_reference():
-    results = run_ranks(_straight_run, 4, None)
+    results = run_ranks(_straight_run, 4, False)
     _check_against_reference(results, 4)
 
 
 def test_world_size_one_matches_reference():
-    params = _params()
-    history, stages = _run(params, _optimizer(params), 0, 1, STEPS)
+    params = PROBLEM.params()
+    trace = run(CASE, params, CASE.optimizer(params), 0, 1, STEPS)
     expected, expected_stages = reference_zero_one_adam(1, STEPS, **CONFIG)
-    assert stages == expected_stages
-    for got, want in zip(history, expected):
+    assert trace.stages == expected_stages
+    for got, want in zip(trace.params, expected):
         torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_matches_adamw_while_variance_is_updated_every_step():
     """With var_interval stuck at 1 and no freeze, every step is AdamW on averaged gradients."""
-    params, ref = _params(), _params()
+    params, ref = PROBLEM.params(), PROBLEM.params()
     opt = onebit.ZeroOneAdam(
-        _groups(params), lr=1e-2, weight_decay=0.1, var_freeze_step=100, var_update_scaler=100
+        PROBLEM.groups(params),
+        lr=1e-2,
+        weight_decay=0.1,
+        var_freeze_step=100,
+        var_update_scaler=100,
     )
-    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(PROBLEM.groups(ref), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
     for t in range(1, 21):
-        _set_grads(params, t, 0)
-        _set_grads(ref, t, 0)
+        PROBLEM.set_grads(params, t, 0)
+        PROBLEM.set_grads(ref, t, 0)
         opt.step()
         ref_opt.step()
         scheduler.step()
@@ -329,26 +212,6 @@ def test_matches_adamw_while_variance_is_updated_every_step():
         opt.state[params[0]]["exp_avg_sq"], ref_opt.state[ref[0]]["exp_avg_sq"]
     )
     assert opt.comm_stats.steps == {"variance": 20}
-
-
-@pytest.mark.parametrize("checkpoint", [5, 12, 13, 22])
-def test_resume_is_bitwise_exact_at_any_point_of_the_schedules(checkpoint):
-    params = _params()
-    opt = _optimizer(params)
-    straight, _ = _run(params, opt, 0, 1, STEPS)
-    params = _params()
-    opt = _optimizer(params)
-    _run(params, opt, 0, 1, checkpoint)
-    saved = {"model": [p.detach().clone() for p in params], "optim": opt.state_dict()}
-    saved = roundtrip(saved)
-    params = _params()
-    opt = _optimizer(params)
-    with torch.no_grad():
-        for p, q in zip(params, saved["model"]):
-            p.copy_(q)
-    opt.load_state_dict(saved["optim"])
-    resumed, _ = _run(params, opt, 0, checkpoint + 1, STEPS)
-    assert all(torch.equal(a, b) for a, b in zip(resumed, straight[checkpoint:]))
 
 
 def test_memory_is_four_model_sized_buffers_plus_server_error():
@@ -365,35 +228,15 @@ def test_memory_is_four_model_sized_buffers_plus_server_error():
     assert opt.comm_stats.steps.get("local", 0) + opt.comm_stats.steps["sync"] == 4
 
 
-def test_bad_hyperparameters_raise_value_error():
-    params = _params()
-    good = dict(var_freeze_step=10)
-    for kwargs in [
-        dict(lr=-1.0),
-        dict(betas=(1.0, 0.999)),
-        dict(eps=-1e-8),
-        dict(weight_decay=-0.1),
-        dict(var_freeze_step=0),
-        dict(var_freeze_step=1.5),
-        dict(var_freeze_step=True),
-        dict(var_update_scaler=0),
-        dict(local_step_scaler=0),
-        dict(local_step_clipper=0),
-        dict(bucket_size=0),
-    ]:
-        with pytest.raises(ValueError):
-            onebit.ZeroOneAdam(params, **{**good, **kwargs})
-    with pytest.raises(TypeError):
-        onebit.ZeroOneAdam(params)  # var_freeze_step is required
-
-
 def test_single_process_non_finite_and_none_gradients():
-    params = _params()
-    opt = _optimizer(params)
+    params = PROBLEM.params()
+    opt = CASE.optimizer(params)
     stages = {}
     for call in range(1, 21):
         before, stages[call] = flat(params), opt.stage
-        _set_grads(params, call, 0, poison=call in (3, 18))
+        PROBLEM.set_grads(params, call, 0)
+        if call in (3, 18):
+            poison(params)
         if call == 7:
             params[1].grad = None  # counts as zero
         opt.step()
@@ -406,14 +249,14 @@ def test_single_process_non_finite_and_none_gradients():
 
 
 def test_state_names_follow_the_phase():
-    params = _params()
-    opt = _optimizer(params)
+    params = PROBLEM.params()
+    opt = CASE.optimizer(params)
     assert set(opt.state[params[0]]) == {"exp_avg", "exp_avg_sq"}
-    _run(params, opt, 0, 1, 13)
+    run(CASE, params, opt, 0, 1, 13)
     assert set(opt.state[params[0]]) == {"exp_avg", "frozen_denom", "sync_params"}
     assert all(s.dtype == torch.float32 for s in opt.state[params[0]].values())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fresh = _optimizer(_params())
+        fresh = CASE.optimizer(PROBLEM.params())
         fresh.load_state_dict(roundtrip(opt.state_dict()))
     assert set(fresh.state[fresh.layout.params[0]]) == {"exp_avg", "frozen_denom", "sync_params"}

@@ -4,6 +4,7 @@
    bit for bit, so the compiler must not fuse or reorder float operations. */
 #include <stdint.h>
 #include <immintrin.h>
+#include <stdlib.h>
 
 #define KERNEL __attribute__((target("avx2,fma")))
 #define BLOCK 4096
@@ -238,79 +239,108 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
            of mbits, rows stride bytes apart)
        y = lerp(m, g, w) + e[i]   (e = NULL: + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
+#define INLINE static inline __attribute__((always_inline))
+
 typedef struct {
-    const float *dense;
-    const uint8_t *bits;
-    int64_t stride, chunk;
-    const float *scales;
-} Momentum;
+    const float *g;     /* the run's gradient, from its start, or NULL */
+    const float *dense; /* fp32 momentum, or NULL */
+    const uint8_t *row; /* packed: the sign of element i is bit i % 8 of row[i / 8] */
+    float s, ns;        /* packed: the momentum's scale and -1 * it */
+    int pad;
+} Source;
 
-KERNEL static inline float lerp_one(float m, float g, float w) {
-    return __builtin_fabsf(w) < 0.5f ? __builtin_fmaf(w, g - m, m) : __builtin_fmaf(w - 1.0f, g - m, g);
+KERNEL INLINE Source run_source(const int64_t *runs, int64_t r, const int64_t *grads,
+                                const float *dense, const uint8_t *mbits, int64_t stride,
+                                int64_t chunk, const float *mscales) {
+    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, 0.0f, 0.0f, runs[4 * r + 3] < 0};
+    if (!dense && !x.pad) {
+        int64_t j = runs[4 * r] / chunk;
+        x.row = mbits + j * stride - j * (chunk / 8);
+        x.s = mscales[runs[4 * r + 3]];
+        x.ns = x.s * -1.0f;
+    }
+    return x;
 }
 
-KERNEL static inline float momentum_one(const Momentum *mo, int64_t i, float s) {
-    if (mo->dense) return mo->dense[i];
-    uint8_t byte = mo->bits[(i / mo->chunk) * mo->stride + (i % mo->chunk) / 8];
-    return (byte >> (i & 7)) & 1 ? s : s * -1.0f;
+KERNEL INLINE float lerp_one(float m, float g, float w) {
+    return __builtin_fabsf(w) < 0.5f ? __builtin_fmaf(w, g - m, m)
+                                      : __builtin_fmaf(w - 1.0f, g - m, g);
 }
 
-KERNEL static inline __m256 momentum_vec(const Momentum *mo, int64_t i, __m256 vs, __m256 vns) {
-    if (mo->dense) return _mm256_loadu_ps(mo->dense + i);
+KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int use_inv, float w,
+                          const float *e) {
+    float ei = e ? e[i] : 0.0f;
+    if (x->pad) return 0.0f + ei;
+    float g = x->g ? (use_inv ? x->g[k] * inv : x->g[k]) : 0.0f;
+    float m = x->dense ? x->dense[i] : ((x->row[i >> 3] >> (i & 7)) & 1 ? x->s : x->ns);
+    return lerp_one(m, g, w) + ei;
+}
+
+KERNEL INLINE __m256 signed_byte(uint8_t byte, __m256 vs, __m256 vns) {
     const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    uint8_t byte = mo->bits[(i / mo->chunk) * mo->stride + (i % mo->chunk) / 8];
     __m256i v = _mm256_and_si256(_mm256_set1_epi32(byte), bits);
     return _mm256_blendv_ps(vns, vs, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, bits)));
 }
 
-/* y of element i (k elements into run r's gradient). */
-KERNEL static inline float y_one(const float *g, int64_t k, float inv, int use_inv,
-                                 const Momentum *mo, int64_t i, float s, int64_t c, float w,
-                                 const float *e) {
-    float ei = e ? e[i] : 0.0f;
-    if (c < 0) return 0.0f + ei;
-    float gi = g ? (use_inv ? g[k] * inv : g[k]) : 0.0f;
-    return lerp_one(momentum_one(mo, i, s), gi, w) + ei;
-}
-
-KERNEL static inline __m256 y_vec(const float *g, int64_t k, float inv, int use_inv,
-                                  const Momentum *mo, int64_t i, float s, int64_t c, float w,
-                                  const float *e) {
+KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int use_inv, float w,
+                           const float *e) {
     __m256 ev = e ? _mm256_loadu_ps(e + i) : _mm256_setzero_ps();
-    if (c < 0) return _mm256_add_ps(_mm256_setzero_ps(), ev);
-    __m256 gv = _mm256_setzero_ps();
-    if (g) {
-        gv = _mm256_loadu_ps(g + k);
-        if (use_inv) gv = _mm256_mul_ps(gv, _mm256_set1_ps(inv));
+    if (x->pad) return _mm256_add_ps(_mm256_setzero_ps(), ev);
+    __m256 g = _mm256_setzero_ps();
+    if (x->g) {
+        g = _mm256_loadu_ps(x->g + k);
+        if (use_inv) g = _mm256_mul_ps(g, _mm256_set1_ps(inv));
     }
-    __m256 m = momentum_vec(mo, i, _mm256_set1_ps(s), _mm256_set1_ps(s * -1.0f));
+    __m256 m = x->dense ? _mm256_loadu_ps(x->dense + i)
+                        : signed_byte(x->row[i >> 3], _mm256_set1_ps(x->s), _mm256_set1_ps(x->ns));
     int small = __builtin_fabsf(w) < 0.5f;
     __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
-    __m256 lerp = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gv, m), small ? m : gv);
-    return _mm256_add_ps(lerp, ev);
+    return _mm256_add_ps(_mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g), ev);
 }
 
-#define RUN_FIELDS                                                                  \
-    int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];         \
-    int64_t c = runs[4 * r + 3];                                                     \
-    const float *g = (const float *)(intptr_t)grads[r];                             \
-    float s = c >= 0 && !mo.dense ? mo.scales[c] : 0.0f;                             \
-    (void)q;
+KERNEL INLINE void set_bit(uint8_t *bits, int64_t i, float v) {
+    uint8_t bit = (uint8_t)((v >= 0.0f) << (i & 7));
+    bits[i >> 3] = (i & 7) ? bits[i >> 3] | bit : bit;
+}
 
-/* Pass 1: the signs of y, packed into out_bits (bit i of byte i / 8), and totals[q] = the sum of
+KERNEL INLINE __m256 sum_step(__m256 acc, __m256 v, int mean_abs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask)) : _mm256_fmadd_ps(v, v, acc);
+}
+
+/* The vector body shared by the signs passes: whole 8-groups of [*i, end), summed into `sum`
+   block by block (the order of Sum), signs into bits. VALUE(i) gives the __m256 at i. */
+#define SIGNS_BODY(VALUE)                                                                  \
+    while (i + 8 <= end) {                                                                 \
+        int64_t stop = (i / BLOCK + 1) * BLOCK;                                            \
+        stop = stop < end ? stop : end;                                                    \
+        if (i / BLOCK != sum.block) {                                                      \
+            sum_flush(&sum);                                                               \
+            sum.block = i / BLOCK;                                                         \
+        }                                                                                  \
+        __m256 acc = sum.acc;                                                              \
+        for (; i + 8 <= stop; i += 8) {                                                    \
+            __m256 v = VALUE(i);                                                           \
+            acc = sum_step(acc, v, mean_abs);                                              \
+            bits[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ)); \
+        }                                                                                  \
+        sum.acc = acc;                                                                     \
+    }
+
+/* Pass 1: the signs of y, packed into bits (bit i of byte i / 8), and totals[q] = the sum of
    y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats. */
 KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                            int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
                            int64_t chunk, const float *mscales, float w, const float *e,
-                           uint8_t *out_bits, int mean_abs, double *totals, int64_t nseg) {
-    const Momentum mo = {dense, mbits, stride, chunk, mscales};
+                           uint8_t *bits, int mean_abs, double *totals, int64_t nseg) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
     Sum sum;
     sum_start(&sum);
     int64_t current = -1;
     for (int64_t r = 0; r < nruns; r++) {
-        RUN_FIELDS
+        int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales);
         if (q != current) {
             if (current >= 0) {
                 sum_flush(&sum);
@@ -321,21 +351,17 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
         }
         int64_t i = start;
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
             sum_one(&sum, i, y, mean_abs);
-            uint8_t bit = (uint8_t)((y >= 0.0f) << (i & 7));
-            out_bits[i >> 3] = (i & 7) ? out_bits[i >> 3] | bit : bit;
+            set_bit(bits, i, y);
         }
-        for (; i + 8 <= end; i += 8) {
-            __m256 y = y_vec(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
-            sum_vec(&sum, i, y, mean_abs);
-            out_bits[i >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y, zero, _CMP_GE_OQ));
-        }
+#define Y(i) y_vec(&x, i, i - start, inv, use_inv, w, e)
+        SIGNS_BODY(Y)
+#undef Y
         for (; i < end; i++) {
-            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
             sum_one(&sum, i, y, mean_abs);
-            uint8_t bit = (uint8_t)((y >= 0.0f) << (i & 7));
-            out_bits[i >> 3] = (i & 7) ? out_bits[i >> 3] | bit : bit;
+            set_bit(bits, i, y);
         }
     }
     if (current >= 0) {
@@ -350,24 +376,24 @@ KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *g
                             int use_inv, const float *dense, const uint8_t *mbits,
                             int64_t stride, int64_t chunk, const float *mscales, float w,
                             const float *e, const float *scales, float *e_out) {
-    const Momentum mo = {dense, mbits, stride, chunk, mscales};
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < nruns; r++) {
-        RUN_FIELDS
+        int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales);
         const float sq = scales[q], nsq = sq * -1.0f;
         const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
         int64_t i = start;
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
             e_out[i] = y >= 0.0f ? y - sq : y - nsq;
         }
         for (; i + 8 <= end; i += 8) {
-            __m256 y = y_vec(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            __m256 y = y_vec(&x, i, i - start, inv, use_inv, w, e);
             __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(y, zero, _CMP_GE_OQ));
             _mm256_storeu_ps(e_out + i, _mm256_sub_ps(y, t));
         }
         for (; i < end; i++) {
-            float y = y_one(g, i - start, inv, use_inv, &mo, i, s, c, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
             e_out[i] = y >= 0.0f ? y - sq : y - nsq;
         }
     }
@@ -380,29 +406,130 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
                             const uint8_t *mbits, int64_t stride, int64_t chunk,
                             const float *mscales, const float *denom, const float *decay,
                             const float *value) {
-    const Momentum mo = {NULL, mbits, stride, chunk, mscales};
     for (int64_t r = 0; r < nruns; r++) {
-        int64_t start = runs[4 * r], end = runs[4 * r + 1], c = runs[4 * r + 3];
-        if (c < 0) continue;
-        float *p = (float *)(intptr_t)params[r] - start;
-        const float s = mscales[c], d = decay[r], v = value[r];
-        const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(s * -1.0f);
+        int64_t start = runs[4 * r], end = runs[4 * r + 1];
+        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales);
+        if (x.pad) continue;
+        float *p = (float *)(intptr_t)params[r];
+        const float d = decay[r], v = value[r];
+        const __m256 vs = _mm256_set1_ps(x.s), vns = _mm256_set1_ps(x.ns);
         const __m256 vd = _mm256_set1_ps(d), vv = _mm256_set1_ps(v);
         int64_t i = start;
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float t = d != 1.0f ? p[i] * d : p[i];
-            p[i] = t + (v * momentum_one(&mo, i, s)) / denom[i];
+            float t = d != 1.0f ? p[i - start] * d : p[i - start];
+            float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
+            p[i - start] = t + (v * m) / denom[i];
         }
         for (; i + 8 <= end; i += 8) {
-            __m256 t = _mm256_loadu_ps(p + i);
+            __m256 t = _mm256_loadu_ps(p + i - start);
             if (d != 1.0f) t = _mm256_mul_ps(t, vd);
-            __m256 m = momentum_vec(&mo, i, vs, vns);
+            __m256 m = signed_byte(x.row[i >> 3], vs, vns);
             __m256 u = _mm256_div_ps(_mm256_mul_ps(vv, m), _mm256_loadu_ps(denom + i));
-            _mm256_storeu_ps(p + i, _mm256_add_ps(t, u));
+            _mm256_storeu_ps(p + i - start, _mm256_add_ps(t, u));
         }
         for (; i < end; i++) {
-            float t = d != 1.0f ? p[i] * d : p[i];
-            p[i] = t + (v * momentum_one(&mo, i, s)) / denom[i];
+            float t = d != 1.0f ? p[i - start] * d : p[i - start];
+            float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
+            p[i - start] = t + (v * m) / denom[i];
         }
     }
+}
+
+/* The server's share of a chunk with a scale per piece, fused: pieces[3p..3p+2] = start, end,
+   column c (chunk coordinates). Element i of piece p is
+       z = (sum over rows j in order of +-scales[j * ncols + c] from bit i of row j) / k + e[i]
+   (no division when k is 1), exactly as ob_average_pieces then ob_compress compute it. */
+KERNEL INLINE float z_one(const uint8_t *packed, int64_t stride, const float *scales,
+                          int64_t ncols, int64_t k, int64_t c, int64_t i, const float *e) {
+    float z = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        float s = scales[j * ncols + c];
+        float t = (packed[j * stride + (i >> 3)] >> (i & 7)) & 1 ? s : s * -1.0f;
+        z = j ? z + t : t;
+    }
+    if (k > 1) z = z / (float)k;
+    return z + e[i];
+}
+
+KERNEL INLINE __m256 z_vec(const uint8_t *packed, int64_t stride, const __m256 *vs,
+                           const __m256 *vns, int64_t k, int64_t i, const float *e) {
+    __m256 z = signed_byte(packed[i >> 3], vs[0], vns[0]);
+    for (int64_t j = 1; j < k; j++)
+        z = _mm256_add_ps(z, signed_byte(packed[j * stride + (i >> 3)], vs[j], vns[j]));
+    if (k > 1) z = _mm256_div_ps(z, _mm256_set1_ps((float)k));
+    return _mm256_add_ps(z, _mm256_loadu_ps(e + i));
+}
+
+/* The k rows' scales of column c, broadcast: vs[j] = scales[j * ncols + c], vns[j] = -1 * it.
+   Returns NULL if out of memory. */
+KERNEL static __m256 *row_scales(const float *scales, int64_t ncols, int64_t k, int64_t c) {
+    __m256 *v = aligned_alloc(32, 2 * k * sizeof(__m256));
+    if (!v) return NULL;
+    for (int64_t j = 0; j < k; j++) {
+        v[j] = _mm256_set1_ps(scales[j * ncols + c]);
+        v[k + j] = _mm256_set1_ps(scales[j * ncols + c] * -1.0f);
+    }
+    return v;
+}
+
+/* Server pass 1: the signs of z into bits and totals[p] = the sum of z*z (|z|) per piece. */
+KERNEL int ob_serve_signs(const uint8_t *packed, int64_t stride, const float *scales,
+                           int64_t ncols, int64_t k, const int64_t *pieces, int64_t npieces,
+                           const float *e, uint8_t *bits, int mean_abs, double *totals) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t p = 0; p < npieces; p++) {
+        int64_t start = pieces[3 * p], end = pieces[3 * p + 1], c = pieces[3 * p + 2];
+        Sum sum;
+        sum_start(&sum);
+        int64_t i = start;
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float z = z_one(packed, stride, scales, ncols, k, c, i, e);
+            sum_one(&sum, i, z, mean_abs);
+            set_bit(bits, i, z);
+        }
+        __m256 *rows = row_scales(scales, ncols, k, c);
+        if (!rows) return -1;
+#define Z(i) z_vec(packed, stride, rows, rows + k, k, i, e)
+        SIGNS_BODY(Z)
+#undef Z
+        free(rows);
+        for (; i < end; i++) {
+            float z = z_one(packed, stride, scales, ncols, k, c, i, e);
+            sum_one(&sum, i, z, mean_abs);
+            set_bit(bits, i, z);
+        }
+        sum_flush(&sum);
+        totals[p] = sum.total;
+    }
+    return 0;
+}
+
+/* Server pass 2: e[i] = z - (z >= 0 ? sigma[p] : -1 * sigma[p]), z recomputed. */
+KERNEL int ob_serve_commit(const uint8_t *packed, int64_t stride, const float *scales,
+                            int64_t ncols, int64_t k, const int64_t *pieces, int64_t npieces,
+                            const float *sigma, float *e) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t p = 0; p < npieces; p++) {
+        int64_t start = pieces[3 * p], end = pieces[3 * p + 1], c = pieces[3 * p + 2];
+        const float s = sigma[p], ns = s * -1.0f;
+        const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
+        int64_t i = start;
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float z = z_one(packed, stride, scales, ncols, k, c, i, e);
+            e[i] = z >= 0.0f ? z - s : z - ns;
+        }
+        __m256 *rows = row_scales(scales, ncols, k, c);
+        if (!rows) return -1;
+        for (; i + 8 <= end; i += 8) {
+            __m256 z = z_vec(packed, stride, rows, rows + k, k, i, e);
+            __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(z, zero, _CMP_GE_OQ));
+            _mm256_storeu_ps(e + i, _mm256_sub_ps(z, t));
+        }
+        for (; i < end; i++) {
+            float z = z_one(packed, stride, scales, ncols, k, c, i, e);
+            e[i] = z >= 0.0f ? z - s : z - ns;
+        }
+        free(rows);
+    }
+    return 0;
 }

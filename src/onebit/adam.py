@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import momentum
 from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
@@ -16,17 +17,11 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import AutoFreeze, VarianceFreezeMixin
-from .functional import (
-    adam_denominator,
-    adam_moments_,
-    adamw_update_,
-    bias_correction,
-    fill_zero_variance_,
-)
+from .freeze import AutoFreeze, FreezeSchedule, set_state_views
+from .functional import adam_denominator, bias_correction, fill_zero_variance_
 
 
-class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
+class OnebitAdam(CompressedOptimizer):
     """AdamW whose gradient communication drops to 1 bit per element after a warmup.
 
     A drop-in replacement for ``torch.optim.AdamW`` plus ``DistributedDataParallel``: do not
@@ -85,7 +80,9 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
     make them step by ``lr/eps`` (:func:`~onebit.functional.fill_zero_variance_`).
 
     State per parameter: ``exp_avg`` and ``exp_avg_sq``, views into flat buffers.
-    ``comm_stats`` reports the bytes this rank sent.
+    ``comm_stats`` reports the bytes this rank sent. ``freeze`` is the
+    :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
+    where the warmup stands.
     """
 
     def __init__(
@@ -107,18 +104,22 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
         overlap_backward: bool = False,
         warmup_compression: str = "fp32",
     ) -> None:
+        freeze: FreezeSchedule | None = None
+
         def check() -> None:
+            nonlocal freeze
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
-            self._init_freeze_step(freeze_step, auto_freeze)
+            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group)
 
         problem = problem_of(check)
-        self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            freeze=freeze,
+            bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
@@ -126,14 +127,21 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             warmup_compression=warmup_compression,
             problem=problem,
         )
-        self._start_freeze_monitor()
-        self._exp_avg = self._new_state_buffer("exp_avg")
-        self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
+        self._exp_avg = self.layout.zeros(padded=True, device=self.device)
+        self._exp_avg_sq = self.layout.zeros(device=self.device)
+        self._set_frozen(False)
+        self._fused: momentum.PackedMomentumStage | None = None
+        clip, masked = self.max_grad_norm is not None, bool(self._masks)
+        if not overlap_backward and momentum.applies(self.layout.params, scale_per, clip, masked):
+            self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
 
-    @property
-    def stage(self) -> str:
-        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
-        return "warmup" if self.in_warmup else "compression"
+    def _set_frozen(self, frozen: bool) -> None:
+        """Name the state for its stage: ``exp_avg_sq`` until the freeze, then ``frozen_denom``
+        (``sqrt(v̂) + eps``, kept instead of being recomputed at every step)."""
+        self._frozen = frozen
+        set_state_views(self, "exp_avg", self._exp_avg)
+        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
+        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
 
     def _next_communication(self) -> str:
         return self._warmup_kind if self.stage == "warmup" else "compressed"
@@ -152,40 +160,110 @@ class OnebitAdam(VarianceFreezeMixin, CompressedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._start_step()
-        beta1, beta2 = self._beta1, self._beta2
-        m, v = self._exp_avg, self._exp_avg_sq
+        m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         stage = self.stage
-        g = self._grads[: self.layout.numel]
+        fused = stage == "compression" and self._fused is not None
         if stage == "warmup":
-            applied, nbytes = self._communicate(self._warmup_kind, out=g)
-            if applied:
-                self._clip_averaged_(g)
-                adam_moments_(m, v, g, beta1, beta2)
+            applied, nbytes = self._warmup_moments_(m, v)
+        elif fused:
+            applied, nbytes = self._fused_compressed_step()
         else:
+            g = self._grads[: self.layout.numel]
             clip = self.max_grad_norm is not None
             applied, nbytes = self._communicate("compressed", out=g if clip else m)
             if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
-                m.mul_(beta1).lerp_(g, self._compressed_clip_coefficient())
+                m.mul_(self._beta1).lerp_(g, self._compressed_clip_coefficient())
             if applied:
                 self._apply_mask_(m)
-        if applied:
-            t = self.num_steps + 1
-            frozen_t = self._variance_step(t)
-            bc2 = bias_correction(beta2, frozen_t, self.bias_correction)
-            denom = adam_denominator(v, bc2, self._eps, out=g)
-            if stage == "warmup":
-                self._observe_variance(t, denom)
-            step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
-            for group, params, ms, denoms in self._per_group(m, denom):
-                adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
-            if t == self.freeze_step:  # the variance is frozen from here on
-                fill_zero_variance_(self.layout.views(v), self._eps**2 * bc2)
-                self._end_warmup_compression()
+        t = self.num_steps + 1
+        if applied and stage == "warmup":
+            denom = self._adam_denominator(v, t)
+            self._observe_variance(t, denom)
+            self._adamw_update_(m, denom, t)
+            if t == self.freeze_step:
+                self._freeze_variance_(t)
+        elif applied and fused:
+            groups = [(g["lr"], g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
+            lrs, decays = zip(*groups)
+            step_scale = 1 / bias_correction(self._beta1, t, self.bias_correction)
+            self._fused.update_(v, lrs, decays, step_scale)
+        elif applied:
+            self._adamw_update_(m, v, t)
         self._end_step(stage, nbytes, applied)
         return loss
 
+    def _freeze_variance_(self, t: int) -> None:
+        """At the end of the last warmup step: fill the zero variances, then keep
+        ``sqrt(v̂) + eps`` in place of ``v`` for the compression stage."""
+        v = self._exp_avg_sq
+        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(t))
+        self._adam_denominator(v, t, out=v)
+        self._set_frozen(True)
+        self._end_warmup_compression()
+
+    def _fused_compressed_step(self) -> tuple[bool, int]:
+        """A compression step by the fused passes of :class:`~onebit.momentum.
+        PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
+        grads, keep, sparse = momentum.gradient_addresses(self.layout.params)
+        if sparse:
+            self._status = 1
+        calls: list[Any] = [None] * len(self.comms)
+        for k in reversed(range(len(self.comms))):  # the order _communicate launches in
+            header = self._header_for(k)
+            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header)
+        applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
+        del keep
+        if applied:
+            self._fused.finish(calls)
+            set_state_views(self, "exp_avg", None)  # packed now: see state_dict()
+        return applied, nbytes
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`CompressedOptimizer.state_dict`; a packed momentum is unpacked into a new
+        fp32 ``exp_avg`` (exactly: each element is ``±σ`` of its piece)."""
+        if self._fused is None or self._fused.packed is None:
+            return super().state_dict()
+        set_state_views(self, "exp_avg", self._fused.materialize())
+        try:
+            state = super().state_dict()
+            state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
+            return state
+        finally:
+            set_state_views(self, "exp_avg", None)
+
     def _extra_state(self) -> dict[str, Any]:
-        return self._freeze_state()
+        return {"frozen": self._frozen}
+
+    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        frozen, fused = self._frozen, self._fused
+        packed = None if fused is None else fused.packed
+        errors = [c._worker_error for c in self.comms]
+        self._set_frozen(bool(saved.get("frozen", False)))  # older states: exp_avg_sq
+        if fused is not None:  # load the momentum as fp32, the errors apart from it
+            fused.packed = None
+            for comm in self.comms:
+                comm._worker_error = None
+
+        def undo() -> None:
+            self._set_frozen(frozen)
+            if fused is not None:
+                fused.packed = packed
+                for comm, error in zip(self.comms, errors):
+                    comm._worker_error = error
+                if packed is not None:
+                    set_state_views(self, "exp_avg", None)
+
+        return undo
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._load_freeze_state(state)
+        t, v = self.num_steps, self._exp_avg_sq
+        if not self._frozen and self.freeze_step is not None and t >= self.freeze_step:
+            (_, beta2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+            bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
+            adam_denominator(v, bc2, eps, out=v)  # saved by onebit <= 0.1: v past the freeze
+            self._set_frozen(True)
+        if self._fused is not None:
+            errors = [c._worker_error for c in self.comms]
+            self._fused.load_(self._exp_avg[: self.layout.numel].clone(), errors)
+            if self._fused.packed is not None:
+                set_state_views(self, "exp_avg", None)

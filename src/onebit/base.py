@@ -1,4 +1,5 @@
-"""Plumbing shared by the 1-bit optimizers: flat state, buckets, communication, checkpoints.
+"""Plumbing shared by the 1-bit optimizers: flat state, buckets, communication, checkpoints,
+and the full-precision Adam step that every warmup runs.
 
 Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
@@ -30,7 +31,16 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
-from .functional import all_finite, clip_coefficient, layer_norms
+from .freeze import FreezeSchedule, VarianceMonitor
+from .functional import (
+    adam_denominator,
+    adam_moments_,
+    adamw_update_,
+    all_finite,
+    bias_correction,
+    clip_coefficient,
+    layer_norms,
+)
 from .layout import FlatLayout
 from .quantized import QuantizedAllreduce
 from .stats import CommStats
@@ -130,7 +140,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
     takes part in every step's collectives whatever its local ``found_inf``; a non-finite value
     on any rank makes every rank skip the step.
 
+    Subclasses are Adam at heart: each passes the :class:`~onebit.freeze.FreezeSchedule` that
+    ends its warmup, and its warmup steps run the full-precision Adam step below
+    (:meth:`_warmup_moments_`, :meth:`_adam_denominator`, :meth:`_adamw_update_`).
+
     Attributes:
+        freeze: the :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step`` and
+            ``in_warmup`` read it.
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
         skipped_steps: steps skipped on every rank because some rank had a non-finite gradient.
         grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
@@ -147,6 +163,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         *,
         process_group: dist.ProcessGroup | None,
         bucket_size: int,
+        freeze: FreezeSchedule | None,
+        bias_correction: bool = True,
         max_grad_norm: float | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
@@ -155,6 +173,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
+        self.bias_correction = bias_correction
         self.scale_per = scale_per
         self.warmup_compression = warmup_compression
         self.process_group = process_group
@@ -163,6 +182,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         try:
             if problem is not None:  # the subclass's own argument checks failed
                 raise ValueError(problem)
+            assert freeze is not None, "a subclass whose checks passed has its FreezeSchedule"
+            self.freeze = freeze
             self._lay_out(bucket_size, max_grad_norm, exp_avg_mask)
         except ValueError as err:
             if self.world_size == 1:
@@ -221,6 +242,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._in_backward = False
         self._install_hooks()
         self.comm_stats = CommStats()
+        self.comm_stats.freeze_step = self.freeze.freeze_step
         self.skipped_steps = 0
         self.num_steps = 0
         self._calls = 0
@@ -272,7 +294,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "warmup_compression": self.warmup_compression,
             "param groups": _group_hyperparameters(self.param_groups),
             "max_grad_norm": self.max_grad_norm,
-            "bias_correction": getattr(self, "bias_correction", None),
+            "bias_correction": self.bias_correction,
+            "freeze_step": self.freeze.freeze_step,
+            "auto_freeze": self.freeze.auto_freeze,
             "overlap_backward": self.overlap_backward,
             "exp_avg_mask": [offset for offset, _ in self._masks],
         }
@@ -284,6 +308,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "group to the constructor"
             )
         super().add_param_group(param_group)
+
+    # Where the warmup stands: the FreezeSchedule's answers.
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warmup step: the constructor's, or the step ``"auto"`` chose (``None`` while
+        it has not)."""
+        return self.freeze.freeze_step
+
+    @property
+    def in_warmup(self) -> bool:
+        """True until ``freeze_step`` steps have been applied (or while ``"auto"`` waits)."""
+        return self.freeze.in_warmup(self.num_steps)
+
+    @property
+    def stage(self) -> str:
+        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
+        return "warmup" if self.in_warmup else "compression"
+
+    @property
+    def _freeze_monitor(self) -> VarianceMonitor | None:
+        """The ``"auto"`` rule's state, ``freeze.monitor``."""
+        return self.freeze.monitor
 
     def _new_state_buffer(self, name: str) -> Tensor:
         """A zero flat fp32 buffer exposed per parameter as ``self.state[p][name]``."""
@@ -533,12 +580,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._fill_bucket(k, norms)
         return self._grads[: self.layout.numel]
 
-    def _allreduce_grads(self) -> tuple[bool, int]:
-        """Average the gathered gradients in place, in fp32 or through the quantized warmup
-        exchange; return (applied, bytes sent)."""
-        kind = self._warmup_kind
-        return self._communicate(kind, self._grads[: self.layout.numel], fill=False)
-
     def _compressed_allreduce(self, out: Tensor) -> tuple[bool, int]:
         """Compressed allreduce of the (padded) flat gradient buffer, used as the input scratch,
         into the flat buffer ``out``; return (applied, bytes sent). Not applied means some rank
@@ -567,6 +608,47 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""
         for offset, mask in self._masks:
             flat[offset : offset + mask.numel()].mul_(mask)
+
+    # The full-precision Adam step. Every warmup step (0/1 Adam's variance steps) runs
+    # _warmup_moments_, then _adam_denominator, then its own update (_adamw_update_ or LAMB's).
+    # At the freeze each applies fill_zero_variance_ with _zero_variance_floor. The compressed
+    # steps reuse the pieces they share.
+
+    def _warmup_moments_(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
+        """Average the gradients at full precision into the gradient buffer (an fp32
+        allreduce, or the quantized warmup exchange), clip the average (``max_grad_norm``) and
+        fold it into Adam's moments ``m`` and ``v``; return (applied, bytes sent)."""
+        g = self._grads[: self.layout.numel]
+        applied, nbytes = self._communicate(self._warmup_kind, out=g)
+        if applied:
+            self._clip_averaged_(g)
+            adam_moments_(m, v, g, self._beta1, self._beta2)
+        return applied, nbytes
+
+    def _adam_denominator(self, v: Tensor, variance_step: int, out: Tensor | None = None) -> Tensor:
+        """``sqrt(v̂) + eps``, ``v`` bias-corrected for ``variance_step`` updates, into ``out``
+        (default: the gradient buffer, which then holds no gradient)."""
+        bc2 = bias_correction(self._beta2, variance_step, self.bias_correction)
+        out = self._grads[: self.layout.numel] if out is None else out
+        return adam_denominator(v, bc2, self._eps, out=out)
+
+    def _observe_variance(self, step: int, denom: Tensor) -> None:
+        """Feed ``freeze_step="auto"`` the flat denominators of applied warmup step ``step``;
+        record the step it chooses in ``comm_stats``."""
+        if self.freeze.measures(step) and self.freeze.observe(step, self.layout.views(denom)):
+            self.comm_stats.freeze_step = step
+
+    def _adamw_update_(self, m: Tensor, denom: Tensor, step: int) -> None:
+        """AdamW's update of every param group: ``p -= lr·(m̂/denom + weight_decay·p)`` with
+        ``m̂`` bias-corrected for ``step``."""
+        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
+        for group, params, ms, denoms in self._per_group(m, denom):
+            adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+
+    def _zero_variance_floor(self, variance_step: int) -> float:
+        """``eps² · (1 - β2^variance_step)``: a variance at most this has ``sqrt(v̂) <= eps``, and
+        :func:`~onebit.functional.fill_zero_variance_` gives it its tensor's mean."""
+        return self._eps**2 * bias_correction(self._beta2, variance_step, self.bias_correction)
 
     # Overlap with backward.
 
@@ -760,6 +842,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "calls": self._calls,
             "backward_passes": self._backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
+            **self.freeze.state_dict(),
             **self._extra_state(),
             "ranks": ranks,
         }
@@ -876,7 +959,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._calls = extra.pop("calls", self.num_steps + self.skipped_steps)
         self._backward_passes = extra.pop("backward_passes", 0)
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
-        for key in ("optimizer", "world_size", "layout"):
+        self.freeze.load_state_dict(extra)
+        self.comm_stats.freeze_step = self.freeze.freeze_step
+        for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
             extra.pop(key, None)
         self._load_extra_state(extra)
 

@@ -19,13 +19,13 @@ from torch import Tensor
 
 from .compress import (
     average_signs_,
-    average_signs_pieces_,
     check_scale,
     compress_,
     decompress_,
     decompress_pieces_,
     padded_numel,
     segment_scales,
+    serve_pieces_,
     subtract_compressed_,
     subtract_compressed_segments_,
 )
@@ -87,7 +87,7 @@ class _Call:
     work: dist.Work | None
     gathered: Tensor | None = None
     signs: Tensor | None = None  # pack_signs(y), kept for the error update
-    commit: Callable[[Tensor], None] | None = None  # updates the worker error instead of y
+    commit: Callable[[], None] | None = None  # updates the worker error instead of y
 
 
 class CompressedAllreduce:
@@ -272,13 +272,14 @@ class CompressedAllreduce:
         header: Tensor | None = None,
         *,
         y: Tensor | None = None,
-        commit: Callable[[Tensor], None] | None = None,
+        commit: Callable[[], None] | None = None,
     ) -> _Call:
         """Phase 1 of signs and scales the caller compressed itself (``pack_signs(y)``, and the
         scale of ``y`` or of each segment), as :meth:`start`.
 
-        :meth:`serve` then updates the worker error from ``y``, or calls ``commit(worker_error)``
-        to do it (say a fused kernel that computes ``y`` again, see :mod:`onebit.fused`).
+        :meth:`serve` then updates the worker error from ``y``, or calls ``commit()``, which
+        updates :attr:`worker_error` itself (say with a fused kernel that computes ``y`` again,
+        see :mod:`onebit.fused`).
         """
         n, chunk = self.world_size, self._chunk_bytes
         device = signs.device
@@ -320,11 +321,12 @@ class CompressedAllreduce:
     def serve(self, call: _Call, z: Tensor | None = None) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2.
 
-        ``z`` (``chunk_numel`` fp32) is scratch for the served chunk; default: a new buffer.
+        ``z`` (``chunk_numel`` fp32) is scratch for the served chunk without segments (default:
+        a new buffer); with segments the C kernels need none.
         """
         geometry = self._geometry
         if call.commit is not None:
-            call.commit(self.worker_error)
+            call.commit()
         elif geometry is None:
             subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
         else:
@@ -334,26 +336,26 @@ class CompressedAllreduce:
             call.gathered = call.received
             return
         chunk = self._chunk_bytes
-        if z is None:
-            z = torch.empty(self.chunk_numel, device=self.server_error.device)
         received = call.received[:, :chunk]
         scales = _scales(call.received, chunk, self.worker_scale_count)
         if geometry is None:
+            if z is None:
+                z = torch.empty(self.chunk_numel, device=self.server_error.device)
             average_signs_(received, scales[:, 0], out=z)
-        else:
-            average_signs_pieces_(received, scales, geometry.served[self.rank], out=z)
-        packed, sigma = compress_(z, self.server_error, self.scale)
-        if geometry is None:
+            packed, sigma = compress_(z, self.server_error, self.scale)
             subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
         else:
             bounds = geometry.chunk_bounds[self.rank]
-            sigma = torch.zeros(self.server_scale_count, device=z.device)
-            sigma[: len(bounds) - 1] = segment_scales(z, bounds, self.scale)
-            subtract_compressed_segments_(z, sigma, bounds, self.server_error)
+            served = geometry.served[self.rank]
+            packed, pieces_sigma = serve_pieces_(
+                received, scales, served, bounds, self.server_error, self.scale
+            )
+            sigma = torch.zeros(self.server_scale_count, device=pieces_sigma.device)
+            sigma[: len(bounds) - 1] = pieces_sigma
         scales_end = chunk + _SCALE_BYTES * self.server_scale_count
-        message = torch.empty(scales_end, dtype=torch.uint8, device=z.device)
+        message = torch.empty(scales_end, dtype=torch.uint8, device=self.device)
         message[:chunk] = packed
-        message[chunk:scales_end] = sigma.reshape(-1).to(z.device).view(torch.uint8)
+        message[chunk:scales_end] = sigma.reshape(-1).to(self.device).view(torch.uint8)
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return

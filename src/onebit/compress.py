@@ -391,6 +391,38 @@ def average_signs_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: T
     return flat.div_(k).view_as(out) if k != 1 else out
 
 
+def serve_pieces_(
+    packed: Tensor, scales: Tensor, pieces: Tensor, bounds: Tensor, error: Tensor, scale: str
+) -> tuple[Tensor, Tensor]:
+    """A server's whole share with a scale per piece: ``z`` = the average of the ``k`` rows of
+    ``packed`` (:func:`average_signs_pieces_`) plus ``error``; return ``z``'s packed signs and
+    the scale of each piece (``bounds``, the pieces' boundaries), and commit
+    ``error = z - ±scale`` (:func:`subtract_compressed_segments_`).
+
+    The C kernels do it in two passes that never store ``z``; elsewhere it is those functions in
+    turn, on a temporary ``z``, with the same bits.
+    """
+    lib = _kernels() if fast_path(error) and packed.device.type == "cpu" else None
+    if lib is None or packed.stride(-1) != 1 or error.dtype != torch.float32:
+        z = average_signs_pieces_(packed, scales, pieces, torch.empty_like(error))
+        signs, _ = compress_(z, error, scale)
+        sigma = segment_scales(z, bounds, scale)
+        subtract_compressed_segments_(z, sigma, bounds, error)
+        return signs, sigma
+    k = packed.shape[0]
+    scales = scales.to(torch.float32).contiguous()
+    args = (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.shape[1], k,
+            pieces.data_ptr(), len(pieces))  # fmt: skip
+    signs = torch.empty(error.numel() // 8, dtype=torch.uint8)
+    totals = torch.empty(len(pieces), dtype=torch.float64)
+    failed = lib.ob_serve_signs(*args, error.data_ptr(), signs.data_ptr(), scale == "mean_abs",
+                                totals.data_ptr())  # fmt: skip
+    sigma = scales_from_totals(totals, bounds.diff().to(torch.float64), scale)
+    if failed or lib.ob_serve_commit(*args, sigma.data_ptr(), error.data_ptr()):
+        raise MemoryError("onebit's server kernel could not allocate its scale table")
+    return signs, sigma
+
+
 def decompress_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: Tensor) -> Tensor:
     """:func:`decompress_` with a scale per piece: ``pieces`` rows are ``(j, start, end, c)``,
     and elements ``[start, end)`` of row ``j`` are ``scales[j, c] * sign``; ``out`` gets the

@@ -16,8 +16,9 @@ it has stopped moving. The rule, with the knobs of :class:`AutoFreeze`:
   been below ``tolerance`` for ``patience`` measurements in a row, and at ``max_step`` at the
   latest.
 
-The chosen step is recorded in the optimizer's ``freeze_step``, in ``comm_stats.freeze_step`` and
-in the state dict, so a resumed run keeps it (and an unfinished decision continues exactly).
+:class:`FreezeSchedule` holds the step, fixed or chosen, and the rule's state. The chosen step is
+recorded in the optimizer's ``freeze_step``, in ``comm_stats.freeze_step`` and in the state dict,
+so a resumed run keeps it (and an unfinished decision continues exactly).
 """
 
 from __future__ import annotations
@@ -81,15 +82,21 @@ class AutoFreeze:
 
 
 class VarianceMonitor:
-    """The state of the ``"auto"`` rule: the last measurement and the run of stable ones."""
+    """The state of the ``"auto"`` rule: the last measurement and the run of stable ones.
+
+    ``numels`` are the layers' sizes, which weigh the statistic (``None``: the sizes of the
+    denominators observed).
+    """
 
     def __init__(
-        self, config: AutoFreeze, numels: list[int], process_group: dist.ProcessGroup | None
+        self,
+        config: AutoFreeze,
+        numels: list[int] | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.process_group = process_group
-        self.numels = torch.tensor(numels, dtype=torch.float32)
-        self.weights = self.numels / self.numels.sum().clamp(min=1)
+        self.numels = numels
         self.reference: Tensor | None = None
         self.stable_windows = 0
         self.last_change = math.inf
@@ -107,8 +114,11 @@ class VarianceMonitor:
         if not self.due(step):
             return False
         config = self.config
-        means = layer_norms(denominators, ord=1).cpu() / self.numels.clamp(min=1)
-        change = _relative_change(means, self.reference, self.weights)
+        sizes = [d.numel() for d in denominators] if self.numels is None else self.numels
+        numels = torch.tensor(sizes, dtype=torch.float32)
+        means = layer_norms(denominators, ord=1).cpu() / numels.clamp(min=1)
+        weights = numels / numels.sum().clamp(min=1)
+        change = _relative_change(means, self.reference, weights)
         if dist.is_available() and dist.is_initialized():
             device = denominators[0].device if denominators else torch.device("cpu")
             agreed = torch.tensor([change], dtype=torch.float64, device=device)
@@ -143,82 +153,99 @@ def _relative_change(now: Tensor, before: Tensor | None, weights: Tensor) -> flo
     return float((rel * weights).sum())
 
 
-class VarianceFreezeMixin:
-    """``freeze_step`` as an int or ``"auto"``, for optimizers whose warmup ends by freezing ``v``.
+class FreezeSchedule:
+    """When an optimizer's warmup ends and Adam's variance freezes: a state object of its own.
 
-    The optimizer calls :meth:`_init_freeze_step` before ``CompressedOptimizer.__init__``,
-    :meth:`_start_freeze_monitor` after it, and :meth:`_observe_variance` on each applied warmup
-    step with the flat denominators ``sqrt(v̂) + eps``. ``freeze_step`` is ``None`` while an
-    ``"auto"`` decision is pending.
+    Each optimizer holds one as ``freeze`` (the way a DDP comm hook holds its ``PowerSGDState``)
+    and asks it where the warmup stands; it knows nothing of the optimizer, so everything it
+    uses comes in as an argument.
+
+    Args:
+        freeze_step: the last warmup step, an int >= 1, or ``"auto"`` to choose it while
+            training by the rule of :class:`AutoFreeze`.
+        auto_freeze: the knobs of ``"auto"`` (default ``AutoFreeze()``); only with ``"auto"``.
+        process_group: the group whose ranks agree on an ``"auto"`` decision (``None``: the
+            default group).
+
+    Attributes:
+        freeze_step: the last warmup step: the constructor's int, or the step ``"auto"`` chose;
+            ``None`` while that decision is pending.
+        auto_freeze: the knobs of ``"auto"``; ``None`` for a fixed step.
+        monitor: the :class:`VarianceMonitor` of ``"auto"``; ``None`` for a fixed step.
+
+    Raises:
+        ValueError: for a ``freeze_step`` that is neither an int >= 1 nor ``"auto"``, or knobs
+            without ``"auto"``.
     """
 
-    freeze_step: int | None
-    _auto_freeze: AutoFreeze | None
-    _freeze_monitor: VarianceMonitor | None
-
-    def _init_freeze_step(
-        self, freeze_step: int | Literal["auto"], auto_freeze: AutoFreeze | None
+    def __init__(
+        self,
+        freeze_step: int | Literal["auto"],
+        auto_freeze: AutoFreeze | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.freeze_step: int | None
+        self.auto_freeze: AutoFreeze | None
+        self.monitor: VarianceMonitor | None = None
         if freeze_step == "auto":
             self.freeze_step = None
-            self._auto_freeze = AutoFreeze() if auto_freeze is None else auto_freeze
-            if not isinstance(self._auto_freeze, AutoFreeze):
+            self.auto_freeze = AutoFreeze() if auto_freeze is None else auto_freeze
+            if not isinstance(self.auto_freeze, AutoFreeze):
                 raise ValueError(f"auto_freeze must be an AutoFreeze, got {auto_freeze!r}")
+            self.monitor = VarianceMonitor(self.auto_freeze, process_group=process_group)
         else:
             if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
                 raise ValueError(f'freeze_step must be an int >= 1 or "auto", got {freeze_step!r}')
             if auto_freeze is not None:
                 raise ValueError('auto_freeze needs freeze_step="auto"')
             self.freeze_step = freeze_step
-            self._auto_freeze = None
-        self._freeze_monitor = None
+            self.auto_freeze = None
 
-    def _settings(self) -> dict[str, Any]:
-        return {
-            **super()._settings(),  # type: ignore[misc]
-            "freeze_step": self.freeze_step,
-            "auto_freeze": self._auto_freeze,
-        }
+    def in_warmup(self, num_steps: int) -> bool:
+        """Whether the step after ``num_steps`` applied steps is a warmup step: until
+        ``freeze_step`` steps are applied, and while ``"auto"`` has not decided."""
+        return self.freeze_step is None or num_steps < self.freeze_step
 
-    def _start_freeze_monitor(self) -> None:
-        if self._auto_freeze is not None:
-            self._freeze_monitor = VarianceMonitor(
-                self._auto_freeze, self.layout.numels, self.process_group
-            )
-        self.comm_stats.freeze_step = self.freeze_step
-
-    @property
-    def in_warmup(self) -> bool:
-        """True until ``freeze_step`` steps have been applied (or while ``"auto"`` waits)."""
-        return self.freeze_step is None or self.num_steps < self.freeze_step
-
-    def _variance_step(self, step: int) -> int:
-        """The step whose variance is in use at ``step``: ``step``, or ``freeze_step`` after it."""
+    def variance_step(self, step: int) -> int:
+        """The step whose variance is in use at ``step``: ``step``, or ``freeze_step`` after it
+        (the step count of the variance's bias correction)."""
         return step if self.freeze_step is None else min(step, self.freeze_step)
 
-    def _observe_variance(self, step: int, denominators: Tensor) -> None:
-        """Feed the ``"auto"`` rule at the end of applied warmup step ``step``."""
-        monitor = self._freeze_monitor
-        if monitor is None or self.freeze_step is not None or not monitor.due(step):
-            return
-        if monitor.observe(step, self.layout.views(denominators)):
-            self.freeze_step = step
-            self.comm_stats.freeze_step = step
+    def measures(self, step: int) -> bool:
+        """Whether :meth:`observe` measures at ``step``: an ``"auto"`` decision is pending and
+        the step is one of its measuring steps."""
+        return self.monitor is not None and self.freeze_step is None and self.monitor.due(step)
 
-    def _freeze_state(self) -> dict[str, Any]:
-        monitor = self._freeze_monitor
+    def observe(self, step: int, denominators: list[Tensor]) -> bool:
+        """Feed the ``"auto"`` rule each layer's ``sqrt(v̂) + eps`` at the end of applied warmup
+        step ``step``; return whether it froze at ``step`` (``freeze_step`` is then ``step``).
+
+        A collective on measuring steps (:meth:`measures`): call it on every rank.
+        """
+        if not self.measures(step):
+            return False
+        assert self.monitor is not None
+        if not self.monitor.observe(step, denominators):
+            return False
+        self.freeze_step = step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """``freeze_step`` and the ``"auto"`` rule's state (``None`` for a fixed step)."""
+        monitor = self.monitor
         return {
             "freeze_step": self.freeze_step,
             "auto_freeze": None if monitor is None else monitor.state_dict(),
         }
 
-    def _load_freeze_state(self, state: dict[str, Any]) -> None:
-        """Restore an ``"auto"`` decision; a fixed ``freeze_step`` stays the constructor's."""
-        if self._freeze_monitor is not None:
-            self.freeze_step = state["freeze_step"]
-            if state["auto_freeze"] is not None:
-                self._freeze_monitor.load_state_dict(state["auto_freeze"])
-        self.comm_stats.freeze_step = self.freeze_step
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore an ``"auto"`` decision, made or pending; a fixed ``freeze_step`` stays the
+        constructor's (and needs no keys in ``state``)."""
+        if self.monitor is None:
+            return
+        self.freeze_step = state["freeze_step"]
+        if state["auto_freeze"] is not None:
+            self.monitor.load_state_dict(state["auto_freeze"])
 
 
 def set_state_views(optimizer: Any, name: str, flat: Tensor | None) -> None:

@@ -17,10 +17,8 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import AutoFreeze, VarianceFreezeMixin, set_state_views
+from .freeze import AutoFreeze, FreezeSchedule, set_state_views
 from .functional import (
-    adam_denominator,
-    adam_moments_,
     bias_correction,
     fill_zero_variance_,
     lamb_factor,
@@ -31,7 +29,7 @@ from .functional import (
 )
 
 
-class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
+class OnebitLamb(CompressedOptimizer):
     """LAMB whose gradient communication drops to 1 bit per element after a warmup.
 
     LAMB (You et al., 2020) is Adam with a per-layer trust ratio: each parameter ("layer")
@@ -99,7 +97,9 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
     ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
     (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
     compression stage: five model-sized fp32 buffers (momentum, frozen denominator, fresh
-    variance, gradient scratch, worker error) plus the server error.
+    variance, gradient scratch, worker error) plus the server error. ``freeze`` is the
+    :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
+    where the warmup stands.
     """
 
     def __init__(
@@ -126,7 +126,10 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         max_grad_norm: float | None = None,
         warmup_compression: str = "fp32",
     ) -> None:
+        freeze: FreezeSchedule | None = None
+
         def check() -> None:
+            nonlocal freeze
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
             if not 0.0 < min_coeff <= max_coeff < math.inf:
                 raise ValueError(
@@ -142,26 +145,26 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
                 )
             if not 0.0 <= factor_threshold < 1.0:
                 raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
-            self._init_freeze_step(freeze_step, auto_freeze)
+            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group)
 
         problem = problem_of(check)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
-        self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            freeze=freeze,
+            bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             warmup_compression=warmup_compression,
             problem=problem,
         )
-        self._start_freeze_monitor()
         self._exp_avg = self._new_state_buffer("exp_avg")
         self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
@@ -180,11 +183,6 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             **super()._settings(),
             "lamb": tuple(getattr(self, k) for k in (*knobs, "factor_threshold")),
         }
-
-    @property
-    def stage(self) -> str:
-        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
-        return "warmup" if self.in_warmup else "compression"
 
     def get_lamb_coeffs(self) -> list[float]:
         """Each parameter's trust ratio in the last step, in parameter order (a copy)."""
@@ -206,20 +204,13 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         return loss
 
     def _warmup_step(self) -> None:
-        beta1, beta2 = self._beta1, self._beta2
         m, v = self._exp_avg, self._exp_avg_sq
-        g = self._gather_grads()
-        applied, nbytes = self._allreduce_grads()
+        applied, nbytes = self._warmup_moments_(m, v)
         if applied:
             t = self.num_steps + 1
-            self._clip_averaged_(g)
-            adam_moments_(m, v, g, beta1, beta2)
-            bc2 = bias_correction(beta2, t, self.bias_correction)
-            denom = adam_denominator(v, bc2, self._eps, out=g)
+            denom = self._adam_denominator(v, t)
             self._observe_variance(t, denom)
-            update = torch.div(m, denom, out=g).div_(
-                bias_correction(beta1, t, self.bias_correction)
-            )
+            update = self._adam_update(m, denom, t)
             self._add_weight_decay(update)
             weight_norms = layer_norms(self.layout.params).cpu()
             update_norms = layer_norms(self.layout.views(update)).cpu()
@@ -235,7 +226,7 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
     def _compression_step(self) -> None:
         if not self._frozen:
             self._freeze()
-        beta1, beta2, eps = self._beta1, self._beta2, self._eps
+        beta1, beta2 = self._beta1, self._beta2
         m, frozen_denom, v_fresh = self._exp_avg, self._exp_avg_sq, self._exp_avg_sq_fresh
         assert v_fresh is not None
         g = self._gather_grads(norms=True)
@@ -255,14 +246,11 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
             self._apply_mask_(m)
-            bc2 = bias_correction(beta2, t, self.bias_correction)
-            fresh = adam_denominator(v_fresh, bc2, eps, out=g)
+            fresh = self._adam_denominator(v_fresh, t)
             torch.div(frozen_denom, fresh, out=g)
             raw = layer_norms(views, ord=math.inf).cpu()  # each layer's largest ratio
             raw = torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
-            update = torch.div(m, frozen_denom, out=g).div_(
-                bias_correction(beta1, t, self.bias_correction)
-            )
+            update = self._adam_update(m, frozen_denom, t)
             update_ratio = None
             if any(group["weight_decay"] for group in self.param_groups):
                 adaptive = layer_norms(views).cpu()
@@ -281,6 +269,12 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
             self._apply(update, self._frozen_coeffs * factors)
         self._end_step("compression", nbytes, applied)
 
+    def _adam_update(self, m: Tensor, denom: Tensor, step: int) -> Tensor:
+        """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
+        buffer."""
+        bc1 = bias_correction(self._beta1, step, self.bias_correction)
+        return torch.div(m, denom, out=self._grads[: self.layout.numel]).div_(bc1)
+
     def _add_weight_decay(self, update: Tensor) -> None:
         for group, params, updates in self._per_group(update):
             if group["weight_decay"] and params:
@@ -298,11 +292,10 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
 
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
-        beta2, eps = self._beta2, self._eps
-        bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
-        fill_zero_variance_(self.layout.views(self._exp_avg_sq), eps**2 * bc2)
-        self._exp_avg_sq_fresh = self._exp_avg_sq.clone()
-        adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
+        v, frozen_t = self._exp_avg_sq, self.freeze.variance_step(self.num_steps)
+        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(frozen_t))
+        self._exp_avg_sq_fresh = v.clone()
+        self._adam_denominator(v, frozen_t, out=v)
         self._scaling = momentum_scaling(self.layout.views(self._exp_avg))
         ema = self._coeff_ema
         if self.bias_correction:
@@ -323,7 +316,6 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {
-            **self._freeze_state(),
             "frozen": self._frozen,
             "coeff_ema": self._coeff_ema.clone(),
             "coeff_updates": self._coeff_updates.clone(),
@@ -334,7 +326,6 @@ class OnebitLamb(VarianceFreezeMixin, CompressedOptimizer):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._load_freeze_state(state)
         self._coeff_ema = state["coeff_ema"].clone()
         self._coeff_updates = state["coeff_updates"].clone()
         self._frozen_coeffs = state["frozen_coeffs"].clone()

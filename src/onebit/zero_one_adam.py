@@ -18,11 +18,9 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import set_state_views
+from .freeze import FreezeSchedule, set_state_views
 from .functional import (
-    adam_denominator,
     adam_moments_,
-    adamw_update_,
     all_finite,
     bias_correction,
     clip_coefficient,
@@ -119,6 +117,8 @@ class ZeroOneAdam(CompressedOptimizer):
     local momentum, ``exp_avg_sq`` is replaced by ``frozen_denom`` (``sqrt(v̂) + eps``), and
     ``sync_params`` holds the parameters of the last sync. ``comm_stats`` counts bytes per stage
     (``"variance"``, ``"compression"``, ``"sync"``, ``"local"``) and ``rounds_skipped``.
+    ``freeze`` is a :class:`~onebit.freeze.FreezeSchedule` fixed at ``var_freeze_step``, which
+    ``freeze_step`` and ``in_warmup`` (phase A) also give.
     """
 
     def __init__(
@@ -140,21 +140,26 @@ class ZeroOneAdam(CompressedOptimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
+        freeze: FreezeSchedule | None = None
+
         def check() -> None:
+            nonlocal freeze
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
+            freeze = FreezeSchedule(self.var_freeze_step)
             self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
             self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler)
             self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
 
         problem = problem_of(check)
-        self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
             process_group=process_group,
             bucket_size=bucket_size,
+            freeze=freeze,
+            bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
@@ -174,7 +179,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
-        self.comm_stats.freeze_step = self.var_freeze_step
 
     def _settings(self) -> dict[str, Any]:
         return {
@@ -192,7 +196,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """What the next step does: ``"variance"`` (fp32 allreduce, phase A), ``"compression"``
         (1-bit allreduce of the gradient, phase A), ``"local"`` or ``"sync"`` (phase B)."""
         t = self.num_steps + 1
-        if self.num_steps < self.var_freeze_step:
+        if self.in_warmup:
             return "variance" if t % self.var_interval == 0 else "compression"
         return "sync" if t % self.local_step_interval == 0 else "local"
 
@@ -205,7 +209,7 @@ class ZeroOneAdam(CompressedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._start_step()
-        if self.num_steps < self.var_freeze_step:
+        if self.in_warmup:
             self._variance_phase_step()
         else:
             self._local_phase_step()
@@ -226,42 +230,40 @@ class ZeroOneAdam(CompressedOptimizer):
             self.skipped_steps += not synced
 
     def _variance_phase_step(self) -> None:
-        beta1, beta2 = self._beta1, self._beta2
         n = self.layout.numel
         m, v = self._exp_avg[:n], self._exp_avg_sq
         t = self.num_steps + 1
-        update_variance = t % self.var_interval == 0
-        g = self._gather_grads(norms=not update_variance)
-        if update_variance:
+        if t % self.var_interval == 0:
             stage = "variance"
-            applied, nbytes = self._allreduce_grads()
+            applied, nbytes = self._warmup_moments_(m, v)
+            if applied:
+                self._count_variance_update()
         else:
             stage = "compression"
+            g = self._gather_grads(norms=True)
             applied, nbytes = self._compressed_allreduce(g)  # in place: g is now the estimate
-        if applied:
-            if update_variance:
-                self._clip_averaged_(g)
-            elif self.max_grad_norm is not None:
-                g.mul_(self._compressed_clip_coefficient())
-            adam_moments_(m, v if update_variance else None, g, beta1, beta2)
-            if not update_variance:
+            if applied:
+                if self.max_grad_norm is not None:
+                    g.mul_(self._compressed_clip_coefficient())
+                adam_moments_(m, None, g, self._beta1, self._beta2)
                 self._apply_mask_(m)
-            if update_variance:
-                self._var_updates += 1
-                self._var_counter += 1
-                if self._var_counter == self.var_update_scaler:
-                    self._var_counter = 0
-                    self.var_interval *= 2
-            bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
+        if applied:
             if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
-                floor = self._eps**2 * bc2
-                fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(g))
-                v = g
-            denom = adam_denominator(v, bc2, self._eps, out=g)
-            step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
-            for group, params, ms, denoms in self._per_group(m, denom):
-                adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+                floor = self._zero_variance_floor(self._var_updates)
+                filled = self._grads[:n]
+                fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(filled))
+                v = filled
+            denom = self._adam_denominator(v, self._var_updates)
+            self._adamw_update_(m, denom, t)
         self._end_step(stage, nbytes, applied)
+
+    def _count_variance_update(self) -> None:
+        """Count an applied variance step; double ``var_interval`` every ``var_update_scaler``."""
+        self._var_updates += 1
+        self._var_counter += 1
+        if self._var_counter == self.var_update_scaler:
+            self._var_counter = 0
+            self.var_interval *= 2
 
     def _local_phase_step(self) -> None:
         if not self._frozen:
@@ -275,14 +277,13 @@ class ZeroOneAdam(CompressedOptimizer):
         if self._status:
             self._step_open = False
             raise RuntimeError(f"{type(self).__name__}.step(): {_STATUS[self._status]}")
-        step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
         if all_finite(grads):
             momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
             self._apply_mask_(m)
-            for group, ps, ms, denoms in self._per_group(m, denom):
-                adamw_update_(ps, ms, denoms, group["lr"], group["weight_decay"], step_scale)
+            self._adamw_update_(m, denom, t)
         else:
             self.local_skipped_steps += 1
+        step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
         for i, group in enumerate(self.param_groups):
             self._lrs[i] += group["lr"] * step_scale
             self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
@@ -308,10 +309,9 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
-        beta2, eps = self._beta2, self._eps
-        bc2 = bias_correction(beta2, self._var_updates, self.bias_correction)
-        fill_zero_variance_(self.layout.views(self._exp_avg_sq), eps**2 * bc2)
-        adam_denominator(self._exp_avg_sq, bc2, eps, out=self._exp_avg_sq)
+        v = self._exp_avg_sq
+        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(self._var_updates))
+        self._adam_denominator(v, self._var_updates, out=v)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
         anchor = self._grads[: self.layout.numel]
@@ -405,7 +405,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._local_step_counter = state["local_step_counter"]
         self._lrs = list(state["lrs"])
         self._decay = list(state["decay"])
-        self.comm_stats.freeze_step = self.var_freeze_step
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         frozen = self._frozen

@@ -1,0 +1,205 @@
+"""1-bit Adam's momentum in the compression stage: kept packed, updated by fused passes (CPU).
+
+After a compression step every momentum element is ``±σ`` of its piece (a tensor's part of a
+chunk): exactly what the compressed allreduce returned, signs and scales, about ``d/8`` bytes.
+:class:`PackedMomentumStage` keeps it that way instead of an fp32 copy, and runs each bucket's
+step as the three fused passes of :mod:`onebit.fused`, which read the gradients straight from
+``.grad``. The fp32 momentum buffer of the warmup becomes the worker error at the first applied
+compression step, so the stage holds, per model element: the frozen denominator (4 bytes), the
+worker error (4), the server error (4/n) and the packed momentum (1/8 plus the scales).
+
+It applies to fp32 parameters on the CPU with the C kernels, a scale per tensor, no
+``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere 1-bit Adam runs the
+unfused torch formulation, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _native, fused
+from .comm import CompressedAllreduce, _Call
+from .compress import decompress_pieces_, pack_signs
+from .layout import FlatLayout
+
+
+def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) -> bool:
+    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps."""
+    return (
+        _native.load() is not None
+        and scale_per == "tensor"
+        and not clip
+        and not masked
+        and all(
+            p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+            for p in params
+        )
+    )
+
+
+def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
+    """Each parameter's gradient as the address the fused kernels read: an fp32 contiguous CPU
+    ``.grad`` in place, any other through an fp32 contiguous copy (returned, to be kept alive
+    while the kernels run); 0 for no gradient or a sparse one (then also returns True)."""
+    addresses, keep, sparse = [], [], False
+    for p in params:
+        g = p.grad
+        if g is None or g.is_sparse:
+            sparse |= g is not None
+            addresses.append(0)
+            continue
+        if g.dtype != torch.float32 or not g.is_contiguous() or g.device.type != "cpu":
+            g = g.to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
+            keep.append(g)
+        addresses.append(g.data_ptr())
+    return torch.tensor(addresses, dtype=torch.int64), keep, sparse
+
+
+class PackedMomentumStage:
+    """The momentum and the fused compression steps of one 1-bit Adam optimizer.
+
+    Args:
+        layout: the optimizer's flat layout.
+        comms: one communicator per bucket, with a scale per tensor (``segments``).
+        momentum: the flat fp32 momentum, ``layout.padded_numel`` long. While :attr:`packed` is
+            ``None`` it holds the momentum; from the first applied step it holds the worker
+            errors (each communicator's ``worker_error`` is a slice of it).
+
+    Attributes:
+        packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
+            (:meth:`~onebit.comm.CompressedAllreduce.result_signs`), or ``None`` while the
+            momentum is the fp32 buffer.
+    """
+
+    def __init__(
+        self, layout: FlatLayout, comms: list[CompressedAllreduce], momentum: Tensor
+    ) -> None:
+        self.layout, self.comms, self.momentum = layout, comms, momentum
+        self.runs = []
+        for (start, end), comm in zip(layout.buckets, comms):
+            segments, params, offsets = [], [], []
+            for i, (o, n) in enumerate(zip(layout.offsets, layout.numels)):
+                lo, hi = max(start, o), min(end, o + n)
+                if lo < hi:
+                    segments.append(hi - lo)
+                    params.append(i)
+                    offsets.append(lo - o)
+            if comm.padded_numel > end - start:
+                segments.append(comm.padded_numel - (end - start))
+                params.append(None)
+                offsets.append(0)
+            geometry = comm._geometry
+            self.runs.append(
+                fused.BucketRuns(
+                    segments,
+                    geometry.served,
+                    comm.chunk_numel,
+                    comm.server_scale_count,
+                    params,
+                    offsets,
+                )  # fmt: skip
+            )
+        self._slices = layout.bucket_views(momentum, padded=True)
+        self.packed: list[tuple[Tensor, Tensor]] | None = None
+
+    def _source(self, k: int) -> Tensor | fused.PackedMomentum:
+        if self.packed is None:
+            return self._slices[k]
+        signs, scales = self.packed[k]
+        return fused.PackedMomentum(signs, scales.reshape(-1), self.comms[k].chunk_numel)
+
+    def start(
+        self,
+        k: int,
+        grads: Tensor,
+        inv_scale: float | None,
+        beta1: float,
+        header: Tensor | None,
+    ) -> _Call:
+        """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
+        ``lerp(m, g, 1 - beta1) + e`` (``grads``: each parameter's gradient address, see
+        :meth:`~onebit.fused.BucketRuns.addresses`), sent with ``header``. The worker error is
+        committed by the communicator's ``serve`` once every rank's scales are finite."""
+        comm, runs, m = self.comms[k], self.runs[k], self._source(k)
+        addresses = runs.addresses(grads)
+        weight = 1 - beta1
+        error = None if self.packed is None else comm.worker_error
+        signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8)
+        scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale)
+
+        def commit() -> None:
+            if error is None:  # the first step: the momentum's storage becomes the error
+                comm.worker_error = self._slices[k]
+            fused.commit(runs, addresses, inv_scale, m, weight, error, scales, comm.worker_error)
+
+        return comm.start_compressed(signs, scales, header, commit=commit)
+
+    def finish(self, calls: list[_Call]) -> None:
+        """After an applied step: the allreduce's packed results are the new momentum."""
+        self.packed = [comm.result_signs(call) for comm, call in zip(self.comms, calls)]
+
+    def update_(
+        self,
+        denominator: Tensor,
+        lrs: Sequence[float],
+        weight_decays: Sequence[float],
+        step_scale: float,
+    ) -> None:
+        """AdamW's update from the packed momentum: ``p = p·(1 - lr·wd) + (-lr·step_scale)·m /
+        denominator``, with each parameter's ``lrs[i]`` and ``weight_decays[i]``."""
+        bases = torch.tensor([p.data_ptr() for p in self.layout.params], dtype=torch.int64)
+        decay = [1 - lr * wd if wd else 1.0 for lr, wd in zip(lrs, weight_decays)]
+        value = [-lr * step_scale for lr in lrs]
+        per_param = torch.tensor([decay, value], dtype=torch.float32)
+        for k, (start, end) in enumerate(self.layout.buckets):
+            runs = self.runs[k]
+            decays, values = per_param[:, runs.run_params.clamp(min=0)].contiguous()
+            fused.update(runs, runs.addresses(bases), self._source(k), denominator[start:end],
+                         decays, values)  # fmt: skip
+
+    def materialize(self) -> Tensor:
+        """The momentum as a new flat fp32 buffer (``layout.numel``)."""
+        if self.packed is None:
+            return self.momentum[: self.layout.numel].clone()
+        out = self.layout.zeros(device=self.momentum.device)
+        for (start, end), comm, (signs, scales) in zip(
+            self.layout.buckets, self.comms, self.packed
+        ):
+            decompress_pieces_(signs, scales, comm._geometry.gathered, out[start:end])
+        return out
+
+    def load_(self, momentum: Tensor, worker_errors: list[Tensor | None]) -> None:
+        """Take a saved fp32 ``momentum`` (``layout.numel``) and the communicators' saved worker
+        errors: packed if every element is ``±σ`` of its piece (as after a compression step),
+        which loses nothing, else kept as the fp32 buffer (errors then must be zeros or absent)."""
+        packed = []
+        for (start, end), comm in zip(self.layout.buckets, self.comms):
+            padded = torch.zeros(comm.padded_numel)
+            padded[: end - start] = momentum[start:end]
+            signs = pack_signs(padded).view(comm.world_size, -1)
+            table = comm._geometry.gathered  # rows: chunk j, start, end, column c
+            first = table[:, 0] * comm.chunk_numel + table[:, 1]
+            scales = torch.zeros(comm.world_size, comm.server_scale_count)
+            scales[table[:, 0], table[:, 3]] = padded[first].abs()
+            again = torch.empty(end - start)
+            decompress_pieces_(signs, scales, table, again)
+            if not torch.equal(again.view(torch.int32), momentum[start:end].view(torch.int32)):
+                packed = None
+                break
+            packed.append((signs, scales))
+        if packed is None:
+            if any(e is not None and bool(e.any()) for e in worker_errors):
+                raise ValueError("a dense momentum with worker errors: not from 1-bit Adam")
+            self.momentum[: self.layout.numel].copy_(momentum)
+            self.packed = None
+            return
+        for slice_, comm, error in zip(self._slices, self.comms, worker_errors):
+            if error is None:
+                slice_.zero_()
+            else:
+                slice_.copy_(error)
+            comm.worker_error = slice_
+        self.packed = packed

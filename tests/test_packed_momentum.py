@@ -1,0 +1,124 @@
+"""1-bit Adam's fused compression stage with a packed momentum: the same bits as the unfused
+torch formulation, on real gloo ranks, through AMP, missing gradients, skipped steps and resume.
+"""
+
+import io
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import onebit
+from onebit import _native, momentum
+
+pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
+
+FREEZE, STEPS = 3, 9
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5), torch.nn.Linear(5, 3)
+    )
+
+
+def _optimizer(model: torch.nn.Module, fused: bool) -> onebit.OnebitAdam:
+    layers = list(model.children())
+    groups = [
+        {"params": layers[0].parameters(), "lr": 3e-3, "weight_decay": 0.1},
+        {"params": [*layers[2].parameters(), *layers[3].parameters()], "lr": 1e-3},
+    ]
+    saved = momentum.applies
+    if not fused:
+        momentum.applies = lambda *args: False
+    try:
+        opt = onebit.OnebitAdam(groups, freeze_step=FREEZE, bucket_size=64)
+    finally:
+        momentum.applies = saved
+    assert (opt._fused is not None) == fused
+    return opt
+
+
+def _steps(model, opt, scaler, rank: int, start: int, stop: int) -> list[list[torch.Tensor]]:
+    """Steps ``start..stop-1``: AMP loss scaling throughout; step 5 has no gradient for the last
+    layer's bias; step 6 has an inf on rank 0 (every rank skips it)."""
+    history = []
+    for t in range(start, stop):
+        gen = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randn(16, 7, generator=gen), torch.randn(16, 3, generator=gen)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if t == 5:
+            model[3].bias.grad = None
+        if t == 6 and rank == 0:
+            model[0].weight.grad[1, 2] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return history
+
+
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
+
+
+def _run(rank, world_size, fused, resume_fused):
+    model = _model()
+    opt, scaler = _optimizer(model, fused), _scaler()
+    history = _steps(model, opt, scaler, rank, 0, 5)
+    if fused:
+        assert "exp_avg" not in opt.state[model[0].weight]  # packed
+        assert opt.comms[0].worker_error.data_ptr() == opt._exp_avg.data_ptr()
+    saved = io.BytesIO()
+    states = {"model": model, "opt": opt, "scaler": scaler}
+    torch.save({name: obj.state_dict() for name, obj in states.items()}, saved)
+    history += _steps(model, opt, scaler, rank, 5, STEPS)
+    state = opt.state_dict()
+    assert opt.skipped_steps == 1
+
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    model2 = _model()
+    model2.load_state_dict(checkpoint["model"])
+    opt2, scaler2 = _optimizer(model2, resume_fused), _scaler()
+    opt2.load_state_dict(checkpoint["opt"])
+    scaler2.load_state_dict(checkpoint["scaler"])
+    resumed = _steps(model2, opt2, scaler2, rank, 5, STEPS)
+    return history, state, resumed
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size):
+    fused = run_ranks(_run, world_size, True, False)
+    unfused = run_ranks(_run, world_size, False, True)
+    for (history, state, resumed), (want, want_state, want_resumed) in zip(fused, unfused):
+        for t, (got, expected) in enumerate(zip(history, want)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
+        for i, per_param in want_state["state"].items():
+            assert set(state["state"][i]) == set(per_param) == {"exp_avg", "frozen_denom"}
+            for key, value in per_param.items():
+                assert torch.equal(state["state"][i][key], value), (i, key)
+        comms = state["onebit"]["ranks"], want_state["onebit"]["ranks"]
+        for a, b in zip(*(list(r.values())[0]["comms"] for r in comms)):
+            assert torch.equal(a["worker_error"], b["worker_error"])
+            assert torch.equal(a["server_error"], b["server_error"])
+        # Resumed from step 5 across the two paths (fused state into unfused, and back).
+        for got, expected in zip(resumed, want[5:]):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        for got, expected in zip(want_resumed, history[5:]):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_state_holds_the_frozen_denominator_and_a_packed_momentum():
+    model = _model()
+    opt = _optimizer(model, True)
+    p = model[0].weight
+    assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq"}
+    assert opt.comms[0]._worker_error is None  # no error buffers in the warmup
+    _steps(model, opt, _scaler(), 0, 0, FREEZE)
+    assert set(opt.state[p]) == {"exp_avg", "frozen_denom"}
+    _steps(model, opt, _scaler(), 0, FREEZE, FREEZE + 1)
+    assert set(opt.state[p]) == {"frozen_denom"}
+    assert set(opt.state_dict()["state"][0]) == {"exp_avg", "frozen_denom"}
+    assert set(opt.state[p]) == {"frozen_denom"}
