@@ -9,8 +9,8 @@ Gradients are set directly (no forward or backward), so that everything allocate
 model is the optimizer's. Two figures per optimizer, in model sizes (the fp32 bytes of the
 parameters), for rank 0:
 
-* ``state``: the bytes of every tensor storage the optimizer holds (its state, scratch and
-  error buffers), the largest after any step. Exact.
+* ``state``: the bytes of every tensor storage the optimizer holds (its state, scratch, error
+  buffers, packed momentum), the largest after any step of the stage. Exact.
 * ``peak``: per stage, the process's peak resident memory during a step of that stage (the
   kernel's high-water mark, reset before each step) less its resident memory before the optimizer
   was built (after a run on a tiny model, so that code pages and thread pools are already in).
@@ -18,8 +18,9 @@ parameters), for rank 0:
   torch.distributed) and the allocator's overhead. Stages that send fp32 (warmup, ZeroOneAdam's
   variance steps) and 1-bit stages are listed apart.
 
-AdamW is ``torch.optim.AdamW`` without communication; with ``DistributedDataParallel`` it would
-also hold DDP's gradient buckets (one more model size).
+``AdamW`` is ``torch.optim.AdamW`` alone; ``AdamW+DDP`` also runs forward and backward under
+``DistributedDataParallel``, whose gradient buckets (one more copy of the gradients) show in the
+peak, not in the optimizer's state.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import onebit
 from onebit.train.launch import run_ranks
 
-OPTIMIZERS = ("AdamW", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
+OPTIMIZERS = ("AdamW", "AdamW+DDP", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
 
 
 def _rss() -> int:
@@ -55,12 +56,30 @@ def _reset_peak_rss() -> None:
         f.write("5")  # resets VmHWM to the current resident size
 
 
+def _tensors(obj: object, found: list[torch.Tensor], seen: set[int]) -> None:
+    """Every tensor reachable from ``obj`` through onebit objects, lists, tuples and dicts."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _tensors(item, found, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors(item, found, seen)
+    elif type(obj).__module__.startswith("onebit") or isinstance(obj, torch.optim.Optimizer):
+        _tensors(vars(obj), found, seen)
+
+
 def _storage_bytes(opt: torch.optim.Optimizer) -> int:
-    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    tensors += [t for t in vars(opt).values() if torch.is_tensor(t)]
-    for comm in getattr(opt, "comms", []):
-        tensors += [comm.worker_error, comm.server_error]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    """The bytes of every storage the optimizer holds: its state, flat buffers, error buffers,
+    packed momentum and scratch (the parameters and their gradients excluded)."""
+    found: list[torch.Tensor] = []
+    seen = {id(p) for g in opt.param_groups for p in g["params"]}
+    _tensors(opt, found, seen)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
     return sum(storages.values())
 
 
@@ -79,38 +98,52 @@ def _make(name: str, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Opti
 
 
 def _run(
-    name: str, params: list[torch.nn.Parameter], before: int = 0
-) -> tuple[int, dict[str, int]]:
-    """Step ``name`` through its stages; return its largest state and peak per stage."""
+    name: str, layers: list[torch.nn.Module], before: int = 0
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Step ``name`` through its stages; return its largest state and peak per stage.
+
+    ``AdamW+DDP`` runs forward and backward of the layers under ``DistributedDataParallel``
+    (whose gradient buckets are not optimizer state: they show in its peak only); the others get
+    their gradients set directly.
+    """
+    model = torch.nn.Sequential(*layers)
+    params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p) if p.grad is None else p.grad
-    opt, steps = _make(name, params)
-    state, peaks = 0, {}
+    ddp = None
+    if name == "AdamW+DDP":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        x = torch.randn(4, layers[0].in_features)
+    opt, steps = _make(name.removesuffix("+DDP"), params)
+    state: dict[str, int] = {}
+    peaks: dict[str, int] = {}
     for _ in range(steps):
-        for p in params:
-            p.grad.normal_()
         stage = getattr(opt, "stage", "-")
         _reset_peak_rss()
+        if ddp is None:
+            for p in params:
+                p.grad.normal_()
+        else:
+            ddp(x).sum().backward()
         opt.step()
         peaks[stage] = max(peaks.get(stage, 0), _peak_rss() - before)
-        state = max(state, _storage_bytes(opt))
+        state[stage] = max(state.get(stage, 0), _storage_bytes(opt))
     return state, peaks
 
 
 def _rank(
     rank: int, world_size: int, name: str, width: int, depth: int
-) -> tuple[int, int, dict[str, int]]:
+) -> tuple[int, dict[str, int], dict[str, int]]:
     """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage."""
-    _run(name, [p for p in torch.nn.Linear(64, 64).parameters()])  # page code in, warm pools
+    _run(name, [torch.nn.Linear(64, 64)])  # page code in, warm pools
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(depth)]
-    params = [p for layer in layers for p in layer.parameters()]
-    for p in params:
+    for p in (p for layer in layers for p in layer.parameters()):
         p.grad = torch.randn_like(p)
-    model_bytes = sum(p.numel() * 4 for p in params)
+    model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
-    state, peaks = _run(name, params, before)
+    state, peaks = _run(name, layers, before)
     return model_bytes, state, peaks
 
 
@@ -131,12 +164,17 @@ def main() -> None:
         f"model: {args.depth} x Linear({args.width}, {args.width}), {numel / 1e6:.1f}M parameters, "
         f"{4 * numel / 2**20:.0f} MiB fp32; {args.world_size} gloo ranks; figures for rank 0"
     )
-    print("state and peak in model sizes; peak per stage")
-    print(f"{'optimizer':<12} {'state':>6}  peak")
+    print("in model sizes, per stage: optimizer state (exact) / peak resident memory of a step")
+    print(f"{'optimizer':<12}  per stage")
     for name in OPTIMIZERS:
         model_bytes, state, peaks = measure(name, args.world_size, args.width, args.depth)
-        per_stage = ", ".join(f"{stage} {peak / model_bytes:.2f}" for stage, peak in peaks.items())
-        print(f"{name:<12} {state / model_bytes:>6.2f}  {per_stage}")
+        cells = ", ".join(
+            f"{stage} {state[stage] / model_bytes:.3f} / {peaks[stage] / model_bytes:.2f}"
+            for stage in state
+        )
+        print(f"{name:<12}  {cells}")
+    n = args.world_size
+    print(f"OnebitAdam's target (issue 12): at most 2 + 1/n + 1/16 = {2 + 1 / n + 1 / 16:.3f}")
 
 
 if __name__ == "__main__":

@@ -200,6 +200,8 @@ class OnebitAdam(CompressedOptimizer):
         self._adam_denominator(v, t, out=v)
         self._set_frozen(True)
         self._end_warmup_compression()
+        if self._fused is not None:
+            self._release_grads()
 
     def _fused_compressed_step(self) -> tuple[bool, int]:
         """A compression step by the fused passes of :class:`~onebit.momentum.

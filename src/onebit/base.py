@@ -217,10 +217,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 )
                 for k, (start, end) in enumerate(self.layout.buckets)
             ]
-        # The gradient scratch buffer, padded for the buckets, then one header slot per rank.
-        slots = HEADER_NUMEL * self.world_size
-        self._grads = torch.zeros(self.layout.padded_numel + slots, device=self.device)
-        self._grad_buckets = self.layout.bucket_views(self._grads, padded=True)
+        self._grads_buffer: Tensor | None = None
         self._inflight: dict[int, Any] = {}
         self._inflight_kind = "allreduce"
         self._no_sync = False
@@ -308,6 +305,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "group to the constructor"
             )
         super().add_param_group(param_group)
+
+    @property
+    def _grads(self) -> Tensor:
+        """The gradient scratch buffer: the buckets, padded, then one header slot per rank.
+        Made on first use, and released by :meth:`_release_grads` where a stage needs none."""
+        if self._grads_buffer is None:
+            slots = HEADER_NUMEL * self.world_size
+            self._grads_buffer = torch.zeros(self.layout.padded_numel + slots, device=self.device)
+        return self._grads_buffer
+
+    @property
+    def _grad_buckets(self) -> list[Tensor]:
+        return self.layout.bucket_views(self._grads, padded=True)
+
+    def _release_grads(self) -> None:
+        """Free the gradient scratch buffer (1-bit Adam's fused stage reads ``.grad`` itself)."""
+        self._grads_buffer = None
 
     # Where the warmup stands: the FreezeSchedule's answers.
 
