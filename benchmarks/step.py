@@ -3,7 +3,9 @@
 Measures, side by side in one run on the same parameters:
 
 * ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
-  compression stage (a scale per tensor, the default; one per bucket; with ``max_grad_norm``);
+  compression stage (a scale per tensor, the default, which runs the fused passes of
+  :mod:`onebit.momentum` on a CPU; one per bucket; with ``max_grad_norm``), of ZeroOneAdam's
+  1-bit sync step and OnebitLamb's compression step;
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
   backward passes for the step check).
 
@@ -26,13 +28,15 @@ from machine import cpu_name
 import onebit
 
 VARIANTS = [
-    ("OnebitAdam warmup step", "warmup", {}),
-    ("OnebitAdam warmup, int8", "warmup", {"warmup_compression": "int8"}),
-    ("OnebitAdam compression step", "compression", {}),
-    ("  ... one scale per bucket", "compression", {"scale_per": "bucket"}),
-    ("  ... + clip", "compression", {"max_grad_norm": 1.0}),
+    ("OnebitAdam warmup step", "OnebitAdam", "warmup", {}),
+    ("OnebitAdam warmup, int8", "OnebitAdam", "warmup", {"warmup_compression": "int8"}),
+    ("OnebitAdam compression step", "OnebitAdam", "compression", {}),
+    ("  ... one scale per bucket", "OnebitAdam", "compression", {"scale_per": "bucket"}),
+    ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),
+    ("ZeroOneAdam 1-bit sync step", "ZeroOneAdam", "compression", {}),
+    ("OnebitLamb compression step", "OnebitLamb", "compression", {}),
 ]
-"""OnebitAdam's steps measured: name, stage, constructor options (defaults otherwise)."""
+"""The steps measured: name, optimizer, stage, constructor options (defaults otherwise)."""
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -41,6 +45,14 @@ def _model(kind: str) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))
     layers = [torch.nn.Linear(64, 64) for _ in range(150)]  # 300 tensors, 0.6M parameters
     return torch.nn.Sequential(*layers)
+
+
+def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Optimizer:
+    """``name`` with its warmup ending after ``freeze`` steps (0/1 Adam: a sync every step)."""
+    if name == "ZeroOneAdam":
+        return onebit.ZeroOneAdam(params, lr=1e-4, var_freeze_step=freeze,
+                                  local_step_scaler=10**9, **options)  # fmt: skip
+    return getattr(onebit, name)(params, lr=1e-4, freeze_step=freeze, **options)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -72,11 +84,11 @@ def main() -> None:
         _set_grads(adamw_model)
         adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-4, fused=True)
         rows["AdamW(fused=True) step"] = _median_ms(adamw.step, args.repeats)
-        for name, stage, options in VARIANTS:
+        for name, optimizer, stage, options in VARIANTS:
             model = copy.deepcopy(base)
             _set_grads(model)
-            freeze = 10**9 if stage == "warmup" else 1
-            opt = onebit.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=freeze, **options)
+            opt = _optimizer(optimizer, model.parameters(), 10**9 if stage == "warmup" else 1,
+                             options)  # fmt: skip
             opt.step()
             rows[name] = _median_ms(opt.step, args.repeats)
         x = torch.randn(64, base[0].in_features)

@@ -23,7 +23,7 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _optimizer(model: torch.nn.Module, fused: bool) -> onebit.OnebitAdam:
+def _optimizer(model: torch.nn.Module, fused: bool, freeze_step: int = FREEZE) -> onebit.OnebitAdam:
     layers = list(model.children())
     groups = [
         {"params": layers[0].parameters(), "lr": 3e-3, "weight_decay": 0.1},
@@ -33,7 +33,7 @@ def _optimizer(model: torch.nn.Module, fused: bool) -> onebit.OnebitAdam:
     if not fused:
         momentum.applies = lambda *args: False
     try:
-        opt = onebit.OnebitAdam(groups, freeze_step=FREEZE, bucket_size=64)
+        opt = onebit.OnebitAdam(groups, freeze_step=freeze_step, bucket_size=64)
     finally:
         momentum.applies = saved
     assert (opt._fused is not None) == fused
@@ -123,3 +123,45 @@ def test_state_holds_the_frozen_denominator_and_a_packed_momentum():
     assert set(opt.state[p]) == {"frozen_denom"}
     assert set(opt.state_dict()["state"][0]) == {"exp_avg", "frozen_denom"}
     assert set(opt.state[p]) == {"frozen_denom"}
+
+
+def _two_runs(change=None, reload_at=None) -> list[list[torch.Tensor]]:
+    """The same single-process run fused and unfused; ``change(model)`` after step 4,
+    ``reload_at``: the fused optimizer reloads its own state_dict before that step."""
+    runs = []
+    for fused in (True, False):
+        model = _model()
+        opt, scaler = _optimizer(model, fused), _scaler()
+        if fused and reload_at == 0:
+            opt.load_state_dict(opt.state_dict())
+        _steps(model, opt, scaler, 0, 0, FREEZE + 2)
+        if change is not None:
+            change(model)
+        _steps(model, opt, scaler, 0, FREEZE + 2, STEPS)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    return runs
+
+
+def test_a_warmup_state_reloaded_stays_a_warmup_state():
+    fused, unfused = _two_runs(reload_at=0)  # an all-zero momentum is not a packed one
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path():
+    def strided(model):
+        weight = model[0].weight
+        weight.data = weight.data.t().contiguous().t()  # same values, not contiguous
+
+    fused, unfused = _two_runs(change=strided)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
+    model = _model()
+    opt = _optimizer(model, True)
+    _steps(model, opt, _scaler(), 0, 0, FREEZE + 2)
+    later = _optimizer(model, True, freeze_step=FREEZE + 5)
+    before = later.state_dict()
+    with pytest.raises(ValueError, match="freeze_step"):
+        later.load_state_dict(opt.state_dict())
+    assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0

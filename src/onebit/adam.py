@@ -34,7 +34,8 @@ class OnebitAdam(CompressedOptimizer):
     Args:
         params: parameters or param groups. ``lr`` and ``weight_decay`` may differ per group;
             ``betas`` and ``eps`` are read from the groups at every step (so schedulers that
-            change them work) and must be the same in every group.
+            change them work) and must be the same in every group. ``beta2`` and ``eps`` act
+            until the freeze only: the denominator is computed once, then.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         freeze_step: warmup length T. Choose it where Adam's variance has stopped moving;
             the paper uses 15-25% of training. Longer is safer and sends more bytes.
@@ -79,7 +80,19 @@ class OnebitAdam(CompressedOptimizer):
     them), take their tensor's mean variance, so that 1-bit momentum, never exactly 0, cannot
     make them step by ``lr/eps`` (:func:`~onebit.functional.fill_zero_variance_`).
 
-    State per parameter: ``exp_avg`` and ``exp_avg_sq``, views into flat buffers.
+    What ``optimizer.state[p]`` holds (views into flat fp32 buffers):
+
+    * in the warmup, ``exp_avg`` and ``exp_avg_sq``, as AdamW;
+    * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
+      once) and ``exp_avg``;
+    * on the fused path (fp32 CPU parameters with the C kernels, a scale per tensor, no
+      ``max_grad_norm``, ``exp_avg_mask`` or ``overlap_backward``), from the first applied
+      compression step, only ``frozen_denom``: the momentum is kept packed, 1 bit per element
+      plus the scales, since each element is ``±σ`` of its piece, and the fp32 buffer holds the
+      worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then takes
+      ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2. :meth:`state_dict`
+      still gives an fp32 ``exp_avg``, unpacked when it is called, and resume is exact.
+
     ``comm_stats`` reports the bytes this rank sent. ``freeze`` is the
     :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
     where the warmup stands.
@@ -162,6 +175,10 @@ class OnebitAdam(CompressedOptimizer):
         self._start_step()
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         stage = self.stage
+        if self._fused is not None and not momentum.fused_parameters(self.layout.params):
+            self._fused.unpack_()  # say after model.half(): the unfused path from here on
+            self._fused = None
+            set_state_views(self, "exp_avg", self._exp_avg)
         fused = stage == "compression" and self._fused is not None
         if stage == "warmup":
             applied, nbytes = self._warmup_moments_(m, v)
@@ -186,7 +203,8 @@ class OnebitAdam(CompressedOptimizer):
             groups = [(g["lr"], g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
             lrs, decays = zip(*groups)
             step_scale = 1 / bias_correction(self._beta1, t, self.bias_correction)
-            self._fused.update_(v, lrs, decays, step_scale)
+            self._fused.update_(v, [float(lr) for lr in lrs], decays, step_scale)
+            torch.autograd.graph.increment_version(self.layout.params)  # written through C
         elif applied:
             self._adamw_update_(m, v, t)
         self._end_step(stage, nbytes, applied)
@@ -234,9 +252,17 @@ class OnebitAdam(CompressedOptimizer):
             set_state_views(self, "exp_avg", None)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"frozen": self._frozen}
+        packed = self._fused is not None and self._fused.packed is not None
+        return {"frozen": self._frozen, "packed_momentum": packed}
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        fixed = self.freeze.freeze_step if self.freeze.monitor is None else None
+        if saved.get("frozen") and fixed is not None and saved["num_steps"] < fixed:
+            raise ValueError(
+                f"the state was saved after its freeze, at step {saved['num_steps']}, but this "
+                f"optimizer's freeze_step is {fixed}: its variance is gone, so the warmup "
+                "cannot go on. Build the optimizer with the run's freeze_step"
+            )
         frozen, fused = self._frozen, self._fused
         packed = None if fused is None else fused.packed
         errors = [c._worker_error for c in self.comms]
@@ -266,6 +292,9 @@ class OnebitAdam(CompressedOptimizer):
             self._set_frozen(True)
         if self._fused is not None:
             errors = [c._worker_error for c in self.comms]
-            self._fused.load_(self._exp_avg[: self.layout.numel].clone(), errors)
+            packed = bool(state.get("packed_momentum", False))
+            self._fused.load_(self._exp_avg[: self.layout.numel].clone(), errors, packed)
             if self._fused.packed is not None:
                 set_state_views(self, "exp_avg", None)
+            if self._frozen:
+                self._release_grads()

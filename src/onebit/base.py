@@ -218,6 +218,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for k, (start, end) in enumerate(self.layout.buckets)
             ]
         self._grads_buffer: Tensor | None = None
+        self._grad_bucket_views: list[Tensor] | None = None
         self._inflight: dict[int, Any] = {}
         self._inflight_kind = "allreduce"
         self._no_sync = False
@@ -317,11 +318,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def _grad_buckets(self) -> list[Tensor]:
-        return self.layout.bucket_views(self._grads, padded=True)
+        if self._grad_bucket_views is None or self._grads_buffer is None:
+            self._grad_bucket_views = self.layout.bucket_views(self._grads, padded=True)
+        return self._grad_bucket_views
 
     def _release_grads(self) -> None:
         """Free the gradient scratch buffer (1-bit Adam's fused stage reads ``.grad`` itself)."""
-        self._grads_buffer = None
+        self._grads_buffer = self._grad_bucket_views = None
 
     # Where the warmup stands: the FreezeSchedule's answers.
 

@@ -33,10 +33,16 @@ def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) 
         and scale_per == "tensor"
         and not clip
         and not masked
-        and all(
-            p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-            for p in params
-        )
+        and sum(p.numel() for p in params) > 0
+        and fused_parameters(params)
+    )
+
+
+def fused_parameters(params: Sequence[Tensor]) -> bool:
+    """Whether the fused kernels can update ``params`` in place: fp32, contiguous, on the CPU.
+    Checked at every step, since ``model.half()`` or ``.to(memory_format=...)`` can change it."""
+    return all(
+        p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
 
 
@@ -126,12 +132,12 @@ class PackedMomentumStage:
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
         addresses = runs.addresses(grads)
         weight = 1 - beta1
-        error = None if self.packed is None else comm.worker_error
+        error = comm._worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8)
         scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale)
 
         def commit() -> None:
-            if error is None:  # the first step: the momentum's storage becomes the error
+            if error is None:  # the momentum's storage becomes the error
                 comm.worker_error = self._slices[k]
             fused.commit(runs, addresses, inv_scale, m, weight, error, scales, comm.worker_error)
 
@@ -165,21 +171,38 @@ class PackedMomentumStage:
         if self.packed is None:
             return self.momentum[: self.layout.numel].clone()
         out = self.layout.zeros(device=self.momentum.device)
-        for (start, end), comm, (signs, scales) in zip(
-            self.layout.buckets, self.comms, self.packed
-        ):
-            decompress_pieces_(signs, scales, comm._geometry.gathered, out[start:end])
+        for (start, end), comm, packed in zip(self.layout.buckets, self.comms, self.packed):
+            decompress_pieces_(*packed, comm._geometry.gathered, out[start:end])
         return out
 
-    def load_(self, momentum: Tensor, worker_errors: list[Tensor | None]) -> None:
+    def unpack_(self) -> None:
+        """Back to an fp32 momentum in :attr:`momentum`, the worker errors in buffers of their
+        own: what the unfused path needs (the parameters stopped suiting the kernels)."""
+        if self.packed is None:
+            return
+        m = self.materialize()
+        for comm in self.comms:
+            if comm._worker_error is not None:
+                comm.worker_error = comm._worker_error.clone()
+        self.momentum[: self.layout.numel].copy_(m)
+        self.packed = None
+
+    def load_(self, momentum: Tensor, worker_errors: list[Tensor | None], packed: bool) -> None:
         """Take a saved fp32 ``momentum`` (``layout.numel``) and the communicators' saved worker
-        errors: packed if every element is ``±σ`` of its piece (as after a compression step),
-        which loses nothing, else kept as the fp32 buffer (errors then must be zeros or absent)."""
+        errors. With ``packed`` (it was saved from a packed momentum) the momentum is packed
+        again, which loses nothing as every element is ``±σ`` of its piece, and the errors move
+        into :attr:`momentum`'s storage; otherwise, or if it is not of that form after all, the
+        fp32 momentum and the errors stay apart."""
+        self.momentum[: self.layout.numel].copy_(momentum)
+        self.packed = None
+        if not packed:
+            return
         packed = []
         for (start, end), comm in zip(self.layout.buckets, self.comms):
             padded = torch.zeros(comm.padded_numel)
             padded[: end - start] = momentum[start:end]
-            signs = pack_signs(padded).view(comm.world_size, -1)
+            signs = pack_signs(torch.where(padded.signbit(), -1.0, 1.0))  # -0.0 stays -0.0
+            signs = signs.view(comm.world_size, -1)
             table = comm._geometry.gathered  # rows: chunk j, start, end, column c
             first = table[:, 0] * comm.chunk_numel + table[:, 1]
             scales = torch.zeros(comm.world_size, comm.server_scale_count)
@@ -191,10 +214,6 @@ class PackedMomentumStage:
                 break
             packed.append((signs, scales))
         if packed is None:
-            if any(e is not None and bool(e.any()) for e in worker_errors):
-                raise ValueError("a dense momentum with worker errors: not from 1-bit Adam")
-            self.momentum[: self.layout.numel].copy_(momentum)
-            self.packed = None
             return
         for slice_, comm, error in zip(self._slices, self.comms, worker_errors):
             if error is None:
