@@ -10,10 +10,8 @@ pytestmark = pytest.mark.slow
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from frameworks import (  # noqa: E402
-    FREEZE,
-    assert_resumed_exactly,
-    assert_skipped_on_every_rank,
-    assert_trained_as_a_plain_loop,
+    check_an_inf_on_one_rank_skips_everywhere,
+    check_plain_loop_and_exact_resume,
     launched_as,
     onebit_adam,
     replay,
@@ -78,10 +76,7 @@ def _resume(rank, world_size, out):
 
 
 def test_lightning_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path):
-    out = str(tmp_path / "checkpoints")
-    results = run_ranks(_fit_then_replay, 2, out, timeout=240)
-    assert_trained_as_a_plain_loop(results)
-    assert_resumed_exactly(results, run_ranks(_resume, 2, out, timeout=240))
+    check_plain_loop_and_exact_resume(_fit_then_replay, _resume, str(tmp_path / "checkpoints"))
 
 
 def _fp16_with_inf(rank, world_size, out, inf_at):
@@ -90,8 +85,7 @@ def _fp16_with_inf(rank, world_size, out, inf_at):
 
 
 def test_16_mixed_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    results = run_ranks(_fp16_with_inf, 2, str(tmp_path / "checkpoints"), FREEZE + 2, timeout=240)
-    assert_skipped_on_every_rank(*zip(*results))
+    check_an_inf_on_one_rank_skips_everywhere(_fp16_with_inf, str(tmp_path / "checkpoints"))
 
 
 def _local_clipping(rank, world_size, out):

@@ -96,6 +96,22 @@ def _momentum(m: Tensor | PackedMomentum) -> tuple[int, int, int, int, int]:
     return m.data_ptr(), 0, 0, 1, 0
 
 
+def _y_arguments(
+    runs: BucketRuns,
+    grads: Tensor,
+    inv_scale: float | None,
+    momentum: Tensor | PackedMomentum,
+    weight: float,
+    error: Tensor | None,
+) -> tuple:
+    """The C arguments that say how ``y`` is computed, shared by passes 1 and 2."""
+    inv = 1.0 if inv_scale is None else inv_scale
+    return (
+        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
+        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(),
+    )  # fmt: skip
+
+
 def signs(
     runs: BucketRuns,
     grads: Tensor,
@@ -112,14 +128,10 @@ def signs(
     ``grads`` holds each run's gradient address (:meth:`BucketRuns.addresses`; 0 is a zero
     gradient). ``error`` ``None`` is an error of zeros.
     """
-    lib = _native.load()
     totals = torch.empty(len(runs.lengths), dtype=torch.float64)
-    inv = 1.0 if inv_scale is None else inv_scale
-    lib.ob_fused_signs(
-        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
-        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(), out.data_ptr(),
-        scale == "mean_abs", totals.data_ptr(), len(totals),
-    )  # fmt: skip
+    y = _y_arguments(runs, grads, inv_scale, momentum, weight, error)
+    _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
+                                  len(totals))  # fmt: skip
     return scales_from_totals(totals, runs.lengths, scale)
 
 
@@ -136,14 +148,9 @@ def commit(
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
     ``momentum`` itself."""
-    lib = _native.load()
-    inv = 1.0 if inv_scale is None else inv_scale
     scales = scales.to(torch.float32).contiguous()
-    lib.ob_fused_commit(
-        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
-        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(), scales.data_ptr(),
-        out.data_ptr(),
-    )  # fmt: skip
+    y = _y_arguments(runs, grads, inv_scale, momentum, weight, error)
+    _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
 
 
 def update(
