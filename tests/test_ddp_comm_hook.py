@@ -58,7 +58,7 @@ def _train(rank, world_size, name, overlap, accumulate, find_unused):
                 with no_sync() if micro < accumulate - 1 else nullcontext():
                     torch.nn.functional.mse_loss(net(x), y).backward()
             if opt is ddp_opt:
-                early.append(len(opt._inflight))
+                early.append(len(opt.bucketer.inflight))
             opt.step()
         if name == "zero_one" and step == 8:
             bare_opt.synchronize()

@@ -35,7 +35,7 @@ def _train(rank, world_size, overlap, accumulate):
                     loss.backward()
             else:
                 loss.backward()
-        launched_early.append(len(opt._inflight))
+        launched_early.append(len(opt.bucketer.inflight))
         opt.step()
     return [p.detach() for p in model.parameters()], launched_early, len(opt.comms)
 

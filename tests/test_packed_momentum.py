@@ -118,7 +118,7 @@ def test_state_holds_the_frozen_denominator_and_a_packed_momentum():
     assert opt.comms[0]._worker_error is None  # no error buffers in the warmup
     _steps(model, opt, _scaler(), 0, 0, FREEZE)
     assert set(opt.state[p]) == {"exp_avg", "frozen_denom"}
-    assert opt._grads_buffer is None  # the fused stage reads .grad: no gradient scratch
+    assert opt.bucketer._buffer is None  # the fused stage reads .grad: no gradient scratch
     _steps(model, opt, _scaler(), 0, FREEZE, FREEZE + 1)
     assert set(opt.state[p]) == {"frozen_denom"}
     assert set(opt.state_dict()["state"][0]) == {"exp_avg", "frozen_denom"}

@@ -138,6 +138,8 @@ class OnebitAdam(CompressedOptimizer):
             exp_avg_mask=exp_avg_mask,
             overlap_backward=overlap_backward,
             warmup_compression=warmup_compression,
+            prepare=self._momentum_into_bucket_,
+            next_kind=self._next_kind,
             problem=problem,
         )
         self._exp_avg = self.layout.zeros(padded=True, device=self.device)
@@ -156,10 +158,13 @@ class OnebitAdam(CompressedOptimizer):
         set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
         set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
 
-    def _next_communication(self) -> str:
+    def _next_kind(self) -> str:
+        """What the next step sends (every step can be launched during backward)."""
         return self._warmup_kind if self.stage == "warmup" else "compressed"
 
-    def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
+    def _momentum_into_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
+        """The bucketer's ``prepare``: a compressed step sends the local momentum
+        ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
         if kind == "compressed":
             start, end = self.layout.buckets[k]
             torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
@@ -185,7 +190,7 @@ class OnebitAdam(CompressedOptimizer):
         elif fused:
             applied, nbytes = self._fused_compressed_step()
         else:
-            g = self._grads[: self.layout.numel]
+            g = self._grads
             clip = self.max_grad_norm is not None
             applied, nbytes = self._communicate("compressed", out=g if clip else m)
             if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
@@ -219,7 +224,7 @@ class OnebitAdam(CompressedOptimizer):
         self._set_frozen(True)
         self._end_warmup_compression()
         if self._fused is not None:
-            self._release_grads()
+            self.bucketer.release()
 
     def _fused_compressed_step(self) -> tuple[bool, int]:
         """A compression step by the fused passes of :class:`~onebit.momentum.
@@ -228,7 +233,7 @@ class OnebitAdam(CompressedOptimizer):
         if sparse:
             self._status = 1
         calls: list[Any] = [None] * len(self.comms)
-        for k in reversed(range(len(self.comms))):  # the order _communicate launches in
+        for k in reversed(range(len(self.comms))):  # the bucketer's launch order
             header = self._header_for(k)
             calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header)
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
@@ -297,4 +302,4 @@ class OnebitAdam(CompressedOptimizer):
             if self._fused.packed is not None:
                 set_state_views(self, "exp_avg", None)
             if self._frozen:
-                self._release_grads()
+                self.bucketer.release()

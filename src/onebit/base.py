@@ -1,5 +1,6 @@
-"""Plumbing shared by the 1-bit optimizers: flat state, buckets, communication, checkpoints,
-and the full-precision Adam step that every warmup runs.
+"""Plumbing shared by the 1-bit optimizers: checks, flat state, step headers, checkpoints,
+and the full-precision Adam step that every warmup runs. When buckets are gathered and launched
+is the :class:`~onebit.bucketer.Bucketer`'s job.
 
 Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
@@ -19,7 +20,6 @@ import functools
 import hashlib
 import math
 import warnings
-import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd import Variable
 
-from .comm import CompressedAllreduce, MeanAllreduce, finish_compressed_, group_size_and_rank
+from .bucketer import Bucketer, Prepare
+from .comm import CompressedAllreduce, finish_compressed_, group_size_and_rank
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
     adam_denominator,
@@ -132,7 +132,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     At construction it checks that every rank has the same parameters and settings, broadcasts
     the parameters from rank 0, and lays the optimizer state out in flat fp32 buffers split into
     buckets. Each bucket has its own :class:`~onebit.comm.CompressedAllreduce`, whose error
-    buffers are this rank's part of :meth:`state_dict`.
+    buffers are this rank's part of :meth:`state_dict`. Its :attr:`bucketer` gathers and
+    launches the buckets; a subclass passes the bucketer's ``prepare`` and ``next_kind``
+    callbacks to this constructor.
 
     It follows torch's protocol for optimizers that handle loss scaling themselves
     (``_step_supports_amp_scaling``): under ``torch.amp.GradScaler`` each step reads
@@ -145,6 +147,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     (:meth:`_warmup_moments_`, :meth:`_adam_denominator`, :meth:`_adamw_update_`).
 
     Attributes:
+        bucketer: the :class:`~onebit.bucketer.Bucketer` of the gradient buckets.
         freeze: the :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step`` and
             ``in_warmup`` read it.
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
@@ -170,6 +173,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         overlap_backward: bool = False,
         scale_per: str = "tensor",
         warmup_compression: str = "fp32",
+        prepare: Prepare | None = None,
+        next_kind: Callable[[], str | None] = lambda: None,
         problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
@@ -217,34 +222,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 )
                 for k, (start, end) in enumerate(self.layout.buckets)
             ]
-        self._grads_buffer: Tensor | None = None
-        self._grad_bucket_views: list[Tensor] | None = None
-        self._inflight: dict[int, Any] = {}
-        self._inflight_kind = "allreduce"
-        self._no_sync = False
-        self._buckets_of_param = [
-            [k for k, (s, e) in enumerate(self.layout.buckets) if s < o + n and o < e]
-            for o, n in zip(self.layout.offsets, self.layout.numels)
-        ]
-        self._bucket_sizes = [0] * len(self.comms)
-        for p, buckets in zip(params, self._buckets_of_param):
-            for k in buckets:
-                self._bucket_sizes[k] += p.requires_grad
-        self._bucket_pending = list(self._bucket_sizes)
-        self._norms2: list[Tensor | None] = [None] * len(self.comms)
         self._step_open = False
-        self._hooked_by_ddp = False
-        self._seen_versions: list[int | None] | None = None
-        self._index = {id(p): i for i, p in enumerate(params)}
-        self._backward_passes = 0
-        self._in_backward = False
-        self._install_hooks()
+        self.bucketer = Bucketer(
+            self.layout,
+            self.comms,
+            self.warmup_comms,
+            process_group,
+            HEADER_NUMEL,
+            clip=self.max_grad_norm is not None,
+            overlap=self.overlap_backward,
+            open_step=self._begin_step,
+            close_step=self._close_step,
+            header=self._header_for,
+            prepare=prepare,
+            next_kind=next_kind,
+        )
         self.comm_stats = CommStats()
         self.comm_stats.freeze_step = self.freeze.freeze_step
         self.skipped_steps = 0
         self.num_steps = 0
         self._calls = 0
-        self._calls_here = 0  # step() calls in this process; not in checkpoints
         self.grad_norm: float | None = None
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
 
@@ -309,22 +306,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def _grads(self) -> Tensor:
-        """The gradient scratch buffer: the buckets, padded, then one header slot per rank.
-        Made on first use, and released by :meth:`_release_grads` where a stage needs none."""
-        if self._grads_buffer is None:
-            slots = HEADER_NUMEL * self.world_size
-            self._grads_buffer = torch.zeros(self.layout.padded_numel + slots, device=self.device)
-        return self._grads_buffer
-
-    @property
-    def _grad_buckets(self) -> list[Tensor]:
-        if self._grad_bucket_views is None or self._grads_buffer is None:
-            self._grad_bucket_views = self.layout.bucket_views(self._grads, padded=True)
-        return self._grad_bucket_views
-
-    def _release_grads(self) -> None:
-        """Free the gradient scratch buffer (1-bit Adam's fused stage reads ``.grad`` itself)."""
-        self._grads_buffer = self._grad_bucket_views = None
+        """The bucketer's gradient buffer, up to the parameters' end: after a full-precision
+        allreduce it holds the averaged gradient, and steps use it as scratch."""
+        return self.bucketer.grads[: self.layout.numel]
 
     # Where the warmup stands: the FreezeSchedule's answers.
 
@@ -386,17 +370,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._inv_scale = None
         digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
-        passes = self._backward_passes % _COUNTER
+        passes = self.bucketer.backward_passes % _COUNTER
         self._header = [float(call), float(digest), 0.0, 0.0, float(passes)]
-        self._norms2 = [None] * len(self.comms)
+
+    def _close_step(self) -> None:
+        """Close the step without applying it (it raised, or was abandoned)."""
+        self._step_open = False
 
     def _read_grad_scale(self) -> None:
         """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
         ``scaler.unscale_`` has already unscaled ``.grad``)."""
         if not hasattr(self, "found_inf"):  # GradScaler sets both, grad_scale maybe to None
             return
-        if self._inflight:
-            self._abandon_inflight()
+        if self.bucketer.inflight:
+            self.bucketer.abandon()
             raise RuntimeError(
                 "overlap_backward sends gradients during backward, before torch.amp.GradScaler "
                 "unscales them or passes its scale to step(): use overlap_backward=False with a "
@@ -439,75 +426,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 problems = "; ".join(f"rank {r} has {_STATUS.get(s, s)}" for r, s in bad)
                 error = f"{type(self).__name__}.step(): {problems}"
         if error is not None:
-            self._step_open = False
+            self._close_step()
             raise RuntimeError(error)
 
-    # Communication. Each bucket is filled from the gradients, launched, then completed.
-    # Buckets launch in a fixed order (last first, as backward produces them) on every rank,
-    # so the collectives match across ranks however early each bucket is launched.
+    # Communication: the bucketer launches the buckets, the headers are checked here.
 
-    def _fill_bucket(self, k: int, norm: bool = False) -> None:
-        """Copy (and unscale) the gradients overlapping bucket ``k`` into the gradient buffer.
-
-        With ``norm`` (compressed steps) and ``max_grad_norm``, also note the squared norm of
-        what was copied, which the bucket's header carries to every rank.
-        """
-        start, end = self.layout.buckets[k]
-        inv_scale = self._inv_scale
-        for p, offset, numel in zip(self.layout.params, self.layout.offsets, self.layout.numels):
-            lo, hi = max(start, offset), min(end, offset + numel)
-            if lo >= hi:
-                continue
-            view = self._grads[lo:hi]
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.is_sparse:
-                view.zero_()
-                self._status = 1
-            else:
-                grad = p.grad.reshape(-1)[lo - offset : hi - offset]
-                if inv_scale is None:
-                    view.copy_(grad)
-                elif grad.dtype == torch.float32:
-                    torch.mul(grad, inv_scale, out=view)
-                else:  # unscale in fp32: a low-precision product could underflow
-                    view.copy_(grad).mul_(inv_scale)
-        if norm and self.max_grad_norm is not None:  # stays on the device: no sync per bucket
-            self._norms2[k] = torch.linalg.vector_norm(self._grads[start:end]).square()
-
-    def _prepare_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
-        """Turn bucket ``k``'s gathered gradients, in place, into what ``kind`` sends."""
-
-    def _header_for(self, k: int | None) -> Tensor:
-        """This rank's header for bucket ``k`` (``None``: a message that is not a gradient)."""
+    def _header_for(
+        self, k: int | None, sparse: bool = False, norm2: Tensor | None = None
+    ) -> Tensor:
+        """This rank's header for bucket ``k`` (``None``: a message that is not a gradient);
+        ``sparse`` if gathering it met a sparse gradient, ``norm2`` its squared norm."""
+        if sparse:
+            self._status = 1
         header = list(self._header)
         header[2] = float(self._status)
         header = torch.tensor(header, device=self.device)
-        norm2 = None if k is None else self._norms2[k]
         if norm2 is not None:
             header[3] = norm2
         return header
-
-    def _launch(self, k: int, kind: str, fill: bool) -> None:
-        self._begin_step()
-        grads = self._grad_buckets[k]
-        if fill:
-            self._fill_bucket(k, norm=kind == "compressed")
-            self._prepare_bucket_(k, kind, grads[: self.comms[k].numel])
-        header = self._header_for(k)
-        if kind == "allreduce":
-            # Only the bucket sent first carries the header slots, after the padded buffer.
-            last = k == len(self.comms) - 1
-            buffer = self._grads[self.layout.buckets[k][0] :] if last else grads
-            slots = self._grads[self.layout.padded_numel :]
-            if last:
-                slots.zero_()
-                slots[self.rank * HEADER_NUMEL : (self.rank + 1) * HEADER_NUMEL] = header
-            average = grads[: self.comms[k].numel]
-            self._inflight[k] = MeanAllreduce(buffer, self.process_group, average=average)
-        else:
-            self._inflight[k] = self._comms_for(kind)[k].start(grads, header)
-        self._inflight_kind = kind
 
     def _communicate(
         self, kind: str, out: Tensor | None = None, fill: bool = True
@@ -517,33 +453,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place),
         ``"quantized"`` (average it through :attr:`warmup_comms` into ``out``) or
         ``"compressed"`` (1-bit allreduce of the gradient buffer into the flat buffer ``out``).
-        With ``fill`` each bucket is first gathered from ``.grad`` and passed through
-        :meth:`_prepare_bucket_`; without it the caller has filled the gradient buffer.
+        With ``fill`` each bucket is first gathered from ``.grad`` and passed through the
+        ``prepare`` callback; without it the caller has filled the gradient buffer.
         Returns (applied, bytes sent); not applied means some rank had a non-finite value and
         nothing but the gradient buffer changed. Raises on every rank, before anything is
         committed, if the ranks' headers disagree.
         """
         self._begin_step()
-        for k in reversed(range(len(self.comms))):
-            if k not in self._inflight:
-                self._launch(k, kind, fill)
-        calls = [self._inflight[k] for k in range(len(self.comms))]
-        self._inflight = {}
-        self._bucket_pending = list(self._bucket_sizes)
+        calls = self.bucketer.launch_all(kind, fill, self._inv_scale)
         if kind == "allreduce":
             for call in calls:
                 call.wait()
-            slots = self._grads[self.layout.padded_numel :]
-            self._check_headers(slots.view(self.world_size, HEADER_NUMEL))
-            grads = self._grads[: self.layout.numel]
+            self._check_headers(self.bucketer.header_slots())
             # all_finite, not isfinite(grads).all(): no model-sized temporaries
-            return all_finite([grads]), sum(c.bytes_sent for c in calls)
+            return all_finite([self._grads]), sum(c.bytes_sent for c in calls)
         outputs = self.layout.bucket_views(out)
         return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
-
-    def _comms_for(self, kind: str) -> list[Any]:
-        """The communicators of ``kind``: the quantized warmup's, or the 1-bit ones."""
-        return self.warmup_comms if kind == "quantized" else self.comms
 
     @property
     def _warmup_kind(self) -> str:
@@ -557,7 +482,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         serve and decompress (see :func:`~onebit.comm.finish_compressed_`). For 1-bit
         ``gradients``, note the mean of the ranks' gradient norms that ``max_grad_norm`` clips
         with (a quantized average is clipped as an fp32 one, by its own norm)."""
-        comms = self._comms_for(kind)
+        comms = self.bucketer.comms_for(kind)
         for comm, call in zip(comms, calls):
             comm.worker_scales(call)
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
@@ -577,25 +502,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         calls = [c.start(b, self._header_for(None)) for c, b in zip(self.comms, buffers)]
         return self._finish_compressed(calls, outputs, gradients=False)
 
-    def _abandon_inflight(self) -> None:
-        """Complete the phase in flight of every launched bucket without committing anything,
-        so that raising leaves no collective half done."""
-        for k, call in self._inflight.items():
-            if isinstance(call, MeanAllreduce):
-                call.wait()
-            else:
-                self._comms_for(self._inflight_kind)[k].worker_scales(call)
-        self._inflight = {}
-        self._bucket_pending = list(self._bucket_sizes)
-        self._step_open = False
-
     def _gather_grads(self, norms: bool = False) -> Tensor:
         """Copy (and unscale) every ``.grad`` into the flat gradient buffer; ``None`` counts as
-        zero. ``norms`` for a compressed step (see :meth:`_fill_bucket`)."""
+        zero. ``norms`` for a compressed step (see :meth:`Bucketer.fill`)."""
         self._begin_step()
-        for k in range(len(self.comms)):
-            self._fill_bucket(k, norms)
-        return self._grads[: self.layout.numel]
+        if self.bucketer.gather(self._inv_scale, norms):
+            self._status = 1
+        return self._grads
 
     def _compressed_allreduce(self, out: Tensor) -> tuple[bool, int]:
         """Compressed allreduce of the (padded) flat gradient buffer, used as the input scratch,
@@ -635,7 +548,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Average the gradients at full precision into the gradient buffer (an fp32
         allreduce, or the quantized warmup exchange), clip the average (``max_grad_norm``) and
         fold it into Adam's moments ``m`` and ``v``; return (applied, bytes sent)."""
-        g = self._grads[: self.layout.numel]
+        g = self._grads
         applied, nbytes = self._communicate(self._warmup_kind, out=g)
         if applied:
             self._clip_averaged_(g)
@@ -646,7 +559,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``sqrt(v̂) + eps``, ``v`` bias-corrected for ``variance_step`` updates, into ``out``
         (default: the gradient buffer, which then holds no gradient)."""
         bc2 = bias_correction(self._beta2, variance_step, self.bias_correction)
-        out = self._grads[: self.layout.numel] if out is None else out
+        out = self._grads if out is None else out
         return adam_denominator(v, bc2, self._eps, out=out)
 
     def _observe_variance(self, step: int, denom: Tensor) -> None:
@@ -667,137 +580,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         :func:`~onebit.functional.fill_zero_variance_` gives it its tensor's mean."""
         return self._eps**2 * bias_correction(self._beta2, variance_step, self.bias_correction)
 
-    # Overlap with backward.
-
-    def _next_communication(self) -> str | None:
-        """What the next step sends, if it can be launched during backward, else ``None``."""
-        return None
-
-    def _on_grad_ready(self, index: int) -> None:
-        kind = self._next_communication()
-        if kind is None or self._no_sync:
-            return
-        for k in self._buckets_of_param[index]:
-            if k in self._inflight:
-                self._abandon_inflight()
-                raise RuntimeError(
-                    "a gradient changed after its bucket was sent: with overlap_backward, run "
-                    "every backward but the last of a step inside optimizer.no_sync() (or "
-                    "DistributedDataParallel.no_sync() with onebit.ddp_comm_hook)"
-                )
-            self._bucket_pending[k] -= 1
-        launched = bool(self._inflight)
-        for k in reversed(range(len(self.comms))):
-            if k in self._inflight:
-                continue
-            if self._bucket_pending[k] > 0:
-                break
-            self._launch(k, kind, fill=True)
-        if self._inflight and not launched:
-            self._record_versions_after_backward()
-
-    def _record_versions_after_backward(self) -> None:
-        """Note each ``.grad``'s version once backward has finished (after DDP has written its
-        buckets back), so that :meth:`_check_unchanged` can tell an edit made after that."""
-        this = weakref.ref(self)
-
-        def record() -> None:
-            optimizer = this()
-            if optimizer is not None:
-                optimizer._seen_versions = [
-                    None if p.grad is None else p.grad._version for p in optimizer.layout.params
-                ]
-
-        # A callback queued by a callback runs after every callback queued during backward.
-        Variable._execution_engine.queue_callback(
-            lambda: Variable._execution_engine.queue_callback(record)
-        )
-
-    def _check_unchanged(self) -> None:
-        """Raise if a ``.grad`` sent during backward was changed before ``step()``."""
-        seen, self._seen_versions = self._seen_versions, None
-        if not self._inflight or seen is None:
-            return
-        now = [None if p.grad is None else p.grad._version for p in self.layout.params]
-        sent = {k for k in self._inflight}
-        changed = [
-            i
-            for i, (a, b) in enumerate(zip(seen, now))
-            if a != b and sent.intersection(self._buckets_of_param[i])
-        ]
-        if changed:
-            self._abandon_inflight()
-            raise RuntimeError(
-                f"{len(changed)} gradient(s) were changed after backward, but overlap_backward "
-                "had already sent them. Clip with the optimizer's max_grad_norm, let the "
-                "optimizer unscale (scaler.step(optimizer) without scaler.unscale_), or use "
-                "overlap_backward=False"
-            )
+    # Overlap with backward: the bucketer's hooks launch buckets, step() checks them.
 
     def _start_step(self) -> None:
         """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
         no gradient sent during backward was changed since."""
         self._begin_step()
         self._read_grad_scale()
-        self._check_unchanged()
+        self.bucketer.check_unchanged()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without launching communication (for all but the last backward
         of a step when ``overlap_backward`` is on), as ``DistributedDataParallel.no_sync``."""
-        previous, self._no_sync = self._no_sync, True
-        try:
+        with self.bucketer.no_sync():
             yield
-        finally:
-            self._no_sync = previous
-
-    def _install_hooks(self) -> None:
-        """Count backward passes (the header's step check), and with ``overlap_backward`` launch
-        buckets as their gradients become final."""
-        this = weakref.ref(self)  # the hooks must not keep the optimizer alive
-
-        def hook(index: int) -> None:
-            optimizer = this()
-            if optimizer is not None:
-                optimizer._on_grad_accumulated(index)
-
-        for index, p in enumerate(self.layout.params):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
-
-    def _on_grad_accumulated(self, index: int) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            self._backward_passes += 1
-            Variable._execution_engine.queue_callback(self._backward_done)
-        # Overlap from this process's second step: by then a DDP-wrapped model has shown itself
-        # through ddp_comm_hook, and DDP's no_sync, not the optimizer's, governs accumulation.
-        if self.overlap_backward and not self._hooked_by_ddp and self._calls_here:
-            self._on_grad_ready(index)
-
-    def _backward_done(self) -> None:
-        self._in_backward = False
-
-    def _ddp_bucket_ready(self, params: list[Tensor]) -> None:
-        """Called by :func:`onebit.ddp_comm_hook` when DDP has a bucket of gradients ready.
-
-        From then on DDP, not the parameters' own hooks, says when gradients are final, so that
-        ``DistributedDataParallel.no_sync()`` governs accumulation.
-        """
-        self._hooked_by_ddp = True
-        if not self.overlap_backward:
-            return
-        for p in params:
-            index = self._index.get(id(p))
-            if index is not None and p.requires_grad:
-                self._on_grad_ready(index)
 
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
         self._step_open = False
         self._calls += 1
-        self._calls_here += 1
+        self.bucketer.armed = True
         self.comm_stats.record(stage, nbytes, round_skipped)
         if applied:
             self.num_steps += 1
@@ -857,7 +661,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "num_steps": self.num_steps,
             "skipped_steps": self.skipped_steps,
             "calls": self._calls,
-            "backward_passes": self._backward_passes,
+            "backward_passes": self.bucketer.backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
             **self.freeze.state_dict(),
             **self._extra_state(),
@@ -974,7 +778,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")
         self._calls = extra.pop("calls", self.num_steps + self.skipped_steps)
-        self._backward_passes = extra.pop("backward_passes", 0)
+        self.bucketer.backward_passes = extra.pop("backward_passes", 0)
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
         self.freeze.load_state_dict(extra)
         self.comm_stats.freeze_step = self.freeze.freeze_step

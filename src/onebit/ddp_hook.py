@@ -40,7 +40,7 @@ def ddp_comm_hook(
             "onebit.ddp_comm_hook needs the onebit optimizer as its state: "
             f"ddp_model.register_comm_hook(optimizer, onebit.ddp_comm_hook), got {type(state)}"
         )
-    state._ddp_bucket_ready(bucket.parameters())
+    state.bucketer.ddp_bucket_ready(bucket.parameters())
     future: torch.futures.Future[Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future

@@ -273,7 +273,7 @@ class OnebitLamb(CompressedOptimizer):
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
         buffer."""
         bc1 = bias_correction(self._beta1, step, self.bias_correction)
-        return torch.div(m, denom, out=self._grads[: self.layout.numel]).div_(bc1)
+        return torch.div(m, denom, out=self._grads).div_(bc1)
 
     def _add_weight_decay(self, update: Tensor) -> None:
         for group, params, updates in self._per_group(update):

@@ -225,7 +225,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """
         if self._frozen and any(lrs > 0 for lrs in self._lrs):
             synced, nbytes = self._sync()
-            self._step_open = False
+            self._close_step()
             self.comm_stats.record("synchronize", nbytes)
             self.skipped_steps += not synced
 
@@ -250,7 +250,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if applied:
             if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
                 floor = self._zero_variance_floor(self._var_updates)
-                filled = self._grads[:n]
+                filled = self._grads
                 fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(filled))
                 v = filled
             denom = self._adam_denominator(v, self._var_updates)
@@ -275,7 +275,7 @@ class ZeroOneAdam(CompressedOptimizer):
         params = self.layout.params
         grads = [p.grad for p in params]
         if self._status:
-            self._step_open = False
+            self._close_step()
             raise RuntimeError(f"{type(self).__name__}.step(): {_STATUS[self._status]}")
         if all_finite(grads):
             momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
@@ -314,7 +314,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self._adam_denominator(v, self._var_updates, out=v)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
-        anchor = self._grads[: self.layout.numel]
+        anchor = self._grads
         torch._foreach_copy_(self.layout.views(anchor), self.layout.params)
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
@@ -322,10 +322,9 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
-        n = self.layout.numel
         set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
         set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
-        set_state_views(self, "sync_params", self._grads[:n] if frozen else None)
+        set_state_views(self, "sync_params", self._grads if frozen else None)
 
     def _sync(self) -> tuple[bool, int]:
         """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.
@@ -336,7 +335,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """
         n = self.layout.numel
         params = self.layout.params
-        progress, anchor, denom = self._exp_avg[:n], self._grads[:n], self._exp_avg_sq
+        progress, anchor, denom = self._exp_avg[:n], self._grads, self._exp_avg_sq
         anchors = self.layout.views(anchor)
         torch._foreach_copy_(self.layout.views(progress), params)
         for (start, end), decay in zip(self._ranges, self._decay):

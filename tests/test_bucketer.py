@@ -1,0 +1,209 @@
+"""The bucketer gathers, prepares and launches buckets in a fixed order, and overlaps backward."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from onebit.bucketer import Bucketer
+from onebit.comm import CompressedAllreduce, MeanAllreduce
+from onebit.layout import FlatLayout
+
+HEADER_NUMEL = 5
+
+
+class Recorder:
+    """The optimizer's side of the callbacks, recording what the bucketer asked for."""
+
+    def __init__(self, kind=None):
+        self.kind = kind
+        self.opened = self.closed = 0
+        self.prepared = []
+        self.headers = []
+
+    def open_step(self):
+        self.opened += 1
+
+    def close_step(self):
+        self.closed += 1
+
+    def header(self, k, sparse, norm2):
+        self.headers.append((k, sparse, None if norm2 is None else float(norm2)))
+        return torch.full((HEADER_NUMEL,), float(k))
+
+    def prepare(self, k, kind, grads):
+        self.prepared.append((k, kind, grads.clone()))
+        grads.mul_(2)
+
+
+def _bucketer(model, recorder, bucket_size=16, clip=False, overlap=False):
+    params = list(model.parameters())
+    layout = FlatLayout(params, bucket_size, 1)
+    comms = [
+        CompressedAllreduce(e - s, segments=layout.segments(k), header_numel=HEADER_NUMEL)
+        for k, (s, e) in enumerate(layout.buckets)
+    ]
+    return Bucketer(
+        layout,
+        comms,
+        [],
+        None,
+        HEADER_NUMEL,
+        clip=clip,
+        overlap=overlap,
+        open_step=recorder.open_step,
+        close_step=recorder.close_step,
+        header=recorder.header,
+        prepare=recorder.prepare,
+        next_kind=lambda: recorder.kind,
+    )
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _flat_grads(model, scale=1.0):
+    grads = [
+        torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1) * scale
+        for p in model.parameters()
+    ]
+    return torch.cat(grads)
+
+
+def test_buckets_launch_last_first_each_gathered_unscaled_and_prepared():
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model[0].bias.grad = None  # counts as zero
+    recorder = Recorder()
+    bucketer = _bucketer(model, recorder, clip=True)
+    buckets = bucketer.layout.buckets
+    assert len(buckets) >= 3
+
+    calls = bucketer.launch_all("compressed", inv_scale=0.5)
+
+    assert [k for k, _, _ in recorder.prepared] == list(reversed(range(len(buckets))))
+    want = _flat_grads(model, 0.5)
+    for k, kind, grads in recorder.prepared:
+        start, end = buckets[k]
+        assert kind == "compressed" and torch.equal(grads, want[start:end])
+        # what is sent is what prepare left in the buffer
+        assert torch.equal(bucketer.grads[start:end], 2 * want[start:end])
+    # the header carries each bucket's squared norm, taken before prepare
+    for k, sparse, norm2 in recorder.headers:
+        start, end = buckets[k]
+        assert not sparse
+        assert norm2 == pytest.approx(float(want[start:end].square().sum()), rel=1e-6)
+    assert len(calls) == len(buckets) and bucketer.inflight == {}
+    assert recorder.opened == len(buckets)
+
+
+def test_gather_then_launch_without_fill_keeps_the_norms_for_the_headers():
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    recorder = Recorder()
+    bucketer = _bucketer(model, recorder, clip=True)
+    assert not bucketer.gather(None, norm=True)
+    bucketer.launch_all("compressed", fill=False)
+    assert recorder.prepared == []  # the caller prepared the buffer itself
+    sizes = {k: e - s for k, (s, e) in enumerate(bucketer.layout.buckets)}
+    assert all(norm2 == pytest.approx(sizes[k]) for k, _, norm2 in recorder.headers)
+    recorder.headers.clear()
+    bucketer.launch_all("compressed", fill=False)  # the norms were this step's only
+    assert all(norm2 is None for _, _, norm2 in recorder.headers)
+
+
+def test_fill_reports_a_sparse_gradient_and_unscales_low_precision_in_fp32():
+    embedding = torch.nn.Embedding(6, 2, sparse=True)
+    linear = torch.nn.Linear(2, 3).to(torch.bfloat16)
+    model = torch.nn.ModuleList([embedding, linear])
+    embedding(torch.tensor([1, 2])).sum().backward()
+    linear.weight.grad = torch.full_like(linear.weight, 2.0**-120)  # underflows if scaled in bf16
+    linear.bias.grad = torch.ones_like(linear.bias)
+    bucketer = _bucketer(model, Recorder(), bucket_size=1024)
+    assert bucketer.fill(0, inv_scale=2.0**-10)
+    n = embedding.weight.numel()
+    assert torch.equal(bucketer.grads[:n], torch.zeros(n))
+    weight = bucketer.grads[n : n + linear.weight.numel()]
+    assert torch.equal(weight, torch.full_like(weight, 2.0**-130))
+
+
+def _backward(model, seed=0):
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed))
+    model(x).square().sum().backward()
+
+
+def test_overlap_launches_every_bucket_during_backward_once_armed():
+    model = _model()
+    recorder = Recorder(kind="allreduce")
+    bucketer = _bucketer(model, recorder, overlap=True)
+    _backward(model)
+    assert bucketer.inflight == {} and bucketer.backward_passes == 1  # not armed yet
+    bucketer.armed = True
+    model.zero_grad()
+    with bucketer.no_sync():
+        _backward(model)
+    assert bucketer.inflight == {}
+    _backward(model, seed=1)
+    assert sorted(bucketer.inflight) == list(range(len(bucketer.layout.buckets)))
+    assert all(isinstance(c, MeanAllreduce) for c in bucketer.inflight.values())
+    assert bucketer.backward_passes == 3
+    # what was sent is the accumulated gradient of both backward passes
+    calls = bucketer.launch_all("allreduce")
+    assert len(calls) == len(bucketer.layout.buckets)
+    n = bucketer.layout.numel
+    assert torch.equal(bucketer.grads[:n], 2 * _flat_grads(model))
+
+
+def test_a_gradient_accumulated_after_its_bucket_left_abandons_the_step_and_raises():
+    model = _model()
+    recorder = Recorder(kind="compressed")
+    bucketer = _bucketer(model, recorder, overlap=True)
+    bucketer.armed = True
+    _backward(model)
+    assert bucketer.inflight
+    with pytest.raises(RuntimeError, match="changed after its bucket was sent"):
+        _backward(model)
+    assert bucketer.inflight == {} and recorder.closed == 1
+
+
+def test_a_gradient_edited_after_backward_is_caught_by_check_unchanged():
+    model = _model()
+    recorder = Recorder(kind="compressed")
+    bucketer = _bucketer(model, recorder, overlap=True)
+    bucketer.armed = True
+    _backward(model)
+    bucketer.check_unchanged()  # nothing edited since
+    assert bucketer.inflight and recorder.closed == 0
+    bucketer.launch_all("compressed")
+    model.zero_grad()
+    _backward(model)
+    model[0].weight.grad.mul_(0.5)  # as clip_grad_norm_ would, after the bucket left
+    with pytest.raises(RuntimeError, match="changed after backward"):
+        bucketer.check_unchanged()
+    assert bucketer.inflight == {} and recorder.closed == 1
+
+
+def test_release_frees_the_buffer_and_the_next_use_makes_a_new_one():
+    model = _model()
+    bucketer = _bucketer(model, Recorder())
+    bucketer.grads.fill_(1.0)
+    bucketer.release()
+    assert bucketer._buffer is None
+    assert bucketer.grads.numel() == bucketer.layout.padded_numel + HEADER_NUMEL
+    assert not bucketer.grads.any()
+    assert bucketer.buckets[0].data_ptr() == bucketer.grads.data_ptr()
+
+
+def test_the_hooks_do_not_keep_the_bucketer_alive():
+    model = _model()
+    bucketer = _bucketer(model, Recorder(), overlap=True)
+    ref = weakref.ref(bucketer)
+    del bucketer
+    gc.collect()
+    assert ref() is None
+    _backward(model)  # the dead bucketer's hooks do nothing
