@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from distributed import run_ranks
 
 from onebit.bucketer import Bucketer
 from onebit.comm import CompressedAllreduce, MeanAllreduce
@@ -207,3 +208,23 @@ def test_the_hooks_do_not_keep_the_bucketer_alive():
     gc.collect()
     assert ref() is None
     _backward(model)  # the dead bucketer's hooks do nothing
+
+
+def _allreduce_headers(rank, world_size):
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(rank))
+    recorder = Recorder()
+    recorder.header = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
+    bucketer = _bucketer(model, recorder)
+    for call in bucketer.launch_all("allreduce"):
+        call.wait()
+    n = bucketer.layout.numel
+    return bucketer.header_slots().clone(), bucketer.grads[:n].clone()
+
+
+def test_the_fp32_allreduce_gives_every_rank_every_ranks_header_and_the_mean():
+    for slots, mean in run_ranks(_allreduce_headers, 2, timeout=60):
+        want = torch.stack([torch.arange(HEADER_NUMEL) + 10.0 * r for r in range(2)])
+        assert torch.equal(slots, want)
+        assert torch.equal(mean, torch.full_like(mean, 1.0))  # prepared: 2·rank, averaged

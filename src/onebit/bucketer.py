@@ -194,11 +194,10 @@ class Bucketer:
             # Only the bucket sent first carries the header slots, after the padded buffer.
             last = k == len(self.comms) - 1
             buffer = self.grads[self.layout.buckets[k][0] :] if last else grads
-            slots = self.header_slots()
             if last:
-                h = self.header_numel
+                slots = self.header_slots()
                 slots.zero_()
-                slots[self.rank * h : (self.rank + 1) * h] = header
+                slots[self.rank] = header
             self.inflight[k] = MeanAllreduce(buffer, self.process_group, average=grads[:numel])
         else:
             self.inflight[k] = self.comms_for(kind)[k].start(grads, header)
