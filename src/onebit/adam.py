@@ -82,7 +82,12 @@ class OnebitAdam(CompressedOptimizer):
 
     What ``optimizer.state[p]`` holds (views into flat fp32 buffers):
 
-    * in the warmup, ``exp_avg`` and ``exp_avg_sq``, as AdamW;
+    * in the warmup, ``exp_avg`` and ``exp_avg_sq``, as AdamW. The gradients live in the
+      optimizer's bucket buffer, as DDP's ``gradient_as_bucket_view``: backward accumulates
+      each fp32 ``.grad`` into its view of the buffer, so they cost no memory beyond AdamW's
+      own ``.grad`` and are sent with no copy (without ``overlap_backward``). After ``step()``
+      ``.grad`` holds the averaged gradient, as under DDP. At the freeze the buffer is left to
+      the ``.grad`` views, and the compression stage works on its own;
     * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
       once) and ``exp_avg``;
     * on the fused path (fp32 CPU parameters with the C kernels, a scale per tensor, no
@@ -154,6 +159,7 @@ class OnebitAdam(CompressedOptimizer):
         """Name the state for its stage: ``exp_avg_sq`` until the freeze, then ``frozen_denom``
         (``sqrt(v̂) + eps``, kept instead of being recomputed at every step)."""
         self._frozen = frozen
+        self.bucketer.grads_as_views = not frozen and not self.overlap_backward
         set_state_views(self, "exp_avg", self._exp_avg)
         set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
         set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
@@ -199,9 +205,7 @@ class OnebitAdam(CompressedOptimizer):
                 self._apply_mask_(m)
         t = self.num_steps + 1
         if applied and stage == "warmup":
-            denom = self._adam_denominator(v, t)
-            self._observe_variance(t, denom)
-            self._adamw_update_(m, denom, t)
+            self._adam_step_from_moments_(m, v, t)
             if t == self.freeze_step:
                 self._freeze_variance_(t)
         elif applied and fused:
@@ -223,8 +227,7 @@ class OnebitAdam(CompressedOptimizer):
         self._adam_denominator(v, t, out=v)
         self._set_frozen(True)
         self._end_warmup_compression()
-        if self._fused is not None:
-            self.bucketer.release()
+        self.bucketer.release()  # the .grad views keep it; the fused stage needs no other
 
     def _fused_compressed_step(self) -> tuple[bool, int]:
         """A compression step by the fused passes of :class:`~onebit.momentum.

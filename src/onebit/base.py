@@ -575,6 +575,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for group, params, ms, denoms in self._per_group(m, denom):
             adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
 
+    def _adam_step_from_moments_(self, m: Tensor, v: Tensor, step: int) -> None:
+        """Adam's denominator for warmup step ``step`` (fed to ``freeze_step="auto"``), then
+        AdamW's update, leaving the gradient buffer as it is: it may be the ``.grad`` views.
+
+        The denominators are temporaries, a bucket's worth of parameters at a time, except on a
+        measuring step of ``"auto"``, which needs them all at once.
+        """
+        bc2 = bias_correction(self._beta2, step, self.bias_correction)
+        if self.freeze.measures(step):
+            denom = adam_denominator(v, bc2, self._eps, out=torch.empty_like(v))
+            self._observe_variance(step, denom)
+            self._adamw_update_(m, denom, step)
+            return
+        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
+        for group, params, ms, vs in self._per_group(m, v):
+            for part in _parts([p.numel() for p in params], self.layout.bucket_size):
+                denoms = torch._foreach_sqrt(vs[part])
+                torch._foreach_div_(denoms, math.sqrt(bc2))
+                torch._foreach_add_(denoms, self._eps)
+                lr, decay = group["lr"], group["weight_decay"]
+                adamw_update_(params[part], ms[part], denoms, lr, decay, step_scale)
+
     def _zero_variance_floor(self, variance_step: int) -> float:
         """``eps² · (1 - β2^variance_step)``: a variance at most this has ``sqrt(v̂) <= eps``, and
         :func:`~onebit.functional.fill_zero_variance_` gives it its tensor's mean."""
@@ -785,6 +807,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
             extra.pop(key, None)
         self._load_extra_state(extra)
+
+
+def _parts(numels: list[int], limit: int) -> Iterator[slice]:
+    """Consecutive slices of ``numels`` holding at most ``limit`` elements, or one tensor."""
+    start, total = 0, 0
+    for i, n in enumerate(numels):
+        if total and total + n > limit:
+            yield slice(start, i)
+            start, total = i, 0
+        total += n
+    if start < len(numels):
+        yield slice(start, len(numels))
 
 
 def _group_hyperparameters(groups: list[dict[str, Any]]) -> list[tuple[Any, ...]]:

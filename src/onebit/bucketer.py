@@ -63,6 +63,12 @@ class Bucketer:
             then: by that time a DDP-wrapped model has shown itself through the comm hook, and
             DDP's ``no_sync`` rather than the optimizer's governs accumulation.
         inflight: bucket index to its call in flight, of :attr:`inflight_kind`.
+        grads_as_views: as DDP's ``gradient_as_bucket_view``, point each fp32 ``.grad`` at its
+            place in the gradient buffer once backward has accumulated it (copying it there
+            the first time). The gradients then take no memory beyond the buffer, and the step
+            gathers them with no copy. Off by default: the optimizer turns it on where it uses
+            the buffer for nothing but the gradients between steps (1-bit Adam's warmup), and
+            :meth:`release` s the buffer when that ends, leaving it to the ``.grad`` views.
     """
 
     def __init__(
@@ -112,6 +118,8 @@ class Bucketer:
         self._in_backward = False
         self.backward_passes = 0
         self.armed = False
+        self.grads_as_views = False
+        self._param_views: list[Tensor] | None = None
         self._install_hooks()
 
     # The gradient buffer.
@@ -133,8 +141,29 @@ class Bucketer:
         return self._bucket_views
 
     def release(self) -> None:
-        """Free the gradient buffer (1-bit Adam's fused stage reads ``.grad`` itself)."""
-        self._buffer = self._bucket_views = None
+        """Drop the gradient buffer: a later use makes a new one. ``.grad`` views of it
+        (:attr:`grads_as_views`) keep it as the parameters' gradients."""
+        self._buffer = self._bucket_views = self._param_views = None
+
+    def _point_grad_at_buffer(self, index: int) -> None:
+        """Make parameter ``index``'s ``.grad`` its view of the gradient buffer, unless it is one
+        or cannot be (not fp32 and dense, or part of a graph for a higher-order backward)."""
+        p = self.layout.params[index]
+        if self._param_views is None or self._buffer is None:
+            self._param_views = self.layout.views(self.grads)
+        grad, view = p.grad, self._param_views[index]
+        if (
+            grad is None
+            or grad.layout != torch.strided
+            or grad.dtype != view.dtype
+            or grad.device != view.device
+            or grad.requires_grad
+            or grad.data_ptr() == view.data_ptr()
+        ):
+            return
+        with torch.no_grad():
+            view.copy_(grad)
+        p.grad = view
 
     def fill(self, k: int, inv_scale: float | None, norm: bool = False) -> bool:
         """Copy the gradients overlapping bucket ``k`` into the gradient buffer, multiplied by
@@ -158,7 +187,10 @@ class Bucketer:
                 sparse = True
             else:
                 grad = p.grad.reshape(-1)[lo - offset : hi - offset]
-                if inv_scale is None:
+                if grad.data_ptr() == view.data_ptr():  # .grad is this view (grads_as_views)
+                    if inv_scale is not None:
+                        view.mul_(inv_scale)
+                elif inv_scale is None:
                     view.copy_(grad)
                 elif grad.dtype == torch.float32:
                     torch.mul(grad, inv_scale, out=view)
@@ -263,6 +295,8 @@ class Bucketer:
             self._in_backward = True
             self.backward_passes += 1
             Variable._execution_engine.queue_callback(self._backward_done)
+        if self.grads_as_views:
+            self._point_grad_at_buffer(index)
         if self.overlap and not self._hooked_by_ddp and self.armed:
             self._on_grad_ready(index)
 
