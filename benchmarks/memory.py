@@ -4,21 +4,23 @@
     python benchmarks/memory.py --world-size 4 --width 1024
 
 Each optimizer runs in fresh processes, one per rank, through its warmup and into its
-compression stage (ZeroOneAdam: through phase A into phase B, with local steps and syncs).
-Gradients are set directly (no forward or backward), so that everything allocated after the
-model is the optimizer's. Two figures per optimizer, in model sizes (the fp32 bytes of the
-parameters), for rank 0:
+compression stage (ZeroOneAdam: through phase A into phase B, with local steps and syncs). Each
+step is a user's: ``zero_grad()`` (gradients to ``None``), forward and backward of a batch of 4,
+``step()``. Two figures per optimizer, in model sizes (the fp32 bytes of the parameters), for
+rank 0:
 
 * ``state``: the bytes of every tensor storage the optimizer holds (its state, scratch, error
-  buffers, packed momentum), the largest after any step of the stage. Exact.
-* ``peak``: per stage, the process's peak resident memory during a step of that stage (the
-  kernel's high-water mark, reset before each step) less its resident memory before the optimizer
-  was built (after a run on a tiny model, so that code pages and thread pools are already in).
-  It adds what a step allocates and frees (temporaries, communication buffers inside
-  torch.distributed) and the allocator's overhead. Stages that send fp32 (warmup, ZeroOneAdam's
-  variance steps) and 1-bit stages are listed apart.
+  buffers, packed momentum), the largest after any step of the stage, less the storage of the
+  parameters' ``.grad`` (which 1-bit Adam's warmup keeps in its bucket buffer, as DDP's
+  ``gradient_as_bucket_view``). Exact.
+* ``peak``: per stage, the process's peak resident memory during a step of that stage, backward
+  included (the kernel's high-water mark, reset before each step), less its resident memory
+  before the optimizer was built (after a run on a tiny model, so that code pages and thread
+  pools are already in). It holds the gradients, what a step allocates and frees (temporaries,
+  communication buffers inside torch.distributed) and the allocator's overhead. Stages that send
+  fp32 (warmup, ZeroOneAdam's variance steps) and 1-bit stages are listed apart.
 
-``AdamW`` is ``torch.optim.AdamW`` alone; ``AdamW+DDP`` also runs forward and backward under
+``AdamW`` is ``torch.optim.AdamW`` alone; ``AdamW+DDP`` runs its forward and backward under
 ``DistributedDataParallel``, whose gradient buckets (one more copy of the gradients) show in the
 peak, not in the optimizer's state.
 """
@@ -77,9 +79,12 @@ def _storage_bytes(opt: torch.optim.Optimizer) -> int:
     """The bytes of every storage the optimizer holds: its state, flat buffers, error buffers,
     packed momentum and scratch (the parameters and their gradients excluded)."""
     found: list[torch.Tensor] = []
-    seen = {id(p) for g in opt.param_groups for p in g["params"]}
-    _tensors(opt, found, seen)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    _tensors(opt, found, {id(p) for p in params})
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    for p in params:
+        if p.grad is not None:
+            storages.pop(p.grad.untyped_storage().data_ptr(), None)
     return sum(storages.values())
 
 
@@ -102,29 +107,21 @@ def _run(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Step ``name`` through its stages; return its largest state and peak per stage.
 
-    ``AdamW+DDP`` runs forward and backward of the layers under ``DistributedDataParallel``
-    (whose gradient buckets are not optimizer state: they show in its peak only); the others get
-    their gradients set directly.
+    ``AdamW+DDP`` runs forward and backward under ``DistributedDataParallel`` (whose gradient
+    buckets are not optimizer state: they show in its peak only).
     """
     model = torch.nn.Sequential(*layers)
     params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p) if p.grad is None else p.grad
-    ddp = None
-    if name == "AdamW+DDP":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        x = torch.randn(4, layers[0].in_features)
+    forward = torch.nn.parallel.DistributedDataParallel(model) if name == "AdamW+DDP" else model
+    x = torch.randn(4, layers[0].in_features)
     opt, steps = _make(name.removesuffix("+DDP"), params)
     state: dict[str, int] = {}
     peaks: dict[str, int] = {}
     for _ in range(steps):
         stage = getattr(opt, "stage", "-")
         _reset_peak_rss()
-        if ddp is None:
-            for p in params:
-                p.grad.normal_()
-        else:
-            ddp(x).sum().backward()
+        opt.zero_grad()
+        forward(x).sum().backward()
         opt.step()
         peaks[stage] = max(peaks.get(stage, 0), _peak_rss() - before)
         state[stage] = max(state.get(stage, 0), _storage_bytes(opt))
@@ -138,8 +135,6 @@ def _rank(
     _run(name, [torch.nn.Linear(64, 64)])  # page code in, warm pools
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(depth)]
-    for p in (p for layer in layers for p in layer.parameters()):
-        p.grad = torch.randn_like(p)
     model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
