@@ -17,7 +17,7 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import AutoFreeze, FreezeSchedule, set_state_views
+from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, bias_correction, fill_zero_variance_
 
 
@@ -147,8 +147,8 @@ class OnebitAdam(CompressedOptimizer):
             next_kind=self._next_kind,
             problem=problem,
         )
-        self._exp_avg = self.layout.zeros(padded=True, device=self.device)
-        self._exp_avg_sq = self.layout.zeros(device=self.device)
+        self._exp_avg = self.flat.zeros(padded=True)
+        self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
         self._fused: momentum.PackedMomentumStage | None = None
         clip, masked = self.max_grad_norm is not None, bool(self._masks)
@@ -160,9 +160,9 @@ class OnebitAdam(CompressedOptimizer):
         (``sqrt(v̂) + eps``, kept instead of being recomputed at every step)."""
         self._frozen = frozen
         self.bucketer.grads_as_views = not frozen and not self.overlap_backward
-        set_state_views(self, "exp_avg", self._exp_avg)
-        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
-        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
+        self.flat.expose("exp_avg", self._exp_avg)
+        self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
+        self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
 
     def _next_kind(self) -> str:
         """What the next step sends (every step can be launched during backward)."""
@@ -189,7 +189,7 @@ class OnebitAdam(CompressedOptimizer):
         if self._fused is not None and not momentum.fused_parameters(self.layout.params):
             self._fused.unpack_()  # say after model.half(): the unfused path from here on
             self._fused = None
-            set_state_views(self, "exp_avg", self._exp_avg)
+            self.flat.expose("exp_avg", self._exp_avg)
         fused = stage == "compression" and self._fused is not None
         if stage == "warmup":
             applied, nbytes = self._warmup_moments_(m, v)
@@ -243,7 +243,7 @@ class OnebitAdam(CompressedOptimizer):
         del keep
         if applied:
             self._fused.finish(calls)
-            set_state_views(self, "exp_avg", None)  # packed now: see state_dict()
+            self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 
     def state_dict(self) -> dict[str, Any]:
@@ -251,13 +251,13 @@ class OnebitAdam(CompressedOptimizer):
         fp32 ``exp_avg`` (exactly: each element is ``±σ`` of its piece)."""
         if self._fused is None or self._fused.packed is None:
             return super().state_dict()
-        set_state_views(self, "exp_avg", self._fused.materialize())
+        self.flat.expose("exp_avg", self._fused.materialize())
         try:
             state = super().state_dict()
             state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
             return state
         finally:
-            set_state_views(self, "exp_avg", None)
+            self.flat.expose("exp_avg", None)
 
     def _extra_state(self) -> dict[str, Any]:
         packed = self._fused is not None and self._fused.packed is not None
@@ -287,7 +287,7 @@ class OnebitAdam(CompressedOptimizer):
                 for comm, error in zip(self.comms, errors):
                     comm._worker_error = error
                 if packed is not None:
-                    set_state_views(self, "exp_avg", None)
+                    self.flat.expose("exp_avg", None)
 
         return undo
 
@@ -303,6 +303,6 @@ class OnebitAdam(CompressedOptimizer):
             packed = bool(state.get("packed_momentum", False))
             self._fused.load_(self._exp_avg[: self.layout.numel].clone(), errors, packed)
             if self._fused.packed is not None:
-                set_state_views(self, "exp_avg", None)
+                self.flat.expose("exp_avg", None)
             if self._frozen:
                 self.bucketer.release()

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, finish_compressed_, group_size_and_rank
+from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
     adam_denominator,
@@ -148,6 +149,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         bucketer: the :class:`~onebit.bucketer.Bucketer` of the gradient buckets.
+        flat: the :class:`~onebit.flat_state.FlatState` that shows the flat buffers per
+            parameter in ``state``.
         freeze: the :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step`` and
             ``in_warmup`` read it.
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
@@ -222,6 +225,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 )
                 for k, (start, end) in enumerate(self.layout.buckets)
             ]
+        self.flat = FlatState(self.layout, self.state, self.param_groups, self.device)
         self._step_open = False
         self.bucketer = Bucketer(
             self.layout,
@@ -332,22 +336,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _freeze_monitor(self) -> VarianceMonitor | None:
         """The ``"auto"`` rule's state, ``freeze.monitor``."""
         return self.freeze.monitor
-
-    def _new_state_buffer(self, name: str) -> Tensor:
-        """A zero flat fp32 buffer exposed per parameter as ``self.state[p][name]``."""
-        flat = self.layout.zeros(device=self.device)
-        for p, view in zip(self.layout.params, self.layout.views(flat)):
-            self.state[p][name] = view
-        return flat
-
-    def _per_group(self, *flats: Tensor) -> Iterator[tuple[Any, ...]]:
-        """``(group, params, views of each flat buffer...)`` per param group."""
-        views = [self.layout.views(f) for f in flats]
-        start = 0
-        for group in self.param_groups:
-            end = start + len(group["params"])
-            yield (group, group["params"], *(v[start:end] for v in views))
-            start = end
 
     # Each step: the hyperparameters and loss scale it runs with, and the header it sends.
 
@@ -572,7 +560,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """AdamW's update of every param group: ``p -= lr·(m̂/denom + weight_decay·p)`` with
         ``m̂`` bias-corrected for ``step``."""
         step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
-        for group, params, ms, denoms in self._per_group(m, denom):
+        for group, params, ms, denoms in self.flat.per_group(m, denom):
             adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
 
     def _adam_step_from_moments_(self, m: Tensor, v: Tensor, step: int) -> None:
@@ -589,7 +577,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._adamw_update_(m, denom, step)
             return
         step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
-        for group, params, ms, vs in self._per_group(m, v):
+        for group, params, ms, vs in self.flat.per_group(m, v):
             for part in _parts([p.numel() for p in params], self.layout.bucket_size):
                 denoms = torch._foreach_sqrt(vs[part])
                 torch._foreach_div_(denoms, math.sqrt(bc2))

@@ -246,18 +246,3 @@ class FreezeSchedule:
         self.freeze_step = state["freeze_step"]
         if state["auto_freeze"] is not None:
             self.monitor.load_state_dict(state["auto_freeze"])
-
-
-def set_state_views(optimizer: Any, name: str, flat: Tensor | None) -> None:
-    """Expose the flat buffer ``flat`` per parameter as ``optimizer.state[p][name]``.
-
-    ``None`` removes the entry. Optimizers whose state changes at the freeze (the variance turns
-    into a frozen denominator, say) use it so that ``state_dict`` names what each buffer holds.
-    """
-    layout = optimizer.layout
-    views = layout.views(flat) if flat is not None else [None] * len(layout.params)
-    for p, view in zip(layout.params, views):
-        if view is None:
-            optimizer.state[p].pop(name, None)
-        else:
-            optimizer.state[p][name] = view

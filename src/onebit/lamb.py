@@ -17,7 +17,7 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import AutoFreeze, FreezeSchedule, set_state_views
+from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
     bias_correction,
     fill_zero_variance_,
@@ -165,8 +165,8 @@ class OnebitLamb(CompressedOptimizer):
             warmup_compression=warmup_compression,
             problem=problem,
         )
-        self._exp_avg = self._new_state_buffer("exp_avg")
-        self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
+        self._exp_avg = self.flat.zeros("exp_avg")
+        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         layers = len(self.layout.params)
         self._frozen = False
@@ -276,7 +276,7 @@ class OnebitLamb(CompressedOptimizer):
         return torch.div(m, denom, out=self._grads).div_(bc1)
 
     def _add_weight_decay(self, update: Tensor) -> None:
-        for group, params, updates in self._per_group(update):
+        for group, params, updates in self.flat.per_group(update):
             if group["weight_decay"] and params:
                 torch._foreach_add_(updates, params, alpha=group["weight_decay"])
 
@@ -285,7 +285,7 @@ class OnebitLamb(CompressedOptimizer):
         self._coeffs = coeffs.clone()
         per_layer = coeffs.tolist()
         start = 0
-        for group, params, updates in self._per_group(update):
+        for group, params, updates in self.flat.per_group(update):
             sizes = [group["lr"] * c for c in per_layer[start : start + len(params)]]
             scaled_sub_(params, updates, sizes)
             start += len(params)
@@ -307,12 +307,12 @@ class OnebitLamb(CompressedOptimizer):
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
         if frozen and self._exp_avg_sq_fresh is None:
-            self._exp_avg_sq_fresh = self.layout.zeros(device=self.device)
+            self._exp_avg_sq_fresh = self.flat.zeros()
         if not frozen:
             self._exp_avg_sq_fresh = None
-        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
-        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
-        set_state_views(self, "exp_avg_sq_fresh", self._exp_avg_sq_fresh)
+        self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
+        self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
+        self.flat.expose("exp_avg_sq_fresh", self._exp_avg_sq_fresh)
 
     def _extra_state(self) -> dict[str, Any]:
         return {

@@ -18,7 +18,7 @@ from .base import (
     closes_step_on_error,
     problem_of,
 )
-from .freeze import FreezeSchedule, set_state_views
+from .freeze import FreezeSchedule
 from .functional import (
     adam_moments_,
     all_finite,
@@ -166,9 +166,9 @@ class ZeroOneAdam(CompressedOptimizer):
             problem=problem,
         )
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
-        self._exp_avg = self.layout.zeros(padded=True, device=self.device)
-        set_state_views(self, "exp_avg", self._exp_avg)
-        self._exp_avg_sq = self._new_state_buffer("exp_avg_sq")
+        self._exp_avg = self.flat.zeros(padded=True)
+        self.flat.expose("exp_avg", self._exp_avg)
+        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._ranges = _group_ranges(self.param_groups)
         self.var_interval = 1
         self._var_counter = 0
@@ -322,9 +322,9 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
-        set_state_views(self, "exp_avg_sq", None if frozen else self._exp_avg_sq)
-        set_state_views(self, "frozen_denom", self._exp_avg_sq if frozen else None)
-        set_state_views(self, "sync_params", self._grads if frozen else None)
+        self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
+        self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
+        self.flat.expose("sync_params", self._grads if frozen else None)
 
     def _sync(self) -> tuple[bool, int]:
         """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.

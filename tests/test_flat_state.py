@@ -1,0 +1,42 @@
+"""FlatState shows flat buffers per parameter in optimizer.state and splits them per group."""
+
+from collections import defaultdict
+
+import torch
+
+from onebit.flat_state import FlatState
+from onebit.layout import FlatLayout
+
+
+def _flat_state():
+    a, b, c = torch.zeros(2, 3), torch.zeros(4), torch.zeros(1, 5)
+    groups = [{"params": [a, b], "lr": 1.0}, {"params": [c], "lr": 2.0}]
+    layout = FlatLayout([a, b, c], bucket_size=8, world_size=2)
+    return FlatState(layout, defaultdict(dict), groups, torch.device("cpu")), (a, b, c)
+
+
+def test_a_named_buffer_is_each_parameters_view_in_state():
+    flat, params = _flat_state()
+    m = flat.zeros("exp_avg")
+    padded = flat.zeros(padded=True)
+    assert m.numel() == 15 and padded.numel() == flat.layout.padded_numel > 15
+    m.copy_(torch.arange(15.0))
+    views = [flat.state[p]["exp_avg"] for p in params]
+    assert [v.shape for v in views] == [p.shape for p in params]
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views]), torch.arange(15.0))
+    views[1].fill_(-1)  # a view, not a copy
+    assert torch.equal(m[6:10], torch.full((4,), -1.0))
+    flat.expose("frozen_denom", m)
+    flat.expose("exp_avg", None)
+    assert all(list(flat.state[p]) == ["frozen_denom"] for p in params)
+
+
+def test_per_group_gives_each_group_its_parameters_and_views():
+    flat, (a, b, c) = _flat_state()
+    m, v = flat.zeros(), flat.zeros()
+    m.copy_(torch.arange(15.0))
+    groups = list(flat.per_group(m, v))
+    assert [g["lr"] for g, *_ in groups] == [1.0, 2.0]
+    (_, params0, ms0, vs0), (_, params1, ms1, _) = groups
+    assert params0 == [a, b] and params1 == [c] and len(vs0) == 2
+    assert torch.equal(ms1[0], torch.arange(10.0, 15.0).view(1, 5))
