@@ -68,7 +68,7 @@ class Bucketer:
             the first time). The gradients then take no memory beyond the buffer, and the step
             gathers them with no copy. Off by default: the optimizer turns it on where it uses
             the buffer for nothing but the gradients between steps (1-bit Adam's warmup), and
-            :meth:`release` s the buffer when that ends, leaving it to the ``.grad`` views.
+            calls :meth:`release` when that ends, leaving the buffer to the ``.grad`` views.
     """
 
     def __init__(
