@@ -563,27 +563,43 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for group, params, ms, denoms in self.flat.per_group(m, denom):
             adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
 
-    def _adam_step_from_moments_(self, m: Tensor, v: Tensor, step: int) -> None:
-        """Adam's denominator for warmup step ``step`` (fed to ``freeze_step="auto"``), then
-        AdamW's update, leaving the gradient buffer as it is: it may be the ``.grad`` views.
-
-        The denominators are temporaries, a bucket's worth of parameters at a time, except on a
-        measuring step of ``"auto"``, which needs them all at once.
+    def _warmup_denominators(
+        self, v: Tensor, step: int
+    ) -> Iterator[tuple[dict[str, Any], slice, list[Tensor]]]:
+        """Adam's denominators ``sqrt(v̂) + eps`` of warmup step ``step``, as temporaries a
+        bucket's worth of parameters at a time: ``(group, slice of layout.params, one
+        denominator per parameter)``. The gradient buffer, which may be the ``.grad`` views, is
+        left as it is. A measuring step of ``freeze_step="auto"`` makes them all at once, to
+        observe them first.
         """
         bc2 = bias_correction(self._beta2, step, self.bias_correction)
+        whole = None
         if self.freeze.measures(step):
-            denom = adam_denominator(v, bc2, self._eps, out=torch.empty_like(v))
-            self._observe_variance(step, denom)
-            self._adamw_update_(m, denom, step)
-            return
-        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
-        for group, params, ms, vs in self.flat.per_group(m, v):
-            for part in _parts([p.numel() for p in params], self.layout.bucket_size):
+            whole = adam_denominator(v, bc2, self._eps, out=torch.empty_like(v))
+            self._observe_variance(step, whole)
+            whole = self.layout.views(whole)
+        vs, start = self.layout.views(v), 0
+        for group in self.param_groups:
+            end = start + len(group["params"])
+            for part in _parts(self.layout.numels[start:end], self.layout.bucket_size):
+                part = slice(start + part.start, start + part.stop)
+                if whole is not None:
+                    yield group, part, whole[part]
+                    continue
                 denoms = torch._foreach_sqrt(vs[part])
                 torch._foreach_div_(denoms, math.sqrt(bc2))
                 torch._foreach_add_(denoms, self._eps)
-                lr, decay = group["lr"], group["weight_decay"]
-                adamw_update_(params[part], ms[part], denoms, lr, decay, step_scale)
+                yield group, part, denoms
+            start = end
+
+    def _adam_step_from_moments_(self, m: Tensor, v: Tensor, step: int) -> None:
+        """AdamW's update of warmup step ``step`` from Adam's moments, by
+        :meth:`_warmup_denominators`: the gradient buffer is left as it is."""
+        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
+        params, ms = self.layout.params, self.layout.views(m)
+        for group, part, denoms in self._warmup_denominators(v, step):
+            lr, decay = group["lr"], group["weight_decay"]
+            adamw_update_(params[part], ms[part], denoms, lr, decay, step_scale)
 
     def _zero_variance_floor(self, variance_step: int) -> float:
         """``eps² · (1 - β2^variance_step)``: a variance at most this has ``sqrt(v̂) <= eps``, and

@@ -96,8 +96,10 @@ class OnebitLamb(CompressedOptimizer):
     State per parameter: ``exp_avg`` and ``exp_avg_sq``; at the freeze ``exp_avg_sq`` becomes
     ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
     (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
-    compression stage: five model-sized fp32 buffers (momentum, frozen denominator, fresh
-    variance, gradient scratch, worker error) plus the server error. ``freeze`` is the
+    warmup: AdamW's (momentum and variance), as the fp32 ``.grad`` live in the bucket buffer as
+    in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage: five model-sized fp32
+    buffers (momentum, frozen denominator, fresh variance, gradient scratch, worker error) plus
+    the server error. ``freeze`` is the
     :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
     where the warmup stands.
     """
@@ -169,7 +171,7 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         layers = len(self.layout.params)
-        self._frozen = False
+        self._set_frozen(False)
         self._coeff_ema = torch.zeros(layers)
         self._coeff_updates = torch.zeros(layers)
         self._frozen_coeffs = torch.ones(layers)
@@ -208,19 +210,27 @@ class OnebitLamb(CompressedOptimizer):
         applied, nbytes = self._warmup_moments_(m, v)
         if applied:
             t = self.num_steps + 1
-            denom = self._adam_denominator(v, t)
-            self._observe_variance(t, denom)
-            update = self._adam_update(m, denom, t)
-            self._add_weight_decay(update)
-            weight_norms = layer_norms(self.layout.params).cpu()
-            update_norms = layer_norms(self.layout.views(update)).cpu()
-            coeffs = trust_ratio(weight_norms, update_norms, self.min_coeff, self.max_coeff)
+            bc1 = bias_correction(self._beta1, t, self.bias_correction)
+            params, ms = self.layout.params, self.layout.views(m)
+            norms = []
+            for group, part, denoms in self._warmup_denominators(v, t):  # a chunk at a time
+                updates = torch._foreach_div(ms[part], denoms)  # Adam's update, m̂ / denom
+                del denoms
+                torch._foreach_div_(updates, bc1)
+                if group["weight_decay"]:
+                    torch._foreach_add_(updates, params[part], alpha=group["weight_decay"])
+                weight_norms = layer_norms(params[part]).cpu()
+                update_norms = layer_norms(updates).cpu()
+                coeffs = trust_ratio(weight_norms, update_norms, self.min_coeff, self.max_coeff)
+                scaled_sub_(params[part], updates, [group["lr"] * c for c in coeffs.tolist()])
+                norms.append((weight_norms, update_norms, coeffs))
+            weight_norms, update_norms, coeffs = (torch.cat(x) for x in zip(*norms))
             # Only defined ratios (no zero norm) enter the average that will be frozen.
             defined = (weight_norms > 0) & (update_norms > 0)
             ema = self._coeff_ema * self.coeff_beta + coeffs * (1 - self.coeff_beta)
             self._coeff_ema = torch.where(defined, ema, self._coeff_ema)
             self._coeff_updates += defined
-            self._apply(update, coeffs)
+            self._coeffs = coeffs
         self._end_step("warmup", nbytes, applied)
 
     def _compression_step(self) -> None:
@@ -303,9 +313,11 @@ class OnebitLamb(CompressedOptimizer):
         self._frozen_coeffs = torch.where(self._coeff_updates > 0, ema, 1.0)
         self._end_warmup_compression()
         self._set_frozen(True)
+        self.bucketer.release()  # the .grad views keep it; the compression stage gets its own
 
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
+        self.bucketer.grads_as_views = not frozen
         if frozen and self._exp_avg_sq_fresh is None:
             self._exp_avg_sq_fresh = self.flat.zeros()
         if not frozen:
