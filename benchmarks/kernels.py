@@ -15,7 +15,9 @@ For each size, one repetition times, one after the other on the same buffers:
 * ``server``: one rank's server share for ``world`` ranks: average the ``world`` signed
   chunks of ``numel / world`` elements, add the server error, compress, update the error;
 * ``call``: the public ``CompressedAllreduce(numel)(src, out=dst)`` at world size 1 (no process
-  group): a worker's and the server's whole share plus the copy into its scratch buffer.
+  group, whatever ``--world`` says): the worker's and the server's whole share and the result
+  (with the C kernels, three passes that read ``src`` where it is:
+  :func:`onebit.compress.allreduce_one_`).
 
 Each case is timed right after an untimed run of itself (so all start with the same warm
 caches: a 1M-element copy runs from L3), and is reported as the median over repetitions and as a

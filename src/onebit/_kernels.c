@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #define KERNEL __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
 #define BLOCK 4096
 
 int ob_supported(void) {
@@ -14,42 +15,52 @@ int ob_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* b = b + e; out[i/8] bit i%8 = (b[i] >= 0); returns the sum of b*b (or of |b| if mean_abs).
-   n is a multiple of 8. */
-KERNEL double ob_compress(float *b, const float *e, uint8_t *out, int64_t n, int mean_abs) {
-    const __m256 zero = _mm256_setzero_ps();
+KERNEL INLINE __m256 sum_step(__m256 acc, __m256 v, int mean_abs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    double total = 0.0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        __m256 acc0 = zero, acc1 = zero;
-        int64_t i = start;
-        for (; i + 16 <= end; i += 16) {
-            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
-            __m256 y1 = _mm256_add_ps(_mm256_loadu_ps(b + i + 8), _mm256_loadu_ps(e + i + 8));
-            _mm256_storeu_ps(b + i, y0);
-            _mm256_storeu_ps(b + i + 8, y1);
-            if (mean_abs) {
-                acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
-                acc1 = _mm256_add_ps(acc1, _mm256_and_ps(y1, absmask));
-            } else {
-                acc0 = _mm256_fmadd_ps(y0, y0, acc0);
-                acc1 = _mm256_fmadd_ps(y1, y1, acc1);
-            }
-            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
-            out[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y1, zero, _CMP_GE_OQ));
-        }
-        for (; i < end; i += 8) {
-            __m256 y0 = _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_loadu_ps(e + i));
-            _mm256_storeu_ps(b + i, y0);
-            if (mean_abs) acc0 = _mm256_add_ps(acc0, _mm256_and_ps(y0, absmask));
-            else acc0 = _mm256_fmadd_ps(y0, y0, acc0);
-            out[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(y0, zero, _CMP_GE_OQ));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
-        for (int j = 0; j < 8; j++) total += lanes[j];
+    return mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask)) : _mm256_fmadd_ps(v, v, acc);
+}
+
+KERNEL INLINE uint8_t signs_of(__m256 v) {
+    return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+
+/* The loop of a compress without segments over [0, n), n a multiple of 8: VALUE(i) is the __m256
+   of y at i. Byte i / 8 of bits gets its signs, and `total` the sum of y*y (|y| if mean_abs) in
+   a fixed order: per BLOCK, two fp32 accumulators take the 8-groups in turn, then the lanes of
+   their sum are added to the fp64 total. */
+#define PAIRED_SIGNS(VALUE)                                                                \
+    for (int64_t start = 0; start < n; start += BLOCK) {                                   \
+        int64_t end = start + BLOCK < n ? start + BLOCK : n, i = start;                    \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                     \
+        for (; i + 16 <= end; i += 16) {                                                   \
+            __m256 v0 = VALUE(i), v1 = VALUE(i + 8);                                       \
+            acc0 = sum_step(acc0, v0, mean_abs);                                           \
+            acc1 = sum_step(acc1, v1, mean_abs);                                           \
+            bits[i / 8] = signs_of(v0);                                                    \
+            bits[i / 8 + 1] = signs_of(v1);                                                \
+        }                                                                                  \
+        for (; i < end; i += 8) {                                                          \
+            __m256 v0 = VALUE(i);                                                          \
+            acc0 = sum_step(acc0, v0, mean_abs);                                           \
+            bits[i / 8] = signs_of(v0);                                                    \
+        }                                                                                  \
+        float lanes[8];                                                                    \
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));                                \
+        for (int j = 0; j < 8; j++) total += lanes[j];                                     \
     }
+
+KERNEL INLINE __m256 stored(float *p, __m256 v) {
+    _mm256_storeu_ps(p, v);
+    return v;
+}
+
+/* b = b + e; bits[i/8] bit i%8 = (b[i] >= 0); returns the sum of b*b (or of |b| if mean_abs).
+   n is a multiple of 8. */
+KERNEL double ob_compress(float *b, const float *e, uint8_t *bits, int64_t n, int mean_abs) {
+    double total = 0.0;
+#define Y(i) stored(b + (i), _mm256_add_ps(_mm256_loadu_ps(b + (i)), _mm256_loadu_ps(e + (i))))
+    PAIRED_SIGNS(Y)
+#undef Y
     return total;
 }
 
@@ -239,8 +250,6 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
            of mbits, rows stride bytes apart)
        y = lerp(m, g, w) + e[i]   (e = NULL: + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
-#define INLINE static inline __attribute__((always_inline))
-
 typedef struct {
     const float *g;     /* the run's gradient, from its start, or NULL */
     const float *dense; /* fp32 momentum, or NULL */
@@ -301,11 +310,6 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
 KERNEL INLINE void set_bit(uint8_t *bits, int64_t i, float v) {
     uint8_t bit = (uint8_t)((v >= 0.0f) << (i & 7));
     bits[i >> 3] = (i & 7) ? bits[i >> 3] | bit : bit;
-}
-
-KERNEL INLINE __m256 sum_step(__m256 acc, __m256 v, int mean_abs) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    return mean_abs ? _mm256_add_ps(acc, _mm256_and_ps(v, absmask)) : _mm256_fmadd_ps(v, v, acc);
 }
 
 /* The vector body shared by the signs passes: whole 8-groups of [*i, end), summed into `sum`
@@ -532,4 +536,136 @@ KERNEL int ob_serve_commit(const uint8_t *packed, int64_t stride, const float *s
         free(rows);
     }
     return 0;
+}
+
+/* The public call's passes (onebit.compress.compress_input, commit_input_, serve_chunk_): the
+   worker's y = x + e and the server's z are never stored. x has nx <= n elements and is read as
+   zeros past them (the padding); each kernel gives the bits of its stored-y counterpart. */
+KERNEL INLINE __m256 load_or_zero(const float *x, int64_t nx, int64_t i) {
+    if (__builtin_expect(i + 8 <= nx, 1)) return _mm256_loadu_ps(x + i);
+    float t[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = i; j < nx; j++) t[j - i] = x[j];
+    return _mm256_loadu_ps(t);
+}
+
+KERNEL INLINE float add_one(const float *x, int64_t nx, const float *e, int64_t i) {
+    return (i < nx ? x[i] : 0.0f) + e[i];
+}
+
+#define ADD_VEC(i) _mm256_add_ps(load_or_zero(x, nx, i), _mm256_loadu_ps(e + (i)))
+
+/* ob_compress of b = x + e, without storing it: signs into bits, returns the sum. */
+KERNEL double ob_add_signs(const float *x, int64_t nx, const float *e, uint8_t *bits, int64_t n,
+                           int mean_abs) {
+    double total = 0.0;
+    PAIRED_SIGNS(ADD_VEC)
+    return total;
+}
+
+/* The signs of y = x + e into bits, and totals[q] = the sum of y*y (|y|) over each segment
+   [bounds[q], bounds[q+1]) in the order of Sum: ob_sums of the y it does not store. */
+KERNEL void ob_add_signs_segments(const float *x, int64_t nx, const float *e,
+                                  const int64_t *bounds, int64_t nseg, uint8_t *bits,
+                                  int mean_abs, double *totals) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t q = 0; q < nseg; q++) {
+        Sum sum;
+        sum_start(&sum);
+        int64_t i = bounds[q], end = bounds[q + 1];
+        for (; i < end && ((i & 7) || i + 8 > end); i++) {
+            float y = add_one(x, nx, e, i);
+            sum_one(&sum, i, y, mean_abs);
+            set_bit(bits, i, y);
+        }
+        SIGNS_BODY(ADD_VEC)
+        for (; i < end; i++) {
+            float y = add_one(x, nx, e, i);
+            sum_one(&sum, i, y, mean_abs);
+            set_bit(bits, i, y);
+        }
+        sum_flush(&sum);
+        totals[q] = sum.total;
+    }
+}
+
+/* e_out = y - (y >= 0 ? s_q : -1 * s_q) with y = x + e recomputed, s_q = scales[q] on segment
+   [bounds[q], bounds[q+1]) (one segment [0, n) without segments): ob_commit_segments of that y.
+   e_out may be e. */
+KERNEL void ob_add_commit(const float *x, int64_t nx, const float *e, const float *scales,
+                          const int64_t *bounds, int64_t nseg, float *e_out) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t q = 0; q < nseg; q++) {
+        const float s = scales[q], ns = s * -1.0f;
+        const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(ns);
+        int64_t i = bounds[q], end = bounds[q + 1];
+        for (; i + 8 <= end; i += 8) {
+            __m256 y = ADD_VEC(i);
+            __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(y, zero, _CMP_GE_OQ));
+            _mm256_storeu_ps(e_out + i, _mm256_sub_ps(y, t));
+        }
+        for (; i < end; i++) {
+            float y = add_one(x, nx, e, i);
+            e_out[i] = y >= 0.0f ? y - s : y - ns;
+        }
+    }
+}
+#undef ADD_VEC
+
+/* Server pass 1 without segments: the signs of z = (the k rows' average, as ob_average) + e over
+   the n elements of a chunk, and *total = the sum of z*z (|z|) in the order of ob_compress.
+   Pass 2 is ob_serve_commit with the one piece [0, n). Returns -1 if out of memory. */
+KERNEL int ob_serve_chunk_signs(const uint8_t *packed, int64_t stride, const float *scales,
+                                int64_t k, const float *e, uint8_t *bits, int64_t n,
+                                int mean_abs, double *result) {
+    __m256 *rows = row_scales(scales, 1, k, 0);
+    if (!rows) return -1;
+    double total = 0.0;
+#define Z(i) z_vec(packed, stride, rows, rows + k, k, i, e)
+    PAIRED_SIGNS(Z)
+#undef Z
+    free(rows);
+    *result = total;
+    return 0;
+}
+
+/* The public call at world size 1 without segments, passes 2 and 3 (pass 1 is ob_add_signs):
+   the only row the server averages is the worker's own, so z = (y >= 0 ? s : -1 * s) + se.
+   Pass 2: the worker error e = y - that, and the signs and sum of z (as ob_serve_chunk_signs). */
+KERNEL INLINE __m256 solo_z(const float *x, int64_t nx, float *e, const float *se, __m256 vs,
+                            __m256 vns, int64_t i) {
+    __m256 y = _mm256_add_ps(load_or_zero(x, nx, i), _mm256_loadu_ps(e + i));
+    __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ));
+    _mm256_storeu_ps(e + i, _mm256_sub_ps(y, t));
+    return _mm256_add_ps(t, _mm256_loadu_ps(se + i));
+}
+
+KERNEL double ob_solo_commit_signs(const float *x, int64_t nx, float *e, float s, const float *se,
+                                   uint8_t *bits, int64_t n, int mean_abs) {
+    const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(s * -1.0f);
+    double total = 0.0;
+#define Z(i) solo_z(x, nx, e, se, vs, vns, i)
+    PAIRED_SIGNS(Z)
+#undef Z
+    return total;
+}
+
+/* Pass 3: z again from the worker's signs ybits, se = z - (z >= 0 ? sigma : -1 * sigma) (as
+   ob_serve_commit), and the result, that same +-sigma, into out[0..numel) (as ob_decompress). */
+KERNEL void ob_solo_serve_commit(const uint8_t *ybits, float s, float *se, float sigma, float *out,
+                                 int64_t numel, int64_t n) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 vs = _mm256_set1_ps(s), vns = _mm256_set1_ps(s * -1.0f);
+    const __m256 vsig = _mm256_set1_ps(sigma), vnsig = _mm256_set1_ps(sigma * -1.0f);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 z = _mm256_add_ps(signed_byte(ybits[i >> 3], vs, vns), _mm256_loadu_ps(se + i));
+        __m256 t = _mm256_blendv_ps(vnsig, vsig, _mm256_cmp_ps(z, zero, _CMP_GE_OQ));
+        _mm256_storeu_ps(se + i, _mm256_sub_ps(z, t));
+        if (__builtin_expect(i + 8 <= numel, 1)) {
+            _mm256_storeu_ps(out + i, t);
+        } else {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, t);
+            for (int64_t j = i; j < numel; j++) out[j] = lanes[j - i];
+        }
+    }
 }

@@ -104,4 +104,16 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_serve_signs.restype = ctypes.c_int
     lib.ob_serve_commit.argtypes = [*served, ptr, ptr]
     lib.ob_serve_commit.restype = ctypes.c_int
+    lib.ob_add_signs.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.ob_add_signs.restype = ctypes.c_double
+    lib.ob_add_signs_segments.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int, ptr]
+    lib.ob_add_signs_segments.restype = None
+    lib.ob_add_commit.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]
+    lib.ob_add_commit.restype = None
+    lib.ob_serve_chunk_signs.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.ob_serve_chunk_signs.restype = ctypes.c_int
+    lib.ob_solo_commit_signs.argtypes = [ptr, i64, ptr, f32, ptr, ptr, i64, ctypes.c_int]
+    lib.ob_solo_commit_signs.restype = ctypes.c_double
+    lib.ob_solo_serve_commit.argtypes = [ptr, f32, ptr, f32, ptr, i64, i64]
+    lib.ob_solo_serve_commit.restype = None
     return lib

@@ -18,13 +18,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .compress import (
-    average_signs_,
+    allreduce_one_,
     check_scale,
+    commit_input_,
     compress_,
+    compress_input,
     decompress_,
     decompress_pieces_,
+    input_kernels,
     padded_numel,
     segment_scales,
+    serve_chunk_,
     serve_pieces_,
     subtract_compressed_,
     subtract_compressed_segments_,
@@ -209,9 +213,13 @@ class CompressedAllreduce:
         across the group, written into ``out`` (default: a new tensor like ``tensor``; it may be
         ``tensor`` itself) and returned. NaN everywhere if some rank's input is non-finite.
 
-        Every rank must call it together. The padded input and the server's chunk live in
-        scratch buffers kept between calls, so a call allocates no model-sized memory; an
-        in-place call on a contiguous fp32 tensor of ``padded_numel`` elements needs no copy.
+        Every rank must call it together. A call allocates no model-sized memory: an input that
+        needs a copy (another dtype or device, not contiguous) goes through a scratch buffer
+        kept between calls. With the C kernels a contiguous fp32 input is read where it is, and
+        neither the worker's ``y`` nor the server's chunk is ever stored: five passes over the
+        buffer (worker signs, worker error, server signs, server error, the result), three at
+        world size 1 without segments (:func:`~onebit.compress.allreduce_one_`). The bits are
+        those of the stored-buffer kernels (:meth:`start`, :meth:`serve`, :meth:`finish`).
         """
         if tensor.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {tensor.numel()}")
@@ -223,32 +231,58 @@ class CompressedAllreduce:
                 f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
             )
         device = self.device
-        in_place = (
-            out is tensor
-            and tensor.is_contiguous()
-            and tensor.dtype == torch.float32
-            and tensor.device == device
-            and self.numel == self.padded_numel
-        )
-        if in_place:
-            buffer = tensor.view(-1)
-        else:
-            if self._scratch is None:
-                self._scratch = torch.empty(self.padded_numel, device=device)
-            buffer = self._scratch
-            buffer[: self.numel].copy_(tensor.reshape(-1))
-        if self._server_scratch is None:
-            self._server_scratch = torch.empty(self.chunk_numel, device=device)
-        call = self.start(buffer)
-        if not bool(torch.isfinite(self.worker_scales(call)).all()):
-            return out.fill_(float("nan"))
-        self.serve(call, z=self._server_scratch)
+        as_is = tensor.is_contiguous() and tensor.dtype == torch.float32 and tensor.device == device
         direct = out.is_contiguous() and out.dtype == torch.float32 and out.device == device
-        target = out.view(-1) if direct else buffer[: self.numel]  # y is spent after serve()
-        self.finish(call, target)
+        if not self._reduce(tensor, as_is, out, direct):
+            return out.fill_(float("nan"))
         if not direct:
-            out.copy_(target.view(out.shape))
+            out.copy_(self._scratch[: self.numel].view(out.shape))
         return out
+
+    def _reduce(self, tensor: Tensor, as_is: bool, out: Tensor, direct: bool) -> bool:
+        """:meth:`__call__`'s allreduce of ``tensor`` into ``out`` if ``direct`` (contiguous fp32
+        on :attr:`device`), else into the front of the scratch buffer; ``False`` if some rank's
+        scale is not finite. ``as_is``: ``tensor`` can be read where it is (as ``out``)."""
+        fused = input_kernels(self.worker_error)
+        if fused:
+            x = tensor.view(-1) if as_is else self._scratch_with(tensor)[: self.numel]
+        # The input is spent once the worker error is committed: the result may overwrite it.
+        target = out.view(-1) if direct else self._scratch_with(None)[: self.numel]
+        if fused and self.world_size == 1 and self._geometry is None:
+            return allreduce_one_(x, self.worker_error, self.server_error, target, self.scale)
+        if fused:
+            call, z = self._start_input(x), None
+        else:
+            in_place = as_is and out is tensor and self.numel == self.padded_numel
+            call = self.start(tensor.view(-1) if in_place else self._scratch_with(tensor))
+            if self._server_scratch is None:
+                self._server_scratch = torch.empty(self.chunk_numel, device=self.device)
+            z = self._server_scratch
+        if not bool(torch.isfinite(self.worker_scales(call)).all()):
+            return False
+        self.serve(call, z=z)
+        self.finish(call, target)
+        return True
+
+    def _scratch_with(self, tensor: Tensor | None) -> Tensor:
+        """The scratch buffer (``padded_numel`` fp32, made on first use), with ``tensor`` copied
+        into its front (``None``: as it is)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.padded_numel, device=self.device)
+        if tensor is not None:
+            self._scratch[: self.numel].copy_(tensor.reshape(-1))
+        return self._scratch
+
+    def _start_input(self, x: Tensor) -> _Call:
+        """:meth:`start` of ``x`` (``numel`` fp32 elements, not padded, left untouched until
+        :meth:`serve` has committed the worker error from it) by the C kernels of
+        :func:`~onebit.compress.compress_input`, which never store ``y``."""
+        bounds = None if self._geometry is None else self._geometry.bounds
+        error = self.worker_error
+        signs, scales = compress_input(x, error, self.scale, bounds)
+        return self.start_compressed(
+            signs, scales, commit=lambda: commit_input_(x, error, scales, bounds)
+        )
 
     # The three phases. reduce_compressed_ runs them over many buckets so they overlap.
 
@@ -321,8 +355,8 @@ class CompressedAllreduce:
     def serve(self, call: _Call, z: Tensor | None = None) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2.
 
-        ``z`` (``chunk_numel`` fp32) is scratch for the served chunk without segments (default:
-        a new buffer); with segments the C kernels need none.
+        ``z`` (``chunk_numel`` fp32) is scratch for the served chunk where it must be stored: no
+        segments, and not the C kernels (default: a new buffer).
         """
         geometry = self._geometry
         if call.commit is not None:
@@ -339,11 +373,7 @@ class CompressedAllreduce:
         received = call.received[:, :chunk]
         scales = _scales(call.received, chunk, self.worker_scale_count)
         if geometry is None:
-            if z is None:
-                z = torch.empty(self.chunk_numel, device=self.server_error.device)
-            average_signs_(received, scales[:, 0], out=z)
-            packed, sigma = compress_(z, self.server_error, self.scale)
-            subtract_compressed_(z, sigma, out=self.server_error, signs=packed)
+            packed, sigma = serve_chunk_(received, scales[:, 0], self.server_error, self.scale, z)
         else:
             bounds = geometry.chunk_bounds[self.rank]
             served = geometry.served[self.rank]

@@ -247,6 +247,108 @@ def compress_(buffer: Tensor, error: Tensor, scale: str = "rms") -> tuple[Tensor
     return packed, _finish_scale(total, numel, scale)
 
 
+def input_kernels(*tensors: Tensor) -> bool:
+    """Whether :func:`compress_input` and :func:`commit_input_` run their C kernels on these
+    tensors (contiguous fp32 on the CPU, kernels built), which never store ``y``. Elsewhere they
+    store ``y`` in a temporary, and a caller with a buffer of its own does better with
+    :func:`compress_` on it."""
+    return (
+        fast_path(*tensors)
+        and all(t.dtype == torch.float32 for t in tensors)
+        and _kernels() is not None
+    )
+
+
+def compress_input(
+    x: Tensor, error: Tensor, scale: str = "rms", bounds: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Worker pass 1 on an unpadded input: the packed signs and the scale of ``y = x + error``,
+    ``x`` (flat fp32, at most ``error.numel()`` elements) being followed by zeros up to
+    ``error``'s length, without storing ``y``; with ``bounds`` (as :func:`segment_scales`), the
+    scale of each segment. ``error`` is not touched: commit it with :func:`commit_input_`.
+
+    The same bits as :func:`compress_` (then :func:`segment_scales`) on a buffer holding ``x``
+    and zeros, which is what runs, on a temporary, where the C kernels do not apply
+    (:func:`input_kernels`). Why: the buffer costs a copy of the input and a store of ``y``.
+    """
+    check_scale(scale)
+    n, nx = error.numel(), x.numel()
+    if n % 8 or nx > n:
+        raise ValueError(f"compress_input needs {nx} <= {n} elements, a multiple of 8")
+    if not (n and input_kernels(x, error)):
+        y = _padded(x, n)
+        signs, s = compress_(y, error, scale)
+        return signs, s if bounds is None else segment_scales(y, bounds, scale)
+    lib, signs = _kernels(), torch.empty(n // 8, dtype=torch.uint8)
+    args = (x.data_ptr(), nx, error.data_ptr())
+    if bounds is None:
+        total = lib.ob_add_signs(*args, signs.data_ptr(), n, scale == "mean_abs")
+        return signs, _finish_scale(total, n, scale)
+    lengths = bounds.diff().to(torch.float64)
+    totals = torch.empty(len(lengths), dtype=torch.float64)
+    lib.ob_add_signs_segments(*args, bounds.data_ptr(), len(lengths), signs.data_ptr(),
+                              scale == "mean_abs", totals.data_ptr())  # fmt: skip
+    return signs, scales_from_totals(totals, lengths, scale)
+
+
+def commit_input_(x: Tensor, error: Tensor, scales: Tensor, bounds: Tensor | None = None) -> Tensor:
+    """Worker pass 2 of :func:`compress_input` (same ``x``, ``error`` and ``bounds``), once the
+    step is known to go ahead: ``error = y - scale * sign(y)``, ``y`` computed again. The same
+    bits as :func:`subtract_compressed_` (:func:`subtract_compressed_segments_`) of ``y``."""
+    n, nx = error.numel(), x.numel()
+    if not (n and input_kernels(x, error)):
+        y = _padded(x, n).add_(error)
+        if bounds is None:
+            return subtract_compressed_(y, scales, out=error)
+        return subtract_compressed_segments_(y, scales, bounds, error)
+    if bounds is None:
+        bounds = torch.tensor([0, n], dtype=torch.int64)
+    scales = scales.to(torch.float32).reshape(-1).contiguous()
+    _kernels().ob_add_commit(x.data_ptr(), nx, error.data_ptr(), scales.data_ptr(),
+                             bounds.data_ptr(), len(bounds) - 1, error.data_ptr())  # fmt: skip
+    return error
+
+
+def allreduce_one_(
+    x: Tensor, error: Tensor, server_error: Tensor, out: Tensor, scale: str = "rms"
+) -> bool:
+    """The compressed allreduce (SPEC section 2, no segments) of one rank's ``x`` at world size
+    1: the worker compresses ``x`` (as :func:`compress_input`) with ``error``, the server's share
+    is the whole buffer with ``server_error`` (``error``'s length), and its result goes into
+    ``out`` (flat fp32, ``x.numel()`` elements, which may be ``x``). Returns ``False``, with
+    nothing changed, if the worker's scale is not finite.
+
+    The C kernels take three passes: the worker's signs; the worker error with the server's
+    signs (the only row it averages is the worker's own); the server error with the result.
+    Elsewhere it is :func:`compress_input`, :func:`commit_input_`, :func:`serve_chunk_` and
+    :func:`decompress_` in turn, with the same bits.
+    """
+    signs, s = compress_input(x, error, scale)
+    if not bool(torch.isfinite(s)):
+        return False
+    n = error.numel()
+    if not (n and input_kernels(x, error, server_error, out) and server_error.numel() == n):
+        commit_input_(x, error, s)
+        packed, sigma = serve_chunk_(signs.view(1, -1), s.reshape(1), server_error, scale)
+        decompress_(packed.view(1, -1), sigma.reshape(1), out)
+        return True
+    lib, z_signs = _kernels(), torch.empty(n // 8, dtype=torch.uint8)
+    total = lib.ob_solo_commit_signs(x.data_ptr(), x.numel(), error.data_ptr(), float(s),
+                                     server_error.data_ptr(), z_signs.data_ptr(), n,
+                                     scale == "mean_abs")  # fmt: skip
+    sigma = float(_finish_scale(total, n, scale))
+    lib.ob_solo_serve_commit(signs.data_ptr(), float(s), server_error.data_ptr(), sigma,
+                             out.data_ptr(), out.numel(), n)  # fmt: skip
+    return True
+
+
+def _padded(x: Tensor, numel: int) -> Tensor:
+    """``x`` flattened and followed by zeros up to ``numel`` elements, fp32, in a new buffer."""
+    y = torch.zeros(numel, dtype=torch.float32, device=x.device)
+    y[: x.numel()] = x.reshape(-1)
+    return y
+
+
 def decompress_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
     """``out = concat_j(scales[j] * sign_j)[:out.numel()]``: rebuild ``k`` compressed chunks.
 
@@ -318,6 +420,40 @@ def average_signs_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
             if k != 1:
                 np.divide(z, np.float32(k), out=z)
     return out
+
+
+def serve_chunk_(
+    packed: Tensor, scales: Tensor, error: Tensor, scale: str = "rms", z: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """A server's whole share of one chunk without segments: ``z`` = the average of the ``k``
+    rows of ``packed`` (:func:`average_signs_`, ``scales`` fp32 ``[k]``) plus ``error``; return
+    ``z``'s packed signs and scale, and commit ``error = z - ±scale``.
+
+    The C kernels do it in two passes that never store ``z`` (the second computes it again);
+    elsewhere it is :func:`average_signs_`, :func:`compress_` and
+    :func:`subtract_compressed_` in turn, on ``z`` (fp32 scratch like ``error``; default: a new
+    buffer), with the same bits.
+    """
+    k, m = packed.shape
+    if error.numel() != 8 * m:
+        raise ValueError(f"error has {error.numel()} elements, expected {8 * m}")
+    lib = _kernels() if fast_path(error) and packed.device.type == "cpu" else None
+    if lib is None or not m or packed.stride(-1) != 1 or error.dtype != torch.float32:
+        z = torch.empty_like(error) if z is None else z
+        signs, sigma = compress_(average_signs_(packed, scales, out=z), error, scale)
+        subtract_compressed_(z, sigma, out=error, signs=signs)
+        return signs, sigma
+    scales = scales.to(torch.float32).contiguous()
+    signs, total = torch.empty(m, dtype=torch.uint8), torch.empty(1, dtype=torch.float64)
+    rows = (packed.data_ptr(), packed.stride(0), scales.data_ptr())
+    failed = lib.ob_serve_chunk_signs(*rows, k, error.data_ptr(), signs.data_ptr(), 8 * m,
+                                      scale == "mean_abs", total.data_ptr())  # fmt: skip
+    sigma = _finish_scale(float(total), 8 * m, scale)
+    piece = torch.tensor([0, 8 * m, 0], dtype=torch.int64)
+    if failed or lib.ob_serve_commit(*rows, 1, k, piece.data_ptr(), 1, sigma.data_ptr(),
+                                     error.data_ptr()):  # fmt: skip
+        raise MemoryError("onebit's server kernel could not allocate its scale table")
+    return signs, sigma
 
 
 # Scales per segment: the same operations with one scale per run of elements (a tensor's part of
