@@ -145,7 +145,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     Subclasses are Adam at heart: each passes the :class:`~onebit.freeze.FreezeSchedule` that
     ends its warmup, and its warmup steps run the full-precision Adam step below
-    (:meth:`_warmup_moments_`, :meth:`_adam_denominator`, :meth:`_adamw_update_`).
+    (:meth:`_warmup_moments_`, then :meth:`_warmup_denominators` or :meth:`_adam_denominator`,
+    then AdamW's or LAMB's update).
 
     Attributes:
         bucketer: the :class:`~onebit.bucketer.Bucketer` of the gradient buckets.
@@ -528,9 +529,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             flat[offset : offset + mask.numel()].mul_(mask)
 
     # The full-precision Adam step. Every warmup step (0/1 Adam's variance steps) runs
-    # _warmup_moments_, then _adam_denominator, then its own update (_adamw_update_ or LAMB's).
-    # At the freeze each applies fill_zero_variance_ with _zero_variance_floor. The compressed
-    # steps reuse the pieces they share.
+    # _warmup_moments_, then its denominators and update: 1-bit Adam and LAMB a chunk of
+    # parameters at a time (_warmup_denominators), leaving the gradient buffer to .grad; 0/1
+    # Adam into the buffer (_adam_denominator, _adamw_update_). At the freeze each applies
+    # fill_zero_variance_ with _zero_variance_floor. The compressed steps reuse these pieces.
 
     def _warmup_moments_(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
         """Average the gradients at full precision into the gradient buffer (an fp32
