@@ -148,13 +148,13 @@ class Bucketer:
     def _point_grad_at_buffer(self, index: int) -> None:
         """Make parameter ``index``'s ``.grad`` its view of the gradient buffer, unless it is one
         or cannot be (not fp32 and dense, or part of a graph for a higher-order backward)."""
-        p = self.layout.params[index]
         if self._param_views is None or self._buffer is None:
             self._param_views = self.layout.views(self.grads)
-        grad, view = p.grad, self._param_views[index]
+        grad, view = self.layout.params[index].grad, self._param_views[index]
+        if grad is view or grad is None:  # the common case, checked first: this runs per tensor
+            return
         if (
-            grad is None
-            or grad.layout != torch.strided
+            grad.layout != torch.strided
             or grad.dtype != view.dtype
             or grad.device != view.device
             or grad.requires_grad
@@ -163,7 +163,7 @@ class Bucketer:
             return
         with torch.no_grad():
             view.copy_(grad)
-        p.grad = view
+        self.layout.params[index].grad = view
 
     def fill(self, k: int, inv_scale: float | None, norm: bool = False) -> bool:
         """Copy the gradients overlapping bucket ``k`` into the gradient buffer, multiplied by
