@@ -160,11 +160,16 @@ def test_overlap_launches_every_bucket_during_backward_once_armed():
     assert torch.equal(bucketer.grads[:n], 2 * _flat_grads(model))
 
 
-def test_a_gradient_accumulated_after_its_bucket_left_abandons_the_step_and_raises():
-    model = _model()
-    recorder = Recorder(kind="compressed")
+def _armed(kind):
+    """A model and a bucketer that launches ``kind`` during backward (past its first step)."""
+    model, recorder = _model(), Recorder(kind=kind)
     bucketer = _bucketer(model, recorder, overlap=True)
     bucketer.armed = True
+    return model, recorder, bucketer
+
+
+def test_a_gradient_accumulated_after_its_bucket_left_abandons_the_step_and_raises():
+    model, recorder, bucketer = _armed("compressed")
     _backward(model)
     assert bucketer.inflight
     with pytest.raises(RuntimeError, match="changed after its bucket was sent"):
@@ -173,10 +178,7 @@ def test_a_gradient_accumulated_after_its_bucket_left_abandons_the_step_and_rais
 
 
 def test_a_gradient_edited_after_backward_is_caught_by_check_unchanged():
-    model = _model()
-    recorder = Recorder(kind="compressed")
-    bucketer = _bucketer(model, recorder, overlap=True)
-    bucketer.armed = True
+    model, recorder, bucketer = _armed("compressed")
     _backward(model)
     bucketer.check_unchanged()  # nothing edited since
     assert bucketer.inflight and recorder.closed == 0
