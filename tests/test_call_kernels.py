@@ -28,6 +28,7 @@ from onebit.compress import (
     segment_scales,
     serve_chunk_,
     serve_pieces_,
+    server_error_,
     subtract_compressed_,
     subtract_compressed_segments_,
 )
@@ -118,7 +119,8 @@ class BlockReference:
             else:
                 bounds = g.chunk_bounds[j]
                 packed, sigma = serve_pieces_(received, scales, g.served[j], bounds, error,
-                                              self.scale)  # fmt: skip
+                                              None, self.scale)  # fmt: skip
+                server_error_(error, sigma, bounds)
             served.append(packed)
             sigmas[j, : sigma.numel()] = sigma
         out = torch.empty(self.numel)

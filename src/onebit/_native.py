@@ -100,8 +100,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_fused_update.argtypes = [ptr, i64, ptr, *momentum[1:], ptr, ptr, ptr]
     lib.ob_fused_update.restype = None
     served = [ptr, i64, ptr, i64, i64, ptr, i64]  # packed, stride, scales, ncols, k, pieces, count
-    lib.ob_serve_signs.argtypes = [*served, ptr, ptr, ctypes.c_int, ptr]
-    lib.ob_serve_signs.restype = ctypes.c_int
+    lib.ob_serve_store.argtypes = [*served, ptr, ptr, ptr, ctypes.c_int, ptr]
+    lib.ob_serve_store.restype = ctypes.c_int
     lib.ob_serve_commit.argtypes = [*served, ptr, ptr]
     lib.ob_serve_commit.restype = ctypes.c_int
     lib.ob_add_signs.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int]

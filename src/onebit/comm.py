@@ -30,6 +30,7 @@ from .compress import (
     segment_scales,
     serve_chunk_,
     serve_pieces_,
+    server_error_,
     subtract_compressed_,
     subtract_compressed_segments_,
 )
@@ -163,6 +164,7 @@ class CompressedAllreduce:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._worker_error: Tensor | None = None
         self._server_error: Tensor | None = None
+        self._server_last: Tensor | None = None  # see server_error
         self.segments = segments
         self._geometry: _Segments | None = None
         if segments is not None and numel:
@@ -188,6 +190,16 @@ class CompressedAllreduce:
 
     @property
     def server_error(self) -> Tensor:
+        """The error of the chunk this rank serves. With a scale per piece (``segments``) the
+        buffer keeps the last served ``z`` between calls and the error is derived from it when
+        next read (:func:`~onebit.compress.serve_pieces_`); reading it here settles it."""
+        store = self._server_store()
+        if self._server_last is not None:
+            server_error_(store, self._server_last, self._geometry.chunk_bounds[self.rank])
+            self._server_last = None
+        return store
+
+    def _server_store(self) -> Tensor:
         if self._server_error is None:
             self._server_error = torch.zeros(self.chunk_numel, device=self.device)
         return self._server_error
@@ -377,9 +389,11 @@ class CompressedAllreduce:
         else:
             bounds = geometry.chunk_bounds[self.rank]
             served = geometry.served[self.rank]
+            store, last = self._server_store(), self._server_last
             packed, pieces_sigma = serve_pieces_(
-                received, scales, served, bounds, self.server_error, self.scale
+                received, scales, served, bounds, store, last, self.scale
             )
+            self._server_last = pieces_sigma
             sigma = torch.zeros(self.server_scale_count, device=pieces_sigma.device)
             sigma[: len(bounds) - 1] = pieces_sigma
         scales_end = chunk + _SCALE_BYTES * self.server_scale_count
@@ -426,7 +440,7 @@ class CompressedAllreduce:
             "world_size": self.world_size,
             "scale": self.scale,
             "worker_error": _clone(self._worker_error),
-            "server_error": _clone(self._server_error),
+            "server_error": None if self._server_error is None else self.server_error.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -441,6 +455,7 @@ class CompressedAllreduce:
                 f"{state['world_size']}; this communicator has numel={self.numel}, "
                 f"world_size={self.world_size}"
             )
+        self._server_last = None
         for name in ("worker_error", "server_error"):
             saved = state[name]
             if saved is None:  # never used: zeros
@@ -451,6 +466,7 @@ class CompressedAllreduce:
 
     def reset(self) -> None:
         """Zero both error buffers (those in use)."""
+        self._server_last = None
         for buffer in (self._worker_error, self._server_error):
             if buffer is not None:
                 buffer.zero_()

@@ -528,35 +528,50 @@ def average_signs_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: T
 
 
 def serve_pieces_(
-    packed: Tensor, scales: Tensor, pieces: Tensor, bounds: Tensor, error: Tensor, scale: str
+    packed: Tensor,
+    scales: Tensor,
+    pieces: Tensor,
+    bounds: Tensor,
+    store: Tensor,
+    last: Tensor | None,
+    scale: str,
 ) -> tuple[Tensor, Tensor]:
-    """A server's whole share with a scale per piece: ``z`` = the average of the ``k`` rows of
-    ``packed`` (:func:`average_signs_pieces_`) plus ``error``; return ``z``'s packed signs and
-    the scale of each piece (``bounds``, the pieces' boundaries), and commit
-    ``error = z - ±scale`` (:func:`subtract_compressed_segments_`).
+    """A server's whole share with a scale per piece, its error kept as the last ``z``.
 
-    The C kernels do it in two passes that never store ``z``; elsewhere it is those functions in
-    turn, on a temporary ``z``, with the same bits.
+    ``store`` (fp32, the chunk) holds the server error, or with ``last`` (each piece's scale of
+    the last call) that call's ``z``, whose error is ``z - ±last`` (:func:`server_error_`). Here
+    ``z`` = the average of the ``k`` rows of ``packed`` (:func:`average_signs_pieces_`) plus
+    that error is written over ``store``; returns ``z``'s packed signs and the scale of each
+    piece (``bounds``, the pieces' boundaries), which the next call takes as ``last``.
+
+    Keeping ``z`` saves a pass over the chunk: the error is derived where it is next read. The C
+    kernel does it in one pass; elsewhere it is those functions in turn, with the same bits.
     """
-    lib = _kernels() if fast_path(error) and packed.device.type == "cpu" else None
-    if lib is None or packed.stride(-1) != 1 or error.dtype != torch.float32:
-        z = average_signs_pieces_(packed, scales, pieces, torch.empty_like(error))
-        signs, _ = compress_(z, error, scale)
-        sigma = segment_scales(z, bounds, scale)
-        subtract_compressed_segments_(z, sigma, bounds, error)
-        return signs, sigma
+    lib = _kernels() if fast_path(store) and packed.device.type == "cpu" else None
+    if lib is None or packed.stride(-1) != 1 or store.dtype != torch.float32:
+        if last is not None:
+            server_error_(store, last, bounds)
+        z = average_signs_pieces_(packed, scales, pieces, torch.empty_like(store))
+        signs, _ = compress_(z, store, scale)
+        store.copy_(z)
+        return signs, segment_scales(store, bounds, scale)
     k = packed.shape[0]
     scales = scales.to(torch.float32).contiguous()
-    args = (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.shape[1], k,
-            pieces.data_ptr(), len(pieces))  # fmt: skip
-    signs = torch.empty(error.numel() // 8, dtype=torch.uint8)
+    last = None if last is None else last.to(torch.float32).contiguous()
+    signs = torch.empty(store.numel() // 8, dtype=torch.uint8)
     totals = torch.empty(len(pieces), dtype=torch.float64)
-    failed = lib.ob_serve_signs(*args, error.data_ptr(), signs.data_ptr(), scale == "mean_abs",
-                                totals.data_ptr())  # fmt: skip
-    sigma = scales_from_totals(totals, bounds.diff().to(torch.float64), scale)
-    if failed or lib.ob_serve_commit(*args, sigma.data_ptr(), error.data_ptr()):
+    if lib.ob_serve_store(packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.shape[1],
+                          k, pieces.data_ptr(), len(pieces), store.data_ptr(),
+                          0 if last is None else last.data_ptr(), signs.data_ptr(),
+                          scale == "mean_abs", totals.data_ptr()):  # fmt: skip
         raise MemoryError("onebit's server kernel could not allocate its scale table")
-    return signs, sigma
+    return signs, scales_from_totals(totals, bounds.diff().to(torch.float64), scale)
+
+
+def server_error_(z: Tensor, last: Tensor, bounds: Tensor) -> Tensor:
+    """The server error from the ``z`` that :func:`serve_pieces_` kept and its pieces' scales
+    ``last``, in place: ``z - ±last`` per piece (``bounds``)."""
+    return subtract_compressed_segments_(z, last, bounds, z)
 
 
 def decompress_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: Tensor) -> Tensor:
