@@ -10,7 +10,8 @@ Measures, side by side in one run on the same parameters:
   backward passes for the step check).
 
 Two models: few large tensors (the kernels dominate) and many small ones (the per-tensor Python
-work dominates). Prints medians in ms and ratios to AdamW.
+work dominates). Prints medians in ms and ratios to AdamW; each step is timed in turns with
+AdamW's, and its ratio is to those AdamW steps (the AdamW row is the median of them).
 
     python benchmarks/step.py [--repeats 30]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 
@@ -55,14 +57,18 @@ def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Opt
     return getattr(onebit, name)(params, lr=1e-4, freeze_step=freeze, **options)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _alternated_ms(fns, repeats: int) -> list[float]:
+    """Each of ``fns`` timed ``repeats`` times, in turns, so that drifts in the machine's speed
+    (its memory bandwidth moves by 30% between minutes here) cancel: their medians in ms."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [1e3 * statistics.median(samples) for samples in times]
 
 
 def _set_grads(model: torch.nn.Module) -> None:
@@ -79,18 +85,20 @@ def main() -> None:
     print("model  | what                          | median ms | / AdamW fused")
     for kind in ("large", "many"):
         base = _model(kind)
-        rows = {}
+        rows = {}  # name: (median ms, ratio to AdamW timed in turns with it)
         adamw_model = copy.deepcopy(base)
         _set_grads(adamw_model)
         adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-4, fused=True)
-        rows["AdamW(fused=True) step"] = _median_ms(adamw.step, args.repeats)
+        adamw_ms = []
         for name, optimizer, stage, options in VARIANTS:
             model = copy.deepcopy(base)
             _set_grads(model)
             opt = _optimizer(optimizer, model.parameters(), 10**9 if stage == "warmup" else 1,
                              options)  # fmt: skip
             opt.step()
-            rows[name] = _median_ms(opt.step, args.repeats)
+            reference, ms = _alternated_ms([adamw.step, opt.step], args.repeats)
+            rows[name] = ms, f"{ms / reference:.2f}"
+            adamw_ms.append(reference)
         x = torch.randn(64, base[0].in_features)
         plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
         onebit.OnebitAdam(hooked.parameters(), freeze_step=10)  # installs its hooks
@@ -99,20 +107,15 @@ def main() -> None:
             model.zero_grad(set_to_none=False)
             model(x).sum().backward()
 
-        times: dict[str, list[float]] = {"no hooks": [], "onebit hooks": []}
-        for _ in range(args.repeats):  # alternated, so that drifts in machine speed cancel
-            for label, model in (("no hooks", plain), ("onebit hooks", hooked)):
-                start = time.perf_counter()
-                backward(model)
-                times[label].append(time.perf_counter() - start)
-        for label, samples in times.items():
-            rows[f"forward+backward, {label}"] = 1e3 * statistics.median(samples)
-        reference = rows["AdamW(fused=True) step"]
-        for name, ms in rows.items():
-            ratio = f"{ms / reference:.2f}" if "forward" not in name else ""
+        passes = [functools.partial(backward, plain), functools.partial(backward, hooked)]
+        without, with_hooks = _alternated_ms(passes, args.repeats)
+        adamw_row = f"{'AdamW(fused=True) step':29} | {statistics.median(adamw_ms):9.2f} | 1.00"
+        print(f"{kind:6} | {adamw_row}")
+        rows["forward+backward, no hooks"] = without, ""
+        rows["forward+backward, onebit hooks"] = with_hooks, ""
+        for name, (ms, ratio) in rows.items():
             print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}")
-        hooks = rows["forward+backward, onebit hooks"] / rows["forward+backward, no hooks"]
-        print(f"{kind:6} | backward with hooks / without: {hooks:.3f}")
+        print(f"{kind:6} | backward with hooks / without: {with_hooks / without:.3f}")
 
 
 if __name__ == "__main__":
