@@ -24,7 +24,7 @@ def storage_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors)."""
     tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     tensors += [t for t in vars(opt).values() if torch.is_tensor(t)]
-    for comm in opt.comms:
-        tensors += [comm.worker_error, comm.server_error]
+    for comm in opt.comms:  # the buffers in use (the properties would make them)
+        tensors += [e for e in (comm._worker_error, comm._server_error) if e is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())

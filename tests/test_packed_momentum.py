@@ -1,5 +1,6 @@
-"""1-bit Adam's fused compression stage with a packed momentum: the same bits as the unfused
-torch formulation, on real gloo ranks, through AMP, missing gradients, skipped steps and resume.
+"""The fused compression stage with a packed momentum, of 1-bit Adam and 1-bit LAMB: the same
+bits as the unfused torch formulation, on real gloo ranks, through AMP, missing gradients,
+skipped steps and resume.
 """
 
 import io
@@ -14,6 +15,8 @@ from onebit import _native, momentum
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
 
 FREEZE, STEPS = 3, 9
+STATE = {"OnebitAdam": {"frozen_denom"}, "OnebitLamb": {"frozen_denom", "exp_avg_sq_fresh"}}
+"""Each optimizer's per-parameter state in the compression stage, besides the packed momentum."""
 
 
 def _model() -> torch.nn.Module:
@@ -23,7 +26,9 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _optimizer(model: torch.nn.Module, fused: bool, freeze_step: int = FREEZE) -> onebit.OnebitAdam:
+def _optimizer(
+    model: torch.nn.Module, fused: bool, name: str = "OnebitAdam", freeze_step: int = FREEZE
+) -> onebit.OnebitAdam | onebit.OnebitLamb:
     layers = list(model.children())
     groups = [
         {"params": layers[0].parameters(), "lr": 3e-3, "weight_decay": 0.1},
@@ -33,7 +38,7 @@ def _optimizer(model: torch.nn.Module, fused: bool, freeze_step: int = FREEZE) -
     if not fused:
         momentum.applies = lambda *args: False
     try:
-        opt = onebit.OnebitAdam(groups, freeze_step=freeze_step, bucket_size=64)
+        opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64)
     finally:
         momentum.applies = saved
     assert (opt._fused is not None) == fused
@@ -63,9 +68,9 @@ def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
 
 
-def _run(rank, world_size, fused, resume_fused):
+def _run(rank, world_size, name, fused, resume_fused):
     model = _model()
-    opt, scaler = _optimizer(model, fused), _scaler()
+    opt, scaler = _optimizer(model, fused, name), _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
     if fused:
         assert "exp_avg" not in opt.state[model[0].weight]  # packed
@@ -81,22 +86,23 @@ def _run(rank, world_size, fused, resume_fused):
     checkpoint = torch.load(saved, weights_only=True)
     model2 = _model()
     model2.load_state_dict(checkpoint["model"])
-    opt2, scaler2 = _optimizer(model2, resume_fused), _scaler()
+    opt2, scaler2 = _optimizer(model2, resume_fused, name), _scaler()
     opt2.load_state_dict(checkpoint["opt"])
     scaler2.load_state_dict(checkpoint["scaler"])
     resumed = _steps(model2, opt2, scaler2, rank, 5, STEPS)
     return history, state, resumed
 
 
+@pytest.mark.parametrize("name", STATE)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size):
-    fused = run_ranks(_run, world_size, True, False)
-    unfused = run_ranks(_run, world_size, False, True)
+def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name):
+    fused = run_ranks(_run, world_size, name, True, False)
+    unfused = run_ranks(_run, world_size, name, False, True)
     for (history, state, resumed), (want, want_state, want_resumed) in zip(fused, unfused):
         for t, (got, expected) in enumerate(zip(history, want)):
             assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
         for i, per_param in want_state["state"].items():
-            assert set(state["state"][i]) == set(per_param) == {"exp_avg", "frozen_denom"}
+            assert set(state["state"][i]) == set(per_param) == {"exp_avg", *STATE[name]}
             for key, value in per_param.items():
                 assert torch.equal(state["state"][i][key], value), (i, key)
         comms = state["onebit"]["ranks"], want_state["onebit"]["ranks"]
@@ -110,28 +116,32 @@ def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size):
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_state_holds_the_frozen_denominator_and_a_packed_momentum():
+@pytest.mark.parametrize("name", STATE)
+def test_state_holds_the_frozen_denominator_and_a_packed_momentum(name):
     model = _model()
-    opt = _optimizer(model, True)
+    opt = _optimizer(model, True, name)
     p = model[0].weight
     assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq"}
     assert opt.comms[0]._worker_error is None  # no error buffers in the warmup
     _steps(model, opt, _scaler(), 0, 0, FREEZE)
-    assert set(opt.state[p]) == {"exp_avg", "frozen_denom"}
-    assert opt.bucketer._buffer is None  # the fused stage reads .grad: no gradient scratch
+    if name == "OnebitAdam":  # frozen at the end of its last warmup step (LAMB: at the next)
+        assert opt.bucketer._buffer is None  # the fused stage reads .grad: no gradient scratch
     _steps(model, opt, _scaler(), 0, FREEZE, FREEZE + 1)
-    assert set(opt.state[p]) == {"frozen_denom"}
-    assert set(opt.state_dict()["state"][0]) == {"exp_avg", "frozen_denom"}
-    assert set(opt.state[p]) == {"frozen_denom"}
+    assert set(opt.state[p]) == STATE[name]
+    assert opt.bucketer._buffer is None
+    assert all(c.worker_error.data_ptr() == opt._exp_avg[c_start].data_ptr()
+               for c, (c_start, _) in zip(opt.comms, opt.layout.buckets))  # fmt: skip
+    assert set(opt.state_dict()["state"][0]) == {"exp_avg", *STATE[name]}
+    assert set(opt.state[p]) == STATE[name]
 
 
-def _two_runs(change=None, reload_at=None) -> list[list[torch.Tensor]]:
+def _two_runs(name, change=None, reload_at=None) -> list[list[torch.Tensor]]:
     """The same single-process run fused and unfused; ``change(model)`` after step 4,
     ``reload_at``: the fused optimizer reloads its own state_dict before that step."""
     runs = []
     for fused in (True, False):
         model = _model()
-        opt, scaler = _optimizer(model, fused), _scaler()
+        opt, scaler = _optimizer(model, fused, name), _scaler()
         if fused and reload_at == 0:
             opt.load_state_dict(opt.state_dict())
         _steps(model, opt, scaler, 0, 0, FREEZE + 2)
@@ -142,17 +152,19 @@ def _two_runs(change=None, reload_at=None) -> list[list[torch.Tensor]]:
     return runs
 
 
-def test_a_warmup_state_reloaded_stays_a_warmup_state():
-    fused, unfused = _two_runs(reload_at=0)  # an all-zero momentum is not a packed one
+@pytest.mark.parametrize("name", STATE)
+def test_a_warmup_state_reloaded_stays_a_warmup_state(name):
+    fused, unfused = _two_runs(name, reload_at=0)  # an all-zero momentum is not a packed one
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
 
 
-def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path():
+@pytest.mark.parametrize("name", STATE)
+def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path(name):
     def strided(model):
         weight = model[0].weight
         weight.data = weight.data.t().contiguous().t()  # same values, not contiguous
 
-    fused, unfused = _two_runs(change=strided)
+    fused, unfused = _two_runs(name, change=strided)
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
 
 
@@ -160,7 +172,7 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     model = _model()
     opt = _optimizer(model, True)
     _steps(model, opt, _scaler(), 0, 0, FREEZE + 2)
-    later = _optimizer(model, True, freeze_step=FREEZE + 5)
+    later = _optimizer(model, True, freeze_step=FREEZE + 5)  # 1-bit Adam's own check
     before = later.state_dict()
     with pytest.raises(ValueError, match="freeze_step"):
         later.load_state_dict(opt.state_dict())

@@ -256,20 +256,23 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
        g = grad * inv (if use_inv) or grad
        m = dense[i] if dense, else +-mscales[c] from bit i of the packed momentum (row i / chunk
            of mbits, rows stride bytes apart)
-       y = lerp(m, g, w) + e[i]   (e = NULL: + 0.0f)
+       y = lerp(m, g, w) * post[r] + e[i]   (post = NULL: * 1.0f, which changes nothing; e = NULL:
+                                         + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
 typedef struct {
     const float *g;     /* the run's gradient, from its start, or NULL */
     const float *dense; /* fp32 momentum, or NULL */
     const uint8_t *row; /* packed: the sign of element i is bit i % 8 of row[i / 8] */
     float s, ns;        /* packed: the momentum's scale and -1 * it */
+    float post;         /* the run's factor after the lerp (1-bit LAMB's momentum scaling) */
     int pad;
 } Source;
 
 KERNEL INLINE Source run_source(const int64_t *runs, int64_t r, const int64_t *grads,
                                 const float *dense, const uint8_t *mbits, int64_t stride,
-                                int64_t chunk, const float *mscales) {
-    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, 0.0f, 0.0f, runs[4 * r + 3] < 0};
+                                int64_t chunk, const float *mscales, const float *post) {
+    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, 0.0f, 0.0f,
+                post ? post[r] : 1.0f, runs[4 * r + 3] < 0};
     if (!dense && !x.pad) {
         int64_t j = runs[4 * r] / chunk;
         x.row = mbits + j * stride - j * (chunk / 8);
@@ -290,7 +293,7 @@ KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int 
     if (x->pad) return 0.0f + ei;
     float g = x->g ? (use_inv ? x->g[k] * inv : x->g[k]) : 0.0f;
     float m = x->dense ? x->dense[i] : ((x->row[i >> 3] >> (i & 7)) & 1 ? x->s : x->ns);
-    return lerp_one(m, g, w) + ei;
+    return lerp_one(m, g, w) * x->post + ei;
 }
 
 KERNEL INLINE __m256 signed_byte(uint8_t byte, __m256 vs, __m256 vns) {
@@ -310,7 +313,8 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
                         : signed_byte(x->row[i >> 3], _mm256_set1_ps(x->s), _mm256_set1_ps(x->ns));
     int small = __builtin_fabsf(w) < 0.5f;
     __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
-    return _mm256_add_ps(_mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g), ev);
+    __m256 y = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g);
+    return _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(x->post)), ev);
 }
 
 /* y_vec for the common run, with its constants in registers: a gradient, the packed momentum
@@ -318,7 +322,7 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
 typedef struct {
     const float *g, *e;
     const uint8_t *row;
-    __m256 inv, s, ns, coeff;
+    __m256 inv, s, ns, coeff, post;
 } Fast;
 
 KERNEL INLINE int fast_run(const Source *x, const float *e) {
@@ -328,7 +332,8 @@ KERNEL INLINE int fast_run(const Source *x, const float *e) {
 KERNEL INLINE Fast fast_of(const Source *x, int64_t start, float inv, int use_inv, float w,
                            const float *e) {
     Fast f = {x->g - start, e, x->row, _mm256_set1_ps(use_inv ? inv : 1.0f), _mm256_set1_ps(x->s),
-              _mm256_set1_ps(x->ns), _mm256_set1_ps(__builtin_fabsf(w) < 0.5f ? w : w - 1.0f)};
+              _mm256_set1_ps(x->ns), _mm256_set1_ps(__builtin_fabsf(w) < 0.5f ? w : w - 1.0f),
+              _mm256_set1_ps(x->post)};
     return f;
 }
 
@@ -344,7 +349,7 @@ KERNEL INLINE __m256 y_fast(const Fast *f, int64_t i, int small) {
     __m256 g = _mm256_mul_ps(_mm256_loadu_ps(f->g + i), f->inv);
     __m256 m = signed_byte(f->row[i >> 3], f->s, f->ns);
     __m256 y = _mm256_fmadd_ps(f->coeff, _mm256_sub_ps(g, m), small ? m : g);
-    return _mm256_add_ps(y, _mm256_loadu_ps(f->e + i));
+    return _mm256_add_ps(_mm256_mul_ps(y, f->post), _mm256_loadu_ps(f->e + i));
 }
 
 #define Y_SMALL(i) y_fast(&f, i, 1)
@@ -398,8 +403,9 @@ KERNEL INLINE void set_bit(uint8_t *bits, int64_t i, float v) {
    y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats. */
 KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                            int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
-                           int64_t chunk, const float *mscales, float w, const float *e,
-                           uint8_t *restrict bits, int mean_abs, double *totals, int64_t nseg) {
+                           int64_t chunk, const float *mscales, float w, const float *post,
+                           const float *e, uint8_t *restrict bits, int mean_abs, double *totals,
+                           int64_t nseg) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
     Sum sum;
@@ -407,7 +413,7 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
     int64_t current = -1;
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, post);
         if (q != current) {
             if (current >= 0) {
                 sum_flush(&sum);
@@ -440,11 +446,12 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
 KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                             int use_inv, const float *dense, const uint8_t *mbits,
                             int64_t stride, int64_t chunk, const float *mscales, float w,
-                            const float *e, const float *scales, float *e_out) {
+                            const float *post, const float *e, const float *scales,
+                            float *e_out) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, post);
         const float sq = scales[q], nsq = sq * -1.0f;
         const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
         int64_t i = start;
@@ -476,7 +483,7 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
                             const float *value) {
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1];
-        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales);
+        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, NULL);
         if (x.pad) continue;
         float *p = (float *)(intptr_t)params[r];
         const float d = decay[r], v = value[r];

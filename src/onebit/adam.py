@@ -150,7 +150,6 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg = self.flat.zeros(padded=True)
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
-        self._fused: momentum.PackedMomentumStage | None = None
         clip, masked = self.max_grad_norm is not None, bool(self._masks)
         if not overlap_backward and momentum.applies(self.layout.params, scale_per, clip, masked):
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
@@ -186,11 +185,7 @@ class OnebitAdam(CompressedOptimizer):
         self._start_step()
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         stage = self.stage
-        if self._fused is not None and not momentum.fused_parameters(self.layout.params):
-            self._fused.unpack_()  # say after model.half(): the unfused path from here on
-            self._fused = None
-            self.flat.expose("exp_avg", self._exp_avg)
-        fused = stage == "compression" and self._fused is not None
+        fused = stage == "compression" and self._packed_stage() is not None
         if stage == "warmup":
             applied, nbytes = self._warmup_moments_(m, v)
         elif fused:
@@ -232,36 +227,14 @@ class OnebitAdam(CompressedOptimizer):
     def _fused_compressed_step(self) -> tuple[bool, int]:
         """A compression step by the fused passes of :class:`~onebit.momentum.
         PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
-        grads, keep, sparse = momentum.gradient_addresses(self.layout.params)
-        if sparse:
-            self._status = 1
-        calls: list[Any] = [None] * len(self.comms)
-        for k in reversed(range(len(self.comms))):  # the bucketer's launch order
-            header = self._header_for(k)
-            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header)
-        applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
-        del keep
+        applied, nbytes, calls = self._packed_allreduce()
         if applied:
             self._fused.finish(calls)
             self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 
-    def state_dict(self) -> dict[str, Any]:
-        """As :meth:`CompressedOptimizer.state_dict`; a packed momentum is unpacked into a new
-        fp32 ``exp_avg`` (exactly: each element is ``±σ`` of its piece)."""
-        if self._fused is None or self._fused.packed is None:
-            return super().state_dict()
-        self.flat.expose("exp_avg", self._fused.materialize())
-        try:
-            state = super().state_dict()
-            state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
-            return state
-        finally:
-            self.flat.expose("exp_avg", None)
-
     def _extra_state(self) -> dict[str, Any]:
-        packed = self._fused is not None and self._fused.packed is not None
-        return {"frozen": self._frozen, "packed_momentum": packed}
+        return {"frozen": self._frozen, **self._packed_extra_state()}
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         fixed = self.freeze.freeze_step if self.freeze.monitor is None else None
@@ -271,23 +244,13 @@ class OnebitAdam(CompressedOptimizer):
                 f"optimizer's freeze_step is {fixed}: its variance is gone, so the warmup "
                 "cannot go on. Build the optimizer with the run's freeze_step"
             )
-        frozen, fused = self._frozen, self._fused
-        packed = None if fused is None else fused.packed
-        errors = [c._worker_error for c in self.comms]
+        frozen = self._frozen
         self._set_frozen(bool(saved.get("frozen", False)))  # older states: exp_avg_sq
-        if fused is not None:  # load the momentum as fp32, the errors apart from it
-            fused.packed = None
-            for comm in self.comms:
-                comm._worker_error = None
+        undo_packed = self._detach_packed()
 
         def undo() -> None:
             self._set_frozen(frozen)
-            if fused is not None:
-                fused.packed = packed
-                for comm, error in zip(self.comms, errors):
-                    comm._worker_error = error
-                if packed is not None:
-                    self.flat.expose("exp_avg", None)
+            undo_packed()
 
         return undo
 
@@ -298,11 +261,6 @@ class OnebitAdam(CompressedOptimizer):
             bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
             adam_denominator(v, bc2, eps, out=v)  # saved by onebit <= 0.1: v past the freeze
             self._set_frozen(True)
-        if self._fused is not None:
-            errors = [c._worker_error for c in self.comms]
-            packed = bool(state.get("packed_momentum", False))
-            self._fused.load_(self._exp_avg[: self.layout.numel].clone(), errors, packed)
-            if self._fused.packed is not None:
-                self.flat.expose("exp_avg", None)
-            if self._frozen:
-                self.bucketer.release()
+        self._reload_packed(state)
+        if self._fused is not None and self._frozen:
+            self.bucketer.release()

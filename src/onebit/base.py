@@ -43,6 +43,7 @@ from .functional import (
     layer_norms,
 )
 from .layout import FlatLayout
+from .momentum import PackedMomentumStage, fused_parameters, gradient_addresses
 from .quantized import QuantizedAllreduce
 from .stats import CommStats
 
@@ -636,6 +637,57 @@ class CompressedOptimizer(torch.optim.Optimizer):
         else:
             self.skipped_steps += 1
 
+    # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum), where it applies.
+
+    _fused: PackedMomentumStage | None = None
+
+    def _packed_stage(self) -> PackedMomentumStage | None:
+        """The packed momentum stage, if the parameters still suit its kernels; once they do not
+        (say after ``model.half()``) it is unpacked, and the unfused path runs from then on."""
+        if self._fused is not None and not fused_parameters(self.layout.params):
+            self._fused.unpack_()
+            self._fused = None
+            self.flat.expose("exp_avg", self._exp_avg)
+        return self._fused
+
+    def _packed_allreduce(self, scaling: Tensor | None = None) -> tuple[bool, int, list[Any]]:
+        """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
+        ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
+        (applied, bytes sent, the calls)."""
+        grads, keep, sparse = gradient_addresses(self.layout.params)
+        if sparse:
+            self._status = 1
+        calls: list[Any] = [None] * len(self.comms)
+        for k in reversed(range(len(self.comms))):  # the bucketer's launch order
+            header = self._header_for(k)
+            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header, scaling)
+        applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
+        del keep
+        return applied, nbytes, calls
+
+    def _packed_extra_state(self) -> dict[str, Any]:
+        return {"packed_momentum": self._fused is not None and self._fused.packed is not None}
+
+    def _detach_packed(self) -> Callable[[], None]:
+        """For :meth:`_before_load`: the momentum loads as fp32, the errors apart from it."""
+        if self._fused is None:
+            return lambda: None
+        packed, undo = self._fused.packed, self._fused.detach()
+
+        def undo_all() -> None:
+            undo()
+            if packed is not None:
+                self.flat.expose("exp_avg", None)
+
+        return undo_all
+
+    def _reload_packed(self, state: dict[str, Any]) -> None:
+        """For :meth:`_load_extra_state`: pack the loaded momentum again if it was saved so."""
+        if self._fused is not None:
+            self._fused.reload(bool(state.get("packed_momentum", False)))
+            if self._fused.packed is not None:
+                self.flat.expose("exp_avg", None)
+
     # Checkpoints.
 
     def _extra_state(self) -> dict[str, Any]:
@@ -678,6 +730,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
         this). ``torch.load(weights_only=True)`` loads it.
         """
+        if self._fused is not None and self._fused.packed is not None:
+            self.flat.expose("exp_avg", self._fused.materialize())  # exactly: each is ±σ
+            try:
+                state = self._state_dict()
+                state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
+                return state
+            finally:
+                self.flat.expose("exp_avg", None)
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         ranks = {self.rank: self._rank_state()}
         if self._gathered is not None and self._gathered[0] == self._calls:
             ranks = self._gathered[1]

@@ -82,6 +82,16 @@ class BucketRuns:
         self.run_offsets = torch.tensor(run_offsets, dtype=torch.int64) * 4  # bytes, fp32
         self.lengths = torch.tensor(segments, dtype=torch.float64)
 
+    def per_run(self, values: Tensor) -> Tensor:
+        """Per-parameter ``values`` as fp32 per run (1.0 for the padding)."""
+        values = values.to(torch.float32)[self.run_params.clamp(min=0)]
+        return torch.where(self.run_params >= 0, values, 1.0).contiguous()
+
+    def columns_and_params(self) -> tuple[Tensor, Tensor]:
+        """The momentum scale column of each run that is not padding, and its parameter."""
+        real = self.run_params >= 0
+        return self.runs[real, 3], self.run_params[real]
+
     def addresses(self, bases: Tensor) -> Tensor:
         """Per run, the address of its first element given each parameter's base address in
         ``bases`` (int64; 0 for a missing tensor, which stays 0)."""
@@ -102,13 +112,15 @@ def _y_arguments(
     inv_scale: float | None,
     momentum: Tensor | PackedMomentum,
     weight: float,
+    post: Tensor | None,
     error: Tensor | None,
 ) -> tuple:
     """The C arguments that say how ``y`` is computed, shared by passes 1 and 2."""
     inv = 1.0 if inv_scale is None else inv_scale
     return (
         runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
-        *_momentum(momentum), weight, 0 if error is None else error.data_ptr(),
+        *_momentum(momentum), weight, 0 if post is None else post.data_ptr(),
+        0 if error is None else error.data_ptr(),
     )  # fmt: skip
 
 
@@ -121,15 +133,17 @@ def signs(
     error: Tensor | None,
     out: Tensor,
     scale: str = "rms",
+    post: Tensor | None = None,
 ) -> Tensor:
-    """Pass 1: pack the signs of ``y = lerp(m, g·inv_scale, weight) + error`` into ``out``
+    """Pass 1: pack the signs of ``y = lerp(m, g·inv_scale, weight)·post + error`` into ``out``
     (``uint8``, one bit per element of the bucket) and return each segment's scale (fp32).
 
     ``grads`` holds each run's gradient address (:meth:`BucketRuns.addresses`; 0 is a zero
-    gradient). ``error`` ``None`` is an error of zeros.
+    gradient). ``error`` ``None`` is an error of zeros. ``post`` is fp32 per run (1-bit LAMB's
+    momentum scaling; ``None``: no factor).
     """
     totals = torch.empty(len(runs.lengths), dtype=torch.float64)
-    y = _y_arguments(runs, grads, inv_scale, momentum, weight, error)
+    y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
     _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
                                   len(totals))  # fmt: skip
     return scales_from_totals(totals, runs.lengths, scale)
@@ -144,12 +158,13 @@ def commit(
     error: Tensor | None,
     scales: Tensor,
     out: Tensor,
+    post: Tensor | None = None,
 ) -> None:
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
     ``momentum`` itself."""
     scales = scales.to(torch.float32).contiguous()
-    y = _y_arguments(runs, grads, inv_scale, momentum, weight, error)
+    y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
     _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
 
 

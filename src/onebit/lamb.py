@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import momentum
 from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
@@ -19,6 +20,7 @@ from .base import (
 )
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
+    adam_denominator,
     bias_correction,
     fill_zero_variance_,
     lamb_factor,
@@ -167,7 +169,8 @@ class OnebitLamb(CompressedOptimizer):
             warmup_compression=warmup_compression,
             problem=problem,
         )
-        self._exp_avg = self.flat.zeros("exp_avg")
+        self._exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
+        self.flat.expose("exp_avg", self._exp_avg)
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         layers = len(self.layout.params)
@@ -178,6 +181,11 @@ class OnebitLamb(CompressedOptimizer):
         self._scaling = torch.ones(layers)
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
+        clip, masked = self.max_grad_norm is not None, bool(self._masks)
+        if momentum.applies(self.layout.params, scale_per, clip, masked):
+            self._fused = momentum.PackedMomentumStage(
+                self.layout, self.comms, self._exp_avg, keeps_last=True
+            )
 
     def _settings(self) -> dict[str, Any]:
         knobs = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min")
@@ -206,7 +214,7 @@ class OnebitLamb(CompressedOptimizer):
         return loss
 
     def _warmup_step(self) -> None:
-        m, v = self._exp_avg, self._exp_avg_sq
+        m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         applied, nbytes = self._warmup_moments_(m, v)
         if applied:
             t = self.num_steps + 1
@@ -236,8 +244,19 @@ class OnebitLamb(CompressedOptimizer):
     def _compression_step(self) -> None:
         if not self._frozen:
             self._freeze()
+        if self._packed_stage() is not None:
+            applied, nbytes = self._packed_compression_step()
+        else:
+            applied, nbytes = self._unpacked_compression_step()
+        self._end_step("compression", nbytes, applied)
+
+    def _unpacked_compression_step(self) -> tuple[bool, int]:
+        """The compression step in torch ops on flat buffers: the averaged momentum, the
+        gradient it implies, the fresh variance, the factors and the update all pass through
+        the gradient buffer."""
         beta1, beta2 = self._beta1, self._beta2
-        m, frozen_denom, v_fresh = self._exp_avg, self._exp_avg_sq, self._exp_avg_sq_fresh
+        m, frozen_denom = self._exp_avg[: self.layout.numel], self._exp_avg_sq
+        v_fresh = self._exp_avg_sq_fresh
         assert v_fresh is not None
         g = self._gather_grads(norms=True)
         views = self.layout.views(g)
@@ -277,7 +296,119 @@ class OnebitLamb(CompressedOptimizer):
             )
             self._last_factors = factors
             self._apply(update, self._frozen_coeffs * factors)
-        self._end_step("compression", nbytes, applied)
+        return applied, nbytes
+
+    def _packed_compression_step(self) -> tuple[bool, int]:
+        """The compression step of :meth:`_unpacked_compression_step`, bit for bit, with the
+        momentum packed (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer:
+        the fused passes read ``.grad``, and what follows the allreduce runs a bucket at a time
+        on temporaries of a bucket (and of a layer, for the norms that weight decay needs)."""
+        applied, nbytes, calls = self._packed_allreduce(self._scaling)
+        if not applied:
+            return applied, nbytes
+        t, stage = self.num_steps + 1, self._fused
+        new = stage.results(calls, self._scaling)  # the averaged momentum over the scaling
+        raw = self._fresh_variance_(new, t)
+        update_ratio = None
+        if any(group["weight_decay"] for group in self.param_groups):
+            update_ratio = self._packed_update_ratio(new, t)
+        factors = lamb_factor(
+            raw, self._last_factors, self.factor_min, self.factor_max, self.factor_threshold,
+            update_ratio,
+        )  # fmt: skip
+        self._last_factors = factors
+        self._coeffs = self._frozen_coeffs * factors
+        sizes = [group["lr"] * c for group, c in zip(self._groups(), self._coeffs.tolist())]
+        for k, update in self._packed_updates(new, t):
+            params, updates = self._bucket_parts(k, update)
+            scaled_sub_(params, updates, [sizes[i] for i in self._bucket_layers(k)])
+        stage.install(new)
+        self.flat.expose("exp_avg", None)  # packed now: see state_dict()
+        return applied, nbytes
+
+    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
+        """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
+        gradient they imply into the fresh variance; returns each layer's largest ratio of the
+        frozen to the fresh denominator."""
+        beta1, beta2, stage = self._beta1, self._beta2, self._fused
+        bc2 = bias_correction(beta2, t, self.bias_correction)
+        raw = torch.zeros(len(self.layout.params))
+        for k, (start, end) in enumerate(self.layout.buckets):
+            g, last = torch.empty(end - start), torch.empty(end - start)
+            stage.momentum_(k, g, new)
+            stage.momentum_(k, last).mul_(-beta1).add_(g).div_(1 - beta1)
+            del g
+            v_fresh = self._exp_avg_sq_fresh[start:end]
+            v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)
+            ratio = adam_denominator(v_fresh, bc2, self._eps, out=last)
+            torch.div(self._exp_avg_sq[start:end], ratio, out=ratio)
+            layers = self._bucket_layers(k)
+            _, parts = self._bucket_parts(k, ratio)
+            raw[layers] = torch.maximum(raw[layers], layer_norms(parts, ord=math.inf).cpu())
+        return torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
+
+    def _packed_updates(self, new: list[tuple[Tensor, Tensor]], t: int) -> Iterator:
+        """Per bucket ``k``, ``(k, update)``: Adam's update ``m̂ / denom`` plus weight decay,
+        from the ``new`` packed momentum, in a temporary of the bucket."""
+        bc1 = bias_correction(self._beta1, t, self.bias_correction)
+        groups = self._groups()
+        for k, (start, end) in enumerate(self.layout.buckets):
+            update = self._fused.momentum_(k, torch.empty(end - start), new)
+            torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
+            params, updates = self._bucket_parts(k, update)
+            for i, p, u in zip(self._bucket_layers(k), params, updates):
+                if groups[i]["weight_decay"]:
+                    torch._foreach_add_([u], [p], alpha=groups[i]["weight_decay"])
+            yield k, update
+
+    def _packed_update_ratio(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
+        """Each layer's ``min(1, ||m̂ / denom|| / ||update||)`` for :func:`lamb_factor`, the
+        norms taken over each whole layer as :meth:`_unpacked_compression_step` takes them."""
+        layers = len(self.layout.params)
+        adaptive, total = torch.zeros(layers), torch.zeros(layers)
+        pieces: dict[int, list[Tensor]] = {}
+        bc1 = bias_correction(self._beta1, t, self.bias_correction)
+        groups = self._groups()
+        for k, (start, end) in enumerate(self.layout.buckets):
+            update = self._fused.momentum_(k, torch.empty(end - start), new)
+            torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
+            _, updates = self._bucket_parts(k, update)
+            for i, u in zip(self._bucket_layers(k), updates):
+                pieces.setdefault(i, []).append(u.clone())
+                p = self.layout.params[i]
+                if sum(x.numel() for x in pieces[i]) < p.numel():
+                    continue  # the layer goes on in the next bucket
+                whole = torch.cat(pieces.pop(i)).view(p.shape)
+                adaptive[i] = layer_norms([whole]).cpu()[0]
+                if groups[i]["weight_decay"]:
+                    torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
+                total[i] = layer_norms([whole]).cpu()[0]
+        return torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
+
+    def _groups(self) -> list[dict[str, Any]]:
+        """Each parameter's param group, in layout order."""
+        return [group for group in self.param_groups for _ in group["params"]]
+
+    def _bucket_layers(self, k: int) -> list[int]:
+        """The parameters with elements in bucket ``k``, in order."""
+        start, end = self.layout.buckets[k]
+        return [
+            i
+            for i, (o, n) in enumerate(zip(self.layout.offsets, self.layout.numels))
+            if max(start, o) < min(end, o + n)
+        ]
+
+    def _bucket_parts(self, k: int, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """For each parameter with elements in bucket ``k``: its part (flat) and the same part
+        of ``flat``, a buffer of the bucket."""
+        start, end = self.layout.buckets[k]
+        params, parts = [], []
+        for i in self._bucket_layers(k):
+            o, n = self.layout.offsets[i], self.layout.numels[i]
+            lo, hi = max(start, o), min(end, o + n)
+            params.append(self.layout.params[i].view(-1)[lo - o : hi - o])
+            parts.append(flat[lo - start : hi - start])
+        return params, parts
 
     def _adam_update(self, m: Tensor, denom: Tensor, step: int) -> Tensor:
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
@@ -306,7 +437,7 @@ class OnebitLamb(CompressedOptimizer):
         fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(frozen_t))
         self._exp_avg_sq_fresh = v.clone()
         self._adam_denominator(v, frozen_t, out=v)
-        self._scaling = momentum_scaling(self.layout.views(self._exp_avg))
+        self._scaling = momentum_scaling(self.layout.views(self._exp_avg[: self.layout.numel]))
         ema = self._coeff_ema
         if self.bias_correction:
             ema = ema / (1 - self.coeff_beta**self._coeff_updates)
@@ -328,6 +459,7 @@ class OnebitLamb(CompressedOptimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {
+            **self._packed_extra_state(),
             "frozen": self._frozen,
             "coeff_ema": self._coeff_ema.clone(),
             "coeff_updates": self._coeff_updates.clone(),
@@ -344,13 +476,18 @@ class OnebitLamb(CompressedOptimizer):
         self._scaling = state["scaling_coeffs"].clone()
         self._last_factors = state["last_factors"].clone()
         self._coeffs = state["coeffs"].clone()
+        self._reload_packed(state)
+        if self._fused is not None and self._frozen:
+            self.bucketer.release()
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         frozen, fresh = self._frozen, self._exp_avg_sq_fresh
         self._set_frozen(bool(saved["frozen"]))
+        undo_packed = self._detach_packed()
 
         def undo() -> None:
             self._exp_avg_sq_fresh = fresh
             self._set_frozen(frozen)
+            undo_packed()
 
         return undo

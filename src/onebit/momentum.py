@@ -15,7 +15,7 @@ unfused torch formulation, which gives the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -73,6 +73,8 @@ class PackedMomentumStage:
         momentum: the flat fp32 momentum, ``layout.padded_numel`` long. While :attr:`packed` is
             ``None`` it holds the momentum; from the first applied step it holds the worker
             errors (each communicator's ``worker_error`` is a slice of it).
+        keeps_last: the optimizer reads the last momentum after the allreduce (1-bit LAMB), so
+            the first applied step keeps the errors apart and :meth:`install` moves them in.
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -81,9 +83,14 @@ class PackedMomentumStage:
     """
 
     def __init__(
-        self, layout: FlatLayout, comms: list[CompressedAllreduce], momentum: Tensor
+        self,
+        layout: FlatLayout,
+        comms: list[CompressedAllreduce],
+        momentum: Tensor,
+        keeps_last: bool = False,
     ) -> None:
         self.layout, self.comms, self.momentum = layout, comms, momentum
+        self.keeps_last = keeps_last
         self.runs = []
         for (start, end), comm in zip(layout.buckets, comms):
             segments, params, offsets = [], [], []
@@ -124,28 +131,67 @@ class PackedMomentumStage:
         inv_scale: float | None,
         beta1: float,
         header: Tensor | None,
+        scaling: Tensor | None = None,
     ) -> _Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
-        ``lerp(m, g, 1 - beta1) + e`` (``grads``: each parameter's gradient address, see
-        :meth:`~onebit.fused.BucketRuns.addresses`), sent with ``header``. The worker error is
-        committed by the communicator's ``serve`` once every rank's scales are finite."""
+        ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
+        :meth:`~onebit.fused.BucketRuns.addresses`; ``scaling``: fp32 per parameter, or
+        ``None``), sent with ``header``. The worker error is committed by the communicator's
+        ``serve`` once every rank's scales are finite."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
         addresses = runs.addresses(grads)
         weight = 1 - beta1
+        post = None if scaling is None else runs.per_run(scaling)
         error = comm._worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8)
-        scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale)
+        scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale, post)
 
         def commit() -> None:
-            if error is None:  # the momentum's storage becomes the error
+            if error is None and not self.keeps_last:  # the momentum's storage becomes the error
                 comm.worker_error = self._slices[k]
-            fused.commit(runs, addresses, inv_scale, m, weight, error, scales, comm.worker_error)
+            fused.commit(runs, addresses, inv_scale, m, weight, error, scales, comm.worker_error,
+                         post)  # fmt: skip
 
         return comm.start_compressed(signs, scales, header, commit=commit)
 
     def finish(self, calls: list[_Call]) -> None:
         """After an applied step: the allreduce's packed results are the new momentum."""
-        self.packed = [comm.result_signs(call) for comm, call in zip(self.comms, calls)]
+        self.install(self.results(calls))
+
+    def results(
+        self, calls: list[_Call], scaling: Tensor | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The packed results of applied ``calls``, with each piece's scale divided by its
+        parameter's ``scaling`` (fp32 per parameter; ``None``: as they came)."""
+        results = [comm.result_signs(call) for comm, call in zip(self.comms, calls)]
+        if scaling is None:
+            return results
+        divided = []
+        for runs, (signs, scales) in zip(self.runs, results):
+            scales, (columns, params) = scales.clone(), runs.columns_and_params()
+            scales.view(-1)[columns] = scales.view(-1)[columns] / scaling[params]
+            divided.append((signs, scales))
+        return divided
+
+    def install(self, packed: list[tuple[Tensor, Tensor]]) -> None:
+        """Make ``packed`` (:meth:`results`) the momentum; the worker errors move into
+        :attr:`momentum`'s storage if they were kept apart."""
+        for slice_, comm in zip(self._slices, self.comms):
+            if comm._worker_error is not None and comm._worker_error is not slice_:
+                slice_.copy_(comm._worker_error)
+                comm.worker_error = slice_
+        self.packed = packed
+
+    def momentum_(
+        self, k: int, out: Tensor, packed: list[tuple[Tensor, Tensor]] | None = None
+    ) -> Tensor:
+        """Bucket ``k``'s momentum (``packed``, else the current one) into ``out`` (fp32, the
+        bucket's ``end - start`` elements)."""
+        packed = self.packed if packed is None else packed
+        if packed is None:
+            start, end = self.layout.buckets[k]
+            return out.copy_(self.momentum[start:end])
+        return decompress_pieces_(*packed[k], self.comms[k]._geometry.gathered, out)
 
     def update_(
         self,
@@ -186,6 +232,27 @@ class PackedMomentumStage:
                 comm.worker_error = comm._worker_error.clone()
         self.momentum[: self.layout.numel].copy_(m)
         self.packed = None
+
+    def detach(self) -> Callable[[], None]:
+        """Before a checkpoint is loaded: forget the packed momentum and the errors, so that the
+        loaded ones come in as fp32 buffers apart (:meth:`reload`); return what undoes it."""
+        packed, errors = self.packed, [c._worker_error for c in self.comms]
+        self.packed = None
+        for comm in self.comms:
+            comm._worker_error = None
+
+        def undo() -> None:
+            self.packed = packed
+            for comm, error in zip(self.comms, errors):
+                comm._worker_error = error
+
+        return undo
+
+    def reload(self, packed: bool) -> None:
+        """After a checkpoint was loaded into :attr:`momentum` and the communicators: pack it
+        again if it was saved packed (:meth:`load_`)."""
+        errors = [c._worker_error for c in self.comms]
+        self.load_(self.momentum[: self.layout.numel].clone(), errors, packed)
 
     def load_(self, momentum: Tensor, worker_errors: list[Tensor | None], packed: bool) -> None:
         """Take a saved fp32 ``momentum`` (``layout.numel``) and the communicators' saved worker
