@@ -99,9 +99,12 @@ class OnebitLamb(CompressedOptimizer):
     ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
     (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
     warmup: AdamW's (momentum and variance), as the fp32 ``.grad`` live in the bucket buffer as
-    in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage: five model-sized fp32
-    buffers (momentum, frozen denominator, fresh variance, gradient scratch, worker error) plus
-    the server error. ``freeze`` is the
+    in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage, on the CPU with the C
+    kernels (fp32 parameters, ``scale_per="tensor"``, no ``max_grad_norm`` or ``exp_avg_mask``):
+    three model-sized fp32 buffers (frozen denominator, fresh variance, worker error), the server
+    error and the momentum packed to 1 bit (:mod:`onebit.momentum`); ``exp_avg`` then leaves
+    ``optimizer.state`` and appears, fp32 and exact, in ``state_dict()``. Elsewhere also the
+    fp32 momentum and a gradient buffer. ``freeze`` is the
     :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
     where the warmup stands.
     """

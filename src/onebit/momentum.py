@@ -1,15 +1,18 @@
-"""1-bit Adam's momentum in the compression stage: kept packed, updated by fused passes (CPU).
+"""The momentum of 1-bit Adam and 1-bit LAMB in the compression stage: kept packed, updated by
+fused passes (CPU).
 
 After a compression step every momentum element is ``±σ`` of its piece (a tensor's part of a
-chunk): exactly what the compressed allreduce returned, signs and scales, about ``d/8`` bytes.
+chunk): exactly what the compressed allreduce returned, signs and scales, about ``d/8`` bytes
+(1-bit LAMB's is that over the piece's momentum scaling, ``±(σ / c)``, just as exact).
 :class:`PackedMomentumStage` keeps it that way instead of an fp32 copy, and runs each bucket's
-step as the three fused passes of :mod:`onebit.fused`, which read the gradients straight from
+worker side as the fused passes of :mod:`onebit.fused`, which read the gradients straight from
 ``.grad``. The fp32 momentum buffer of the warmup becomes the worker error at the first applied
-compression step, so the stage holds, per model element: the frozen denominator (4 bytes), the
-worker error (4), the server error (4/n) and the packed momentum (1/8 plus the scales).
+compression step, so the stage holds, per model element: the worker error (4 bytes), the server
+error (4/n) and the packed momentum (1/8 plus the scales), besides the optimizer's own state
+(1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: that and the fresh variance, 8).
 
 It applies to fp32 parameters on the CPU with the C kernels, a scale per tensor, no
-``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere 1-bit Adam runs the
+``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere the optimizers run the
 unfused torch formulation, which gives the same bits.
 """
 
