@@ -669,10 +669,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return {"packed_momentum": self._fused is not None and self._fused.packed is not None}
 
     def _detach_packed(self) -> Callable[[], None]:
-        """For :meth:`_before_load`: the momentum loads as fp32, the errors apart from it."""
+        """For :meth:`_before_load`: the momentum loads as fp32 into ``exp_avg``, the errors
+        apart from it."""
         if self._fused is None:
             return lambda: None
         packed, undo = self._fused.packed, self._fused.detach()
+        self.flat.expose("exp_avg", self._exp_avg)
 
         def undo_all() -> None:
             undo()
