@@ -350,9 +350,11 @@ class OnebitLamb(CompressedOptimizer):
             raw[layers] = torch.maximum(raw[layers], layer_norms(parts, ord=math.inf).cpu())
         return torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
 
-    def _packed_updates(self, new: list[tuple[Tensor, Tensor]], t: int) -> Iterator:
-        """Per bucket ``k``, ``(k, update)``: Adam's update ``m̂ / denom`` plus weight decay,
-        from the ``new`` packed momentum, in a temporary of the bucket."""
+    def _packed_updates(
+        self, new: list[tuple[Tensor, Tensor]], t: int, decay: bool = True
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Per bucket ``k``, ``(k, update)``: Adam's update ``m̂ / denom`` from the ``new``
+        packed momentum, plus weight decay if ``decay``, in a temporary of the bucket."""
         bc1 = bias_correction(self._beta1, t, self.bias_correction)
         groups = self._groups()
         for k, (start, end) in enumerate(self.layout.buckets):
@@ -360,7 +362,7 @@ class OnebitLamb(CompressedOptimizer):
             torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
             params, updates = self._bucket_parts(k, update)
             for i, p, u in zip(self._bucket_layers(k), params, updates):
-                if groups[i]["weight_decay"]:
+                if decay and groups[i]["weight_decay"]:
                     torch._foreach_add_([u], [p], alpha=groups[i]["weight_decay"])
             yield k, update
 
@@ -369,19 +371,20 @@ class OnebitLamb(CompressedOptimizer):
         norms taken over each whole layer as :meth:`_unpacked_compression_step` takes them."""
         layers = len(self.layout.params)
         adaptive, total = torch.zeros(layers), torch.zeros(layers)
-        pieces: dict[int, list[Tensor]] = {}
-        bc1 = bias_correction(self._beta1, t, self.bias_correction)
+        started: dict[int, tuple[Tensor, int]] = {}  # layers that go on in the next bucket
         groups = self._groups()
-        for k, (start, end) in enumerate(self.layout.buckets):
-            update = self._fused.momentum_(k, torch.empty(end - start), new)
-            torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
+        for k, update in self._packed_updates(new, t, decay=False):
             _, updates = self._bucket_parts(k, update)
             for i, u in zip(self._bucket_layers(k), updates):
-                pieces.setdefault(i, []).append(u.clone())
                 p = self.layout.params[i]
-                if sum(x.numel() for x in pieces[i]) < p.numel():
-                    continue  # the layer goes on in the next bucket
-                whole = torch.cat(pieces.pop(i)).view(p.shape)
+                whole, filled = started.pop(i, (u, 0))
+                if u.numel() < p.numel():  # a part: gathered into a buffer of the layer
+                    whole = torch.empty(p.numel()) if filled == 0 else whole
+                    whole[filled : filled + u.numel()] = u
+                    if filled + u.numel() < p.numel():
+                        started[i] = whole, filled + u.numel()
+                        continue
+                whole = whole.view(p.shape)
                 adaptive[i] = layer_norms([whole]).cpu()[0]
                 if groups[i]["weight_decay"]:
                     torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
