@@ -14,7 +14,16 @@ the DDP model Accelerate builds to the optimizer. ``accelerator.backward``,
 
 import torch
 from accelerate import Accelerator
-from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
+from common import (
+    arguments,
+    close_process_group,
+    evaluate,
+    gpu_per_rank,
+    log_step,
+    report,
+    text_data,
+    tiny_gpt2,
+)
 
 import onebit
 from onebit.integrations.accelerate import prepare
@@ -23,7 +32,7 @@ parser = arguments(__doc__.splitlines()[0])
 parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
 args = parser.parse_args()
 
-accelerator = Accelerator(mixed_precision=args.mixed_precision)
+accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not gpu_per_rank())
 model = tiny_gpt2()
 optimizer = onebit.OnebitAdam(
     model.parameters(),

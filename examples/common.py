@@ -78,6 +78,17 @@ def evaluate(model, examples, batch_size=32, device="cpu"):
     return sum(losses) / len(losses)
 
 
+def gpu_per_rank():
+    """Whether every local rank gets a GPU of its own. One GPU cannot hold two NCCL ranks, so
+    with fewer GPUs than ranks (``torchrun --nproc-per-node 2`` on one GPU) the examples train
+    on the CPU over gloo; ``CUDA_VISIBLE_DEVICES=`` does the same anywhere."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    usable = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+    if torch.cuda.is_available() and not usable and is_rank0():
+        print(f"{torch.cuda.device_count()} GPU(s) for {ranks} ranks: training on the CPU")
+    return usable
+
+
 def is_rank0():
     return int(os.environ.get("RANK", 0)) == 0
 
@@ -94,12 +105,14 @@ def report(optimizer, final_loss):
     """Print, on rank 0, the final validation loss and the bytes this rank sent, against what
     an fp32 allreduce every step would have sent: the warmup steps are such allreduces, so
     their measured bytes per step times all the steps."""
-    stats = getattr(optimizer, "optimizer", optimizer).comm_stats  # Accelerate wraps it
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps it
+    stats = optimizer.comm_stats
     if not is_rank0():
         return
     head = f"final validation loss {final_loss:.3f}"
     if not stats.bytes_total:
-        print(f"{head} | one process sends nothing: run it with torchrun, 2+ ranks")
+        print(f"{head} | one process sends nothing: run it with torchrun, 2+ ranks", end="")
+        print(f" | optimizer state on {optimizer.device}")
         return
     steps, warmup = sum(stats.steps.values()), stats.steps.get("warmup", 0)
     fp32_step = stats.mean_bytes_per_step("warmup")  # measured: warmup is an fp32 allreduce
@@ -111,4 +124,4 @@ def report(optimizer, final_loss):
     if steps > warmup:
         compressed_step = (stats.bytes_total - stats.total_bytes["warmup"]) / (steps - warmup)
         line += f" ({fp32_step / compressed_step:.0f}x fewer per step after warmup)"
-    print(line)
+    print(f"{line} | optimizer state on {optimizer.device}")

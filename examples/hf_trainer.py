@@ -15,8 +15,7 @@ Schedulers, ``--bf16``, logging and checkpoints work as usual: the run ends with
 import tempfile
 from pathlib import Path
 
-import torch
-from common import arguments, close_process_group, report, text_data, tiny_gpt2
+from common import arguments, close_process_group, gpu_per_rank, report, text_data, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import onebit
@@ -39,7 +38,7 @@ training_args = TrainingArguments(
     save_strategy="steps",
     save_steps=args.steps,  # one checkpoint, at the end
     report_to="none",
-    use_cpu=not torch.cuda.is_available(),
+    use_cpu=not gpu_per_rank(),
     bf16=args.bf16,
     seed=0,
     disable_tqdm=True,

@@ -18,7 +18,16 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
+from common import (
+    arguments,
+    close_process_group,
+    evaluate,
+    gpu_per_rank,
+    log_step,
+    report,
+    text_data,
+    tiny_gpt2,
+)
 
 import onebit
 from onebit.integrations.lightning import OnebitCallback
@@ -47,10 +56,13 @@ class GPT(pl.LightningModule):
         )
 
 
-args = arguments(__doc__.splitlines()[0]).parse_args()
+parser = arguments(__doc__.splitlines()[0])
+parser.add_argument("--precision", default="32-true", help="Lightning's, e.g. bf16-mixed, 16-mixed")
+args = parser.parse_args()
 train, val = text_data()
 trainer = pl.Trainer(
-    accelerator="auto",
+    accelerator="gpu" if gpu_per_rank() else "cpu",
+    precision=args.precision,
     devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
     strategy="ddp",
     max_steps=args.steps,

@@ -21,7 +21,16 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import arguments, close_process_group, evaluate, log_step, report, text_data, tiny_gpt2
+from common import (
+    arguments,
+    close_process_group,
+    evaluate,
+    gpu_per_rank,
+    log_step,
+    report,
+    text_data,
+    tiny_gpt2,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -33,7 +42,7 @@ if "RANK" not in os.environ:  # not under torchrun, which sets these: a world of
     os.environ.update(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
     )
-if torch.cuda.is_available():
+if gpu_per_rank():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)

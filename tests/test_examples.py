@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +22,11 @@ REPORT = re.compile(
 )
 
 
-def torchrun(script: Path, *args: str, log: Path) -> str:
-    """Run ``torchrun --nproc-per-node 2 script *args`` with its output in ``log``; return the
-    output, or fail on a non-zero exit or a hang."""
+def torchrun(script: Path, *args: str, log: Path, ranks: int = 2) -> str:
+    """Run ``torchrun --nproc-per-node RANKS script *args`` with its output in ``log``; return
+    the output, or fail on a non-zero exit or a hang."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(script), *args]
+    command += ["--nproc-per-node", str(ranks), str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -69,3 +70,32 @@ def test_example_trains_on_two_ranks_and_sends_fewer_bytes(name, framework, tmp_
     assert int(report["per_step"]) >= 20  # one bit per element and a few scales, not 32 bits
     if name == "hf_trainer":
         assert (tmp_path / "checkpoint-100" / "optimizer.pt").is_file()
+    # One GPU cannot hold two NCCL ranks: with fewer GPUs than ranks the examples use the CPU.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert f"optimizer state on {'cuda:0' if gpus >= 2 else 'cpu'}" in output
+
+
+ONE_GPU = [
+    ("torchrun_ddp", []),
+    ("hf_trainer", []),
+    ("hf_trainer", ["--bf16"]),
+    ("accelerate_loop", []),
+    ("accelerate_loop", ["--mixed-precision", "fp16"]),
+    ("accelerate_loop", ["--mixed-precision", "bf16"]),
+    ("lightning_module", []),
+    ("lightning_module", ["--precision", "bf16-mixed"]),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name, args", ONE_GPU)
+def test_example_trains_on_one_gpu(name, args, tmp_path):
+    """HF Trainer and Accelerate build the optimizer before they move the model to the GPU: the
+    optimizer's state must follow it there."""
+    pytest.importorskip("transformers")
+    if name == "hf_trainer":
+        args = [*args, "--out", str(tmp_path)]
+    output = torchrun(EXAMPLES / f"{name}.py", *args, log=tmp_path / "output.txt", ranks=1)
+    loss = re.search(r"final validation loss (\S+) .* optimizer state on cuda:0", output)
+    assert loss, output[-4000:]
+    assert float(loss[1]) < math.log(256) - 1.5, output[-4000:]

@@ -232,3 +232,19 @@ def test_grad_clip_reaches_every_optimizer(name: str) -> None:
         assert trainer.optimizer.max_grad_norm == 1e-3
         assert trainer.optimizer.grad_norm > 1e-3
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", [None, "bf16", "fp16"])
+def test_trains_on_cuda(tmp_path: Path, data_cache: Path, amp: str | None) -> None:
+    """``--device cuda``: one worker per GPU over NCCL (one here: a GPU holds one NCCL rank)."""
+    extra = ["--amp", amp] if amp else []
+    run = tmp_path / "run"
+    tiny = [*TINY[TINY.index("--steps") :], "--workers", "1"]
+    result = onebit_train(
+        *tiny, "--device", "cuda", *extra, "--out", run, "--cache-dir", data_cache
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["device"] == "cuda:0"
+    assert all(torch.isfinite(torch.tensor(r["loss/train"])) for r in read_metrics(run))

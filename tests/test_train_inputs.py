@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from train_cli import refused
 
 NUMBERS = {
@@ -41,6 +42,7 @@ NUMBERS = {
     "grad clip nan": (["--grad-clip", "nan"], "argument --grad-clip: must be a finite number"),
     "amp": (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
     "optimizer": (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    "device": (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     "model": (["--model", "t5"], "invalid choice: 't5'"),
     "log unknown": (["--log", "jsonl,tensorbored"], "unknown backend 'tensorbored'"),
     "log empty item": (["--log", "csv,,jsonl"], "has an empty item"),
@@ -144,6 +146,15 @@ def test_bad_input_is_one_line_and_status_2(
     err = refused([*base, *(a.format(tmp=tmp_path) for a in args)], capsys)
     assert message.format(tmp=tmp_path) in err
     assert not (tmp_path / "o").exists(), "nothing is written before the input is checked"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_refused(
+    tmp_path: Path, data: str, capsys: pytest.CaptureFixture
+) -> None:
+    err = refused(["--device", "cuda", "--data", data, "--out", tmp_path / "o"], capsys)
+    assert "--device cuda, but torch.cuda.is_available() is False" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_under_torchrun_restarts_are_torchrun_s(

@@ -147,11 +147,14 @@ class OnebitAdam(CompressedOptimizer):
             next_kind=self._next_kind,
             problem=problem,
         )
+
+    def _allocate_state(self) -> None:
         self._exp_avg = self.flat.zeros(padded=True)
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
         clip, masked = self.max_grad_norm is not None, bool(self._masks)
-        if not overlap_backward and momentum.applies(self.layout.params, scale_per, clip, masked):
+        params, scale_per = self.layout.params, self.scale_per
+        if not self.overlap_backward and momentum.applies(params, scale_per, clip, masked):
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
 
     def _set_frozen(self, frozen: bool) -> None:

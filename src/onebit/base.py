@@ -68,6 +68,7 @@ _STATUS = {
     1: "a sparse gradient (not supported)",
     2: "betas or eps that differ between param groups (they act on whole buckets: set them "
     "the same in every group)",
+    3: "parameters on more than one device (move the whole model: model.to(device))",
 }
 
 
@@ -201,33 +202,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             problem = str(err)  # raised on every rank below, not here alone
         if self.world_size > 1:
             _check_ranks_agree(self._settings() if problem is None else problem, process_group)
-        params = self.layout.params
         if self.world_size > 1:
-            _broadcast_from_first_rank(params, process_group)
-        self.comms = [
-            CompressedAllreduce(
-                end - start,
-                group=process_group,
-                device=self.device,
-                segments=self.layout.segments(k) if scale_per == "tensor" else None,
-                header_numel=HEADER_NUMEL,
-            )
-            for k, (start, end) in enumerate(self.layout.buckets)
-        ]
-        self.warmup_comms: list[QuantizedAllreduce] = []
-        if warmup_compression != "fp32":
-            self.warmup_comms = [
-                QuantizedAllreduce(
-                    end - start,
-                    segments=self.layout.segments(k),
-                    bits=warmup_compression,
-                    group=process_group,
-                    device=self.device,
-                    header_numel=HEADER_NUMEL,
-                )
-                for k, (start, end) in enumerate(self.layout.buckets)
-            ]
-        self.flat = FlatState(self.layout, self.state, self.param_groups, self.device)
+            _broadcast_from_first_rank(self.layout.params, process_group)
+        self._place_communicators()
         self._step_open = False
         self.bucketer = Bucketer(
             self.layout,
@@ -250,6 +227,72 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._calls = 0
         self.grad_norm: float | None = None
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
+        self._allocate_state()
+
+    # Where the state lives: on the parameters' device, following them when they move.
+
+    def _place_communicators(self) -> None:
+        """Make the communicators, the flat state and the masks on :attr:`device`."""
+        device, group = self.device, self.process_group
+        buckets = list(enumerate(self.layout.buckets))
+        self.comms = [
+            CompressedAllreduce(
+                end - start,
+                group=group,
+                device=device,
+                segments=self.layout.segments(k) if self.scale_per == "tensor" else None,
+                header_numel=HEADER_NUMEL,
+            )
+            for k, (start, end) in buckets
+        ]
+        self.warmup_comms: list[QuantizedAllreduce] = []
+        if self.warmup_compression != "fp32":
+            self.warmup_comms = [
+                QuantizedAllreduce(
+                    end - start,
+                    segments=self.layout.segments(k),
+                    bits=self.warmup_compression,
+                    group=group,
+                    device=device,
+                    header_numel=HEADER_NUMEL,
+                )
+                for k, (start, end) in buckets
+            ]
+        self.flat = FlatState(self.layout, self.state, self.param_groups, device)
+        self._masks = [(offset, mask.to(device)) for offset, mask in self._masks]
+
+    def _allocate_state(self) -> None:
+        """Make the subclass's flat buffers on :attr:`device`, as a new optimizer has them (run
+        at construction, and again when the parameters move to another device)."""
+
+    def _follow_parameters(self) -> bool:
+        """Put the state on the parameters' device if they have moved since it was made (as
+        when HF Trainer or Accelerate move the model after the optimizer was built), the way
+        torch's optimizers make their state where the parameters are at the first step.
+
+        The state goes over through :meth:`state_dict` and :meth:`load_state_dict`, so the
+        optimizer continues bit for bit as one built on that device. Returns ``False``, moving
+        nothing, if the parameters are on more than one device (the step then raises on every
+        rank).
+        """
+        devices = {p.device for p in self.layout.params}
+        if len(devices) > 1:
+            return False
+        (device,) = devices
+        if device != self.device:
+            self._move_state_to(device)
+        return True
+
+    def _move_state_to(self, device: torch.device) -> None:
+        """Make the state anew on ``device`` as a new optimizer has it, then load what it held."""
+        saved = self.state_dict()
+        self.device = device
+        self.state.clear()
+        self._fused = None
+        self._place_communicators()
+        self.bucketer.place(device, self.comms, self.warmup_comms)
+        self._allocate_state()
+        self.load_state_dict(saved)
 
     def _lay_out(
         self,
@@ -350,13 +393,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """
         if self._step_open:
             return
+        one_device = self._follow_parameters()
         self._step_open = True
         groups = self.param_groups
         first = groups[0]
         uniform = all(g["betas"] == first["betas"] and g["eps"] == first["eps"] for g in groups)
         (self._beta1, self._beta2), self._eps = first["betas"], first["eps"]
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
-        self._status = 2 if not uniform else 1 if sparse else 0
+        self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         self._inv_scale = None
         digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
@@ -808,6 +852,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         A state of another optimizer raises ``ValueError`` and changes nothing.
         """
         name = type(self).__name__
+        self._follow_parameters()
         saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if saved_onebit is None:
             raise ValueError(
@@ -975,7 +1020,16 @@ def _check_ranks_agree(settings: dict[str, Any] | str, group: dist.ProcessGroup 
 
 
 def _broadcast_from_first_rank(params: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Give every rank rank 0's parameters. Parameters on a device the group's backend cannot
+    send from (a model still on the CPU under NCCL, as HF Trainer builds it) go through a copy
+    on the current CUDA device."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    supported = getattr(group or dist.group.WORLD, "_device_types", None)
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=src, group=group)
+            if supported is None or p.device.type in {d.type for d in supported}:
+                dist.broadcast(p.data, src=src, group=group)
+            else:
+                staged = p.data.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.broadcast(staged, src=src, group=group)
+                p.data.copy_(staged)

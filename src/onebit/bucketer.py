@@ -122,6 +122,17 @@ class Bucketer:
         self._param_views: list[Tensor] | None = None
         self._install_hooks()
 
+    def place(
+        self, device: torch.device, comms: Sequence[Any], warmup_comms: Sequence[Any]
+    ) -> None:
+        """Work on ``device`` with these communicators from now on (the optimizer's state moved
+        there); the gradient buffer is made anew on first use. Only between steps."""
+        if self.inflight:
+            raise RuntimeError("the optimizer's state cannot move while buckets are in flight")
+        self.device = device
+        self.comms, self.warmup_comms = list(comms), list(warmup_comms)
+        self.release()
+
     # The gradient buffer.
 
     @property

@@ -172,20 +172,22 @@ class OnebitLamb(CompressedOptimizer):
             warmup_compression=warmup_compression,
             problem=problem,
         )
-        self._exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
-        self.flat.expose("exp_avg", self._exp_avg)
-        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
-        self._exp_avg_sq_fresh: Tensor | None = None
         layers = len(self.layout.params)
-        self._set_frozen(False)
         self._coeff_ema = torch.zeros(layers)
         self._coeff_updates = torch.zeros(layers)
         self._frozen_coeffs = torch.ones(layers)
         self._scaling = torch.ones(layers)
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
+
+    def _allocate_state(self) -> None:
+        self._exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
+        self.flat.expose("exp_avg", self._exp_avg)
+        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
+        self._exp_avg_sq_fresh: Tensor | None = None
+        self._set_frozen(False)
         clip, masked = self.max_grad_norm is not None, bool(self._masks)
-        if momentum.applies(self.layout.params, scale_per, clip, masked):
+        if momentum.applies(self.layout.params, self.scale_per, clip, masked):
             self._fused = momentum.PackedMomentumStage(
                 self.layout, self.comms, self._exp_avg, keeps_last=True
             )

@@ -165,20 +165,22 @@ class ZeroOneAdam(CompressedOptimizer):
             exp_avg_mask=exp_avg_mask,
             problem=problem,
         )
-        # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
-        self._exp_avg = self.flat.zeros(padded=True)
-        self.flat.expose("exp_avg", self._exp_avg)
-        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._ranges = _group_ranges(self.param_groups)
         self.var_interval = 1
         self._var_counter = 0
         self._var_updates = 0
         self.local_step_interval = 1
         self._local_step_counter = 0
-        self._frozen = False
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
+
+    def _allocate_state(self) -> None:
+        # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
+        self._exp_avg = self.flat.zeros(padded=True)
+        self.flat.expose("exp_avg", self._exp_avg)
+        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
+        self._set_frozen(False)
 
     def _settings(self) -> dict[str, Any]:
         return {

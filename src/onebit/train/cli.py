@@ -9,6 +9,7 @@ and exit status 2, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from . import checkpoint, loggers, optim
@@ -29,6 +31,7 @@ from .loop import RunConfig, spawn_worker, torchrun_worker
 
 DEFAULT_STEPS = 300
 DEFAULT_WORKERS = 4
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class UsageError(Exception):
@@ -111,7 +114,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers",
         type=_positive,
         metavar="N",
-        help=f"local worker processes (default {DEFAULT_WORKERS}; under torchrun, its ranks)",
+        help=f"local worker processes (default: one per GPU with --device cuda, else "
+        f"{DEFAULT_WORKERS}; under torchrun, its ranks)",
+    )
+    run.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto (default): cuda when torch.cuda.is_available(), else cpu. On cuda each worker "
+        "takes a GPU of its own and the workers talk over NCCL; on cpu, over gloo",
     )
     run.add_argument(
         "--steps", type=_positive, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})"
@@ -316,6 +327,7 @@ class Plan:
     resume: str | None
     workers: int
     finished: str | None = None
+    device: str = "cpu"
 
 
 def run(args: argparse.Namespace, prog: str) -> int:
@@ -346,7 +358,7 @@ def run(args: argparse.Namespace, prog: str) -> int:
             print(f"{prog}: {plan.finished}", file=sys.stderr)
         return 0
     if torchrun:
-        torchrun_worker(plan.configs, plan.resume)
+        torchrun_worker(plan.configs, plan.resume, plan.device)
         return 0
     return _launch(plan, args.max_restarts, prog, warn)
 
@@ -356,13 +368,13 @@ def _launch(plan: Plan, max_restarts: int, prog: str, warn: Callable[[str], None
     newest usable checkpoint, up to ``max_restarts`` times."""
     configs, resume = plan.configs, plan.resume
     where = configs[0].out if len(configs) == 1 else str(Path(configs[0].out).parent)
-    print(f"{prog}: {plan.workers} workers, results in {where}", file=sys.stderr)
+    print(f"{prog}: {plan.workers} workers on {plan.device}, results in {where}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         for attempt in range(max_restarts + 1):
             try:
                 mp.start_processes(
                     spawn_worker,
-                    args=(plan.workers, f"{tmp}/store{attempt}", configs, resume),
+                    args=(plan.workers, f"{tmp}/store{attempt}", configs, resume, plan.device),
                     nprocs=plan.workers,
                     start_method="spawn",
                 )
@@ -412,7 +424,23 @@ def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None
     Raises :class:`UsageError`, :class:`DataError` or :class:`CheckpointError` with a one-line
     message.
     """
+    device = _device(args.device)
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.workers or DEFAULT_WORKERS
+    if device == "cuda" and not torchrun:
+        gpus = torch.cuda.device_count()
+        world_size = args.workers or gpus
+        if world_size > gpus:
+            raise UsageError(
+                f"--workers {world_size} on {gpus} GPU(s): each worker needs a GPU of its own "
+                "(one GPU cannot hold two NCCL ranks); use --device cpu for more workers"
+            )
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device == "cuda" and torchrun and local > torch.cuda.device_count():
+        raise UsageError(
+            f"torchrun started {local} ranks on this machine, which has "
+            f"{torch.cuda.device_count()} GPU(s): each rank needs a GPU of its own; use "
+            "--device cpu, or fewer ranks"
+        )
     if torchrun and args.workers is not None and args.workers != world_size:
         raise UsageError(f"--workers {args.workers} but torchrun started {world_size} ranks")
     if torchrun and args.max_restarts:
@@ -435,7 +463,15 @@ def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None
         )
     if args.keep is not None and not config.save_every:
         raise UsageError("--keep needs --save-every N")
-    return plan
+    return dataclasses.replace(plan, device=device)
+
+
+def _device(name: str) -> str:
+    """``--device``: ``"cpu"`` or ``"cuda"``."""
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise UsageError("--device cuda, but torch.cuda.is_available() is False here")
+    return "cuda" if name == "auto" and cuda else "cpu" if name == "auto" else name
 
 
 def _new_run(

@@ -101,15 +101,33 @@ def lr_at(step: int, config: RunConfig) -> float:
 
 
 def spawn_worker(
-    rank: int, world_size: int, store: str, configs: list[RunConfig], resume: str | None
+    rank: int,
+    world_size: int,
+    store: str,
+    configs: list[RunConfig],
+    resume: str | None,
+    device: str = "cpu",
 ) -> None:
-    """Entry point of a local worker started by ``torch.multiprocessing``: gloo over loopback."""
-    with gloo_process_group(rank, world_size, store, timeout=600):
-        run_all(configs, torch.device("cpu"), resume)
+    """Entry point of a local worker started by ``torch.multiprocessing``: on ``"cpu"``, gloo
+    over loopback; on ``"cuda"``, GPU ``rank`` and NCCL."""
+    if device == "cpu":
+        with gloo_process_group(rank, world_size, store, timeout=600):
+            run_all(configs, torch.device("cpu"), resume)
+        return
+    gpu = torch.device("cuda", rank)
+    torch.cuda.set_device(gpu)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=rank, world_size=world_size, device_id=gpu
+    )
+    try:
+        run_all(configs, gpu, resume)
+    finally:
+        close_process_group()
 
 
-def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
-    """Entry point under ``torchrun``: rank and world from the environment, NCCL if on GPUs.
+def torchrun_worker(configs: list[RunConfig], resume: str | None, device: str = "cpu") -> None:
+    """Entry point under ``torchrun``: rank and world from the environment; on ``"cuda"``, GPU
+    ``LOCAL_RANK`` and NCCL, on ``"cpu"`` gloo.
 
     torchrun keeps one store for all attempts of a job, and a restarted rank may read the dead
     attempt's addresses from it before its peers overwrite them, then fail to connect. Each
@@ -118,16 +136,16 @@ def torchrun_worker(configs: list[RunConfig], resume: str | None) -> None:
     store, rank, world_size = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"onebit/attempt_{attempt}", store)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        backend = {"backend": "nccl", "device_id": device}
+    if device == "cuda":
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(where)
+        backend = {"backend": "nccl", "device_id": where}
     else:
-        device = torch.device("cpu")
+        where = torch.device("cpu")
         backend = {"backend": "gloo"}
     dist.init_process_group(**backend, store=store, rank=rank, world_size=world_size)
     try:
-        run_all(configs, device, resume)
+        run_all(configs, where, resume)
     finally:
         close_process_group()
 
