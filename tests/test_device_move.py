@@ -139,3 +139,29 @@ def test_built_on_the_cpu_then_moved_to_cuda_is_bitwise_built_on_cuda(name, sett
     assert back_and_forth[2]
     assert same(back_and_forth[0][: before - 1], built_after[0][: before - 1])
     assert all(torch.isfinite(p).all() for p in back_and_forth[0])
+
+
+def _ddp_on_cuda(rank: int, world_size: int, build_first: bool) -> list[torch.Tensor]:
+    """1-bit Adam with overlap through DDP's comm hook on CUDA (gloo carries CUDA tensors)."""
+    case = CASES["adam"]
+    model = Holder(case.problem.params())
+    if not build_first:
+        model.cuda()
+    opt = case.optimizer(list(model.ps), overlap_backward=True)
+    ddp = DistributedDataParallel(model.cuda())
+    ddp.register_comm_hook(opt, onebit.ddp_comm_hook)
+    trace = []
+    for t in range(1, case.steps + 1):
+        grads = [case.problem.grad(t, rank, i, p.cpu()).cuda() for i, p in enumerate(model.ps)]
+        opt.zero_grad()
+        ddp(grads).backward()
+        opt.step()
+        trace.append(flat([p.cpu() for p in model.ps]))
+    return trace
+
+
+@cuda
+def test_ddp_comm_hook_with_the_optimizer_built_before_the_move():
+    built_before = run_ranks(_ddp_on_cuda, 1, True)[0]
+    built_after = run_ranks(_ddp_on_cuda, 1, False)[0]
+    assert same(built_before, built_after)

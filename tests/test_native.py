@@ -77,10 +77,17 @@ def test_a_fresh_install_gets_the_fast_path_on_first_call(tmp_path):
         shutil.copy(ROOT / name, project / name)
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("*.so", "__py*"))
     venv = tmp_path / "venv"
-    # Without pip of its own, the venv uses this interpreter's pip.
-    venv_args = ["--system-site-packages", "--without-pip"]
-    subprocess.run([sys.executable, "-m", "venv", *venv_args, venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = str(venv / "bin" / "python")
+    # The venv sees this interpreter's packages (torch, and pip, as it has none of its own)
+    # after its own: --system-site-packages would give the base interpreter's, which inside a
+    # venv have no torch.
+    inner = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    outer = [p for p in sys.path if p.endswith("site-packages")]
+    (Path(inner) / "outer.pth").write_text("\n".join(outer) + "\n")
     install = [python, "-m", "pip", "install", "-q", "--no-deps"]  # build isolation, as a user
     subprocess.run([*install, str(project)], check=True, timeout=600)
     check = (

@@ -134,7 +134,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     At construction it checks that every rank has the same parameters and settings, broadcasts
     the parameters from rank 0, and lays the optimizer state out in flat fp32 buffers split into
-    buckets. Each bucket has its own :class:`~onebit.comm.CompressedAllreduce`, whose error
+    buckets, on the parameters' device. The state follows the parameters: if they have moved
+    when a step (or :meth:`load_state_dict`) starts, as when HF Trainer or Accelerate move the
+    model to the GPU after the optimizer was built, it is made anew on their device first. Each bucket has its own :class:`~onebit.comm.CompressedAllreduce`, whose error
     buffers are this rank's part of :meth:`state_dict`. Its :attr:`bucketer` gathers and
     launches the buckets; a subclass passes the bucketer's ``prepare`` and ``next_kind``
     callbacks to this constructor.

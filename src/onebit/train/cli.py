@@ -674,6 +674,7 @@ _RESUME_MAY_CHANGE = {
     "max_restarts",
     "resume",
     "workers",
+    "device",
     "progress",
     "cache_dir",
 }
