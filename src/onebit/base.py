@@ -134,12 +134,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     At construction it checks that every rank has the same parameters and settings, broadcasts
     the parameters from rank 0, and lays the optimizer state out in flat fp32 buffers split into
-    buckets, on the parameters' device. The state follows the parameters: if they have moved
-    when a step (or :meth:`load_state_dict`) starts, as when HF Trainer or Accelerate move the
-    model to the GPU after the optimizer was built, it is made anew on their device first. Each bucket has its own :class:`~onebit.comm.CompressedAllreduce`, whose error
-    buffers are this rank's part of :meth:`state_dict`. Its :attr:`bucketer` gathers and
-    launches the buckets; a subclass passes the bucketer's ``prepare`` and ``next_kind``
-    callbacks to this constructor.
+    buckets, on the parameters' device. Each bucket has its own
+    :class:`~onebit.comm.CompressedAllreduce`, whose error buffers are this rank's part of
+    :meth:`state_dict`. Its :attr:`bucketer` gathers and launches the buckets; a subclass passes
+    the bucketer's ``prepare`` and ``next_kind`` callbacks to this constructor, and makes its own
+    buffers in :meth:`_allocate_state`.
+
+    The state follows the parameters: if they have moved when a step (or :meth:`load_state_dict`)
+    starts, as when HF Trainer or Accelerate move the model to the GPU after the optimizer was
+    built, it is made anew on their device first (:meth:`_follow_parameters`).
 
     It follows torch's protocol for optimizers that handle loss scaling themselves
     (``_step_supports_amp_scaling``): under ``torch.amp.GradScaler`` each step reads
