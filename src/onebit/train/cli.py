@@ -265,8 +265,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR|auto",
         help="continue a run exactly from a run folder (its newest usable checkpoint) or a "
         "checkpoint folder; only --out, --steps, --save-every, --keep, --log, --max-restarts "
-        "and --device may be changed. auto: continue the run in --out if it has a checkpoint, else start it, "
-        "so that the same command starts a run and continues it after a crash",
+        "and --device may be changed. auto: continue the run in --out if it has a checkpoint, "
+        "else start it, so that the same command starts a run and continues it after a crash",
     )
     output.add_argument(
         "--max-restarts",
