@@ -25,15 +25,17 @@ ratio to the copy's median, so machine noise cancels (the 2-core VM this was tun
 GB/s are bytes of the fp32 buffer processed per second, for the copy too, so ``100 / ratio`` is
 the percentage of the copy's bandwidth.
 
-Paths: ``auto`` is what the library runs (the fused C kernels on x86-64 CPUs, see
-:mod:`onebit._native`), ``native``, ``numpy`` (the fallback without a C compiler) and ``torch``
-(the whole-tensor formulation that CUDA runs; on a CPU it is about what the library did before).
+Paths (``ONEBIT_BACKEND``'s backends): ``auto`` is what the library runs (the fused C kernels
+on x86-64 CPUs, see :mod:`onebit.kernels`), ``c``, ``numpy`` (the fallback without a C compiler)
+and ``torch`` (the whole-tensor reference that CUDA runs; on a CPU about what the library did
+before).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +44,7 @@ from contextlib import contextmanager
 import torch
 from machine import cpu_name
 
-from onebit import CompressedAllreduce, _native, compress
+from onebit import CompressedAllreduce, kernels
 from onebit.compress import average_signs_, compress_, decompress_, subtract_compressed_
 
 OPS = ("compress", "decompress", "server", "call")
@@ -67,25 +69,22 @@ def _timed(fn: Callable[[], object], device: torch.device, before: Callable[[], 
 
 @contextmanager
 def kernel_path(path: str) -> Iterator[None]:
-    """Force ``onebit.compress`` onto one implementation while the context is open."""
-    saved = compress.fast_path, compress._kernels
-    if path == "torch":
-        compress.fast_path = lambda *tensors: False
-    elif path == "numpy":
-        compress._kernels = lambda: None
-    elif path == "native" and _native.load() is None:
-        raise RuntimeError(f"native kernels unavailable: {_native.unavailable}")
+    """Force one backend (``ONEBIT_BACKEND``; ``auto``: the library's choice) while open."""
+    saved = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = path
     try:
         yield
     finally:
-        compress.fast_path, compress._kernels = saved
+        if saved is None:
+            del os.environ[kernels.ENV]
+        else:
+            os.environ[kernels.ENV] = saved
 
 
 def path_name(path: str, device: torch.device) -> str:
     """What ``path`` runs on ``device``."""
-    if path != "auto":
-        return path
-    return "torch" if device.type != "cpu" else compress.cpu_kernels()
+    with kernel_path(path):
+        return kernels.for_device(device).name
 
 
 def measure(numel: int, world: int, reps: int, device: torch.device, paths: list[str]) -> dict:
@@ -150,7 +149,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed repetitions (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--paths", default="auto", help="of auto, native, numpy, torch")
+    parser.add_argument("--paths", default="auto", help="of auto, c, numpy, torch")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 

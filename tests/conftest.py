@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from backends import BACKENDS, use_backend
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,3 +21,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``--cache-dir`` for every ``onebit train`` run of the session: the data is split once."""
     return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel backend that runs here in turn, chosen through ``ONEBIT_BACKEND``."""
+    use_backend(request.param, monkeypatch)
+    return request.param

@@ -3,7 +3,7 @@
 ``CompressedAllreduce.__call__`` with the C kernels reads its input where it is and never stores
 the worker's ``y`` or the server's ``z`` (:func:`~onebit.compress.compress_input`,
 :func:`~onebit.compress.commit_input_`, :func:`~onebit.compress.serve_chunk_` and, at world size
-1, :func:`~onebit.compress.allreduce_one_`). Here every path (C kernels, numpy, the torch
+1, :func:`~onebit.compress.allreduce_one_`). Here every backend (C kernels, numpy, the torch
 formulation CUDA runs) is checked against the n-rank algorithm composed from the stored-buffer
 kernels, as the call ran it before: the same outputs and error buffers over several calls, so
 error feedback is exercised, on sizes that are not multiples of 8, of a chunk or of a block.
@@ -11,10 +11,11 @@ error feedback is exercised, on sizes that are not multiples of 8, of a chunk or
 
 import pytest
 import torch
+from backends import BACKENDS, use_backend
 from distributed import run_ranks
 
 import onebit
-from onebit import _native, compress
+from onebit import _native
 from onebit.comm import _Segments
 from onebit.compress import (
     allreduce_one_,
@@ -33,28 +34,8 @@ from onebit.compress import (
     subtract_compressed_segments_,
 )
 
-PATHS = ["native", "numpy", "torch"]
 SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e18, -3.0e18]
 BLOCK = 4096  # the C kernels' summation block
-
-
-def use_path(path: str, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
-    """Force ``onebit.compress`` onto one implementation (for good in a rank's own process)."""
-    if path == "native" and _native.load() is None:
-        pytest.skip(f"native kernels unavailable: {_native.unavailable}")
-    patches = {"torch": ("fast_path", lambda *tensors: False), "numpy": ("_kernels", lambda: None)}
-    if path in patches:
-        name, value = patches[path]
-        if monkeypatch is None:
-            setattr(compress, name, value)
-        else:
-            monkeypatch.setattr(compress, name, value)
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    use_path(request.param, monkeypatch)
-    return request.param
 
 
 def values(numel: int, seed: int) -> torch.Tensor:
@@ -135,10 +116,10 @@ def inputs(t: int, rank: int, numel: int) -> torch.Tensor:
     return values(numel, 1000 * t + rank) * (1 + rank) if t else torch.zeros(numel)
 
 
-def _calls_on_rank(rank, world, path, cases, calls, bad_call):
+def _calls_on_rank(rank, world, backend, cases, calls, bad_call):
     """Each case's outputs per call through every form of the call (a new ``out``, a given one,
     in place, fp64, a non-contiguous view), and the error buffers after the last call."""
-    use_path(path)
+    use_backend(backend)
     results = []
     for numel, scale, segments in cases:
         comms = [onebit.CompressedAllreduce(numel, scale=scale, segments=segments)
@@ -161,7 +142,7 @@ def _calls_on_rank(rank, world, path, cases, calls, bad_call):
     return results
 
 
-def _check(results, world, path, cases, calls, bad_call):
+def _check(results, world, backend, cases, calls, bad_call):
     for i, (numel, scale, segments) in enumerate(cases):
         ref = BlockReference(numel, world, scale, segments)
         for t in range(calls):
@@ -181,7 +162,7 @@ def _check(results, world, path, cases, calls, bad_call):
                 assert same_bits(worker_error, ref.worker_error[rank]), (numel, segments, rank)
                 assert same_bits(server_error, ref.server_error[rank]), (numel, segments, rank)
             # With the C kernels a contiguous fp32 input is read where it is, z never stored.
-            if path == "native" and numel:
+            if backend == "c" and numel:
                 assert all(unused), (numel, segments)
 
 
@@ -203,10 +184,10 @@ SOLO_CASES = [
 ]
 
 
-def test_world_size_one_matches_the_stored_buffer_formulation(path):
+def test_world_size_one_matches_the_stored_buffer_formulation(backend):
     calls, bad_call = 5, 3
-    results = [_calls_on_rank(0, 1, path, SOLO_CASES, calls, bad_call)]
-    _check(results, 1, path, SOLO_CASES, calls, bad_call)
+    results = [_calls_on_rank(0, 1, backend, SOLO_CASES, calls, bad_call)]
+    _check(results, 1, backend, SOLO_CASES, calls, bad_call)
 
 
 GROUP_CASES = [
@@ -217,10 +198,10 @@ GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kernels", PATHS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("kernels", BACKENDS)
 def test_gloo_ranks_match_the_stored_buffer_formulation(world, kernels, monkeypatch):
-    use_path(kernels, monkeypatch)
+    use_backend(kernels, monkeypatch)
     calls, bad_call = 4, 2
     results = run_ranks(_calls_on_rank, world, kernels, GROUP_CASES, calls, bad_call, timeout=300)
     _check(results, world, kernels, GROUP_CASES, calls, bad_call)
@@ -240,7 +221,7 @@ def _bounds(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("nx,n", INPUT_SIZES)
 @pytest.mark.parametrize("scale", ["rms", "mean_abs"])
 @pytest.mark.parametrize("segmented", [False, True])
-def test_compress_input_and_commit_match_a_padded_buffer(path, nx, n, scale, segmented):
+def test_compress_input_and_commit_match_a_padded_buffer(backend, nx, n, scale, segmented):
     x, error = values(nx, 1), values(n, 2)
     bounds = _bounds(n) if segmented and n else None
     buffer = torch.zeros(n)
@@ -271,7 +252,7 @@ def test_compress_input_rejects_a_long_input():
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
 @pytest.mark.parametrize("m", [1, 5, BLOCK // 8 * 2 + 1])
 @pytest.mark.parametrize("scale", ["rms", "mean_abs"])
-def test_serve_chunk_matches_average_then_compress(path, k, m, scale):
+def test_serve_chunk_matches_average_then_compress(backend, k, m, scale):
     gen = torch.Generator().manual_seed(k * m)
     message = torch.randint(0, 256, (k, m + 4), generator=gen, dtype=torch.uint8)
     packed, scales = message[:, :m], torch.rand(k, generator=gen) * 3  # rows strided
@@ -287,7 +268,7 @@ def test_serve_chunk_matches_average_then_compress(path, k, m, scale):
 
 @pytest.mark.parametrize("numel", [21, 64, 2 * BLOCK + 8, 3 * BLOCK + 45])
 @pytest.mark.parametrize("scale", ["rms", "mean_abs"])
-def test_allreduce_one_matches_the_reference_over_calls(path, numel, scale):
+def test_allreduce_one_matches_the_reference_over_calls(backend, numel, scale):
     ref = BlockReference(numel, 1, scale)
     n = ref.padded
     error, server_error = torch.zeros(n), torch.zeros(n)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from onebit import _native, fused
+from onebit import _native
 from onebit.comm import _Segments
 from onebit.compress import (
     decompress_pieces_,
@@ -12,6 +12,7 @@ from onebit.compress import (
     segment_scales,
     subtract_compressed_segments_,
 )
+from onebit.kernels import fused
 
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
 

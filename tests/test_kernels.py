@@ -1,8 +1,9 @@
-"""The fast compression kernels against the straightforward torch formulation, bit for bit.
+"""Every kernel backend, op by op, against the straightforward formulation, bit for bit.
 
-Every kernel in :mod:`onebit.compress` has three implementations (fused C and numpy chunks on
-the CPU, whole-tensor torch ops elsewhere); all are checked here on the CPU, the torch one by
-turning the fast paths off, so the code that CUDA runs is exercised too.
+Every op in :mod:`onebit.compress` runs on each backend that runs here (the C kernels and numpy
+chunks on the CPU, the torch reference that every other device runs), chosen through
+``ONEBIT_BACKEND``; signs, packing and error updates must be exact, and scales within the bound
+their reduction order allows.
 """
 
 import math
@@ -10,7 +11,7 @@ import math
 import pytest
 import torch
 
-from onebit import _native, compress
+from onebit import compress, kernels
 from onebit.compress import (
     CHUNK,
     average_signs_,
@@ -28,22 +29,6 @@ from onebit.compress import (
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e38, -3.0e38, 1.0, -1.0]
 NON_FINITE = [float("inf"), float("-inf"), float("nan")]
-
-
-@pytest.fixture(params=["native", "numpy", "torch"])
-def path(request, monkeypatch):
-    """Run a test with each implementation: the fused C kernels, the numpy kernels (both CPU
-    only) and the torch formulation (what CUDA runs)."""
-    if request.param == "torch":
-        monkeypatch.setattr(compress, "fast_path", lambda *tensors: False)
-        return "torch"
-    if not compress.fast_path(torch.zeros(8)):
-        pytest.skip("numpy unavailable")
-    if request.param == "numpy":
-        monkeypatch.setattr(compress, "_kernels", lambda: None)
-    elif _native.load() is None:
-        pytest.skip(f"native kernels unavailable: {_native.unavailable}")
-    return request.param
 
 
 # The straightforward formulation, as the library had it before the kernels.
@@ -95,7 +80,7 @@ SIZES = [8, 16, 24, 1000, 8 * 1001, CHUNK, CHUNK + 8, 2 * CHUNK + 40]
 
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("non_finite", [False, True])
-def test_pack_and_unpack(path, numel, non_finite):
+def test_pack_and_unpack(backend, numel, non_finite):
     x = values(numel, numel, non_finite=non_finite)
     packed = pack_signs(x)
     assert torch.equal(packed, ref_pack(x))
@@ -103,7 +88,7 @@ def test_pack_and_unpack(path, numel, non_finite):
     assert torch.equal(unpack_signs(packed.view(-1, 1)), ref_unpack(packed.view(-1, 1)))
 
 
-def test_sign_conventions(path):
+def test_sign_conventions(backend):
     x = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1, -1])
     # zero and -0.0 are +1; NaN fails x >= 0, so -1
     assert unpack_signs(pack_signs(x)).tolist() == [1, 1, -1, -1, 1, -1, 1, -1]
@@ -111,12 +96,12 @@ def test_sign_conventions(path):
 
 @pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
 @pytest.mark.parametrize("kind", ["rms", "mean_abs"])
-def test_scale(path, numel, kind):
+def test_scale(backend, numel, kind):
     x = values(numel, numel, huge=False)
     s = compute_scale(x, kind)
     assert s.dtype == torch.float32 and s.shape == ()
-    # fp32 reduction order: the chunked path is accurate to a few ulp; torch's CPU norm less so
-    rtol = 1e-4 if path == "torch" else 2e-6
+    # fp32 reduction order: the chunked backend is accurate to a few ulp; torch's CPU norm less so
+    rtol = 1e-4 if backend == "torch" else 2e-6
     torch.testing.assert_close(s.double(), ref_scale(x, kind), rtol=rtol, atol=0)
     for bad in NON_FINITE:
         y = x.clone()
@@ -124,7 +109,7 @@ def test_scale(path, numel, kind):
         assert not torch.isfinite(compute_scale(y, kind))
 
 
-def test_scale_overflows_like_torch(path):
+def test_scale_overflows_like_torch(backend):
     x = torch.full((64,), 3.0e38)
     assert torch.isinf(compute_scale(x, "rms"))  # sum of squares overflows fp32, as in torch
     assert torch.isinf(torch.linalg.vector_norm(x))
@@ -132,7 +117,7 @@ def test_scale_overflows_like_torch(path):
 
 @pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
 @pytest.mark.parametrize("scale_value", [0.0, 0.37, 3.0e38, float("inf"), float("nan")])
-def test_error_update(path, numel, scale_value):
+def test_error_update(backend, numel, scale_value):
     y = values(numel, numel + 1, non_finite=True)
     s = torch.tensor(scale_value)
     out = torch.full_like(y, 123.0)
@@ -149,7 +134,7 @@ def test_error_update(path, numel, scale_value):
 
 @pytest.mark.parametrize("numel", [0, *SIZES])
 @pytest.mark.parametrize("kind", ["rms", "mean_abs"])
-def test_compress(path, numel, kind):
+def test_compress(backend, numel, kind):
     buffer, error = values(numel, 1, huge=False), values(numel, 2, huge=False)
     y = buffer + error
     error_before = error.clone()
@@ -159,13 +144,13 @@ def test_compress(path, numel, kind):
     assert torch.equal(packed, ref_pack(y))
     assert s.dtype == torch.float32 and s.shape == ()
     if numel:
-        rtol = 1e-4 if path == "torch" else 2e-6
+        rtol = 1e-4 if backend == "torch" else 2e-6
         torch.testing.assert_close(s.double(), ref_scale(y, kind), rtol=rtol, atol=0)
         subtract_compressed_(buffer, s, out=error, signs=packed)
         assert_same_bits(error, ref_error(y, s))
 
 
-def test_compress_non_finite_gives_non_finite_scale(path):
+def test_compress_non_finite_gives_non_finite_scale(backend):
     for bad in NON_FINITE:
         buffer, error = values(CHUNK + 8, 3), torch.zeros(CHUNK + 8)
         buffer[CHUNK + 3] = bad
@@ -195,7 +180,7 @@ def _message(k, m, seed):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
 @pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
-def test_decompress(path, k, m):
+def test_decompress(backend, k, m):
     packed, scales = _message(k, m, k * m)
     expected = (ref_unpack(packed) * scales[:, None]).view(-1)
     for numel in {8 * k * m, 8 * k * m - 1, max(8 * k * m - 8 * m - 5, 1), 3}:
@@ -207,7 +192,7 @@ def test_decompress(path, k, m):
     assert_same_bits(shaped.view(-1), expected)
 
 
-def test_decompress_non_finite_scales(path):
+def test_decompress_non_finite_scales(backend):
     packed, scales = _message(4, 9, 0)
     scales[1:] = torch.tensor([float("inf"), float("nan"), 3.0e38])
     out = torch.empty(4 * 9 * 8)
@@ -223,7 +208,7 @@ def test_decompress_rejects_short_input():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
-def test_average_signs(path, k, m):
+def test_average_signs(backend, k, m):
     packed, scales = _message(k, m, 100 * k + m)
     out = torch.full((8 * m,), 5.0)
     average_signs_(packed, scales, out)
@@ -252,7 +237,7 @@ def _per_element(scales, bounds):
 
 @pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
 @pytest.mark.parametrize("kind", ["rms", "mean_abs"])
-def test_segment_scales(path, numel, kind):
+def test_segment_scales(backend, numel, kind):
     y, bounds = values(numel, numel, special=False), _bounds(numel, 1)
     bounds = torch.cat([bounds[:2], bounds[1:2], bounds[2:]])  # an empty segment
     scales = segment_scales(y, bounds, kind)
@@ -263,7 +248,7 @@ def test_segment_scales(path, numel, kind):
 
 
 @pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
-def test_error_update_segments(path, numel):
+def test_error_update_segments(backend, numel):
     y, bounds = values(numel, numel + 1), _bounds(numel, 2)
     scales = torch.rand(len(bounds) - 1) * 2
     out = torch.empty(numel)
@@ -273,7 +258,7 @@ def test_error_update_segments(path, numel):
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 @pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
-def test_average_signs_pieces(path, k, m):
+def test_average_signs_pieces(backend, k, m):
     packed, _ = _message(k, m, 7 * k + m)
     bounds = _bounds(8 * m, m)
     pieces = torch.stack([bounds[:-1], bounds[1:], torch.arange(len(bounds) - 1).flip(0)], 1)
@@ -289,7 +274,7 @@ def test_average_signs_pieces(path, k, m):
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
-def test_decompress_pieces(path, k, m):
+def test_decompress_pieces(backend, k, m):
     packed, _ = _message(k, m, 11 * k + m)
     rows, expected_rows = [], []
     scales = torch.rand(k, 6) * 3
@@ -307,11 +292,43 @@ def test_decompress_pieces(path, k, m):
         assert_same_bits(out, expected[:numel])
 
 
-def test_cpu_fast_path_is_taken_for_contiguous_fp32():
-    if compress.np is None:
-        pytest.skip("numpy unavailable")
-    assert compress.fast_path(torch.zeros(8), torch.zeros(2, dtype=torch.uint8))
-    assert not compress.fast_path(torch.zeros(8, 2).t())
-    assert not compress.fast_path(torch.zeros(8, dtype=torch.float64))
+def test_the_cpu_takes_the_c_kernels_and_anything_else_the_reference(monkeypatch):
+    """``for_tensors`` is the one place a backend is chosen: by the tensors' device, or by
+    ``ONEBIT_BACKEND``."""
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    cpu = kernels.for_tensors(torch.zeros(8), torch.zeros(2, dtype=torch.uint8))
+    assert cpu.name == kernels.available()[0]
+    assert kernels.for_tensors(torch.zeros(8, device="meta")).name == "torch"
+    assert kernels.for_tensors(torch.zeros(8), torch.zeros(8, device="meta")).name == "torch"
+    x = torch.zeros(8, 2).t()  # not contiguous: the backend falls back to the reference
+    assert torch.equal(pack_signs(x), ref_pack(x.contiguous()))
     x = torch.zeros(8, requires_grad=True)
     assert torch.equal(pack_signs(x), ref_pack(x.detach()))
+
+
+@pytest.mark.parametrize(
+    "value, device, message",
+    [
+        ("cuda", "cpu", "'cuda' is not a backend: use one of auto, torch, c, numpy, triton"),
+        ("triton", "cpu", "ONEBIT_BACKEND=triton: this version of onebit has no Triton kernels"),
+        ("c", "meta", "ONEBIT_BACKEND=c cannot run here: it runs on the CPU only"),
+        ("numpy", "meta", "ONEBIT_BACKEND=numpy cannot run here: it runs on the CPU only"),
+    ],
+)
+def test_a_backend_that_cannot_run_is_a_clear_error(monkeypatch, value, device, message):
+    monkeypatch.setenv(kernels.ENV, value)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        kernels.for_tensors(torch.zeros(8, device=device))
+
+
+def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):
+    from onebit import _native
+
+    monkeypatch.setattr(_native, "_tried", True)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "unavailable", "ONEBIT_NATIVE=0")
+    monkeypatch.setenv(kernels.ENV, "c")
+    with pytest.raises(RuntimeError, match="ONEBIT_BACKEND=c cannot run here: the C kernels"):
+        compress.compress_(torch.zeros(8), torch.zeros(8))
+    monkeypatch.setenv(kernels.ENV, "auto")
+    assert kernels.for_tensors(torch.zeros(8)).name == "numpy"

@@ -46,7 +46,7 @@ def test_the_installed_kernels_are_active():
     assert path is not None, "the install did not build onebit._kernels"
     assert path.parent == Path(onebit.__file__).parent
     assert _native.load() is not None, _native.unavailable
-    assert compress.cpu_kernels() == "native"
+    assert compress.cpu_kernels() == "c"
 
 
 def test_without_the_kernels_numpy_runs_and_says_why(monkeypatch):
@@ -92,7 +92,7 @@ def test_a_fresh_install_gets_the_fast_path_on_first_call(tmp_path):
     subprocess.run([*install, str(project)], check=True, timeout=600)
     check = (
         "import onebit, onebit._native as n, onebit.compress as c; "
-        "assert n.load() is not None, n.unavailable; assert c.cpu_kernels() == 'native'; "
+        "assert n.load() is not None, n.unavailable; assert c.cpu_kernels() == 'c'; "
         "print(n.library_path())"
     )
     env = {**os.environ, "PATH": str(venv / "bin"), "CC": "/nonexistent"}

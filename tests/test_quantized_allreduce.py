@@ -6,7 +6,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from onebit import quantized
+from onebit import kernels, quantized
 from onebit.comm import CompressedAllreduce, allreduce_bytes, finish_compressed_
 from onebit.quantized import BITS, QuantizedAllreduce, pack_int4, unpack_int4
 
@@ -253,7 +253,7 @@ def _tiled_results(rank):
 
 
 def _tiled_scenario(rank, world_size):
-    quantized._TILE_NUMEL["cpu"] = 200  # a fresh process: nothing to restore
+    kernels.for_device(torch.device("cpu")).tile_numel = 200  # a fresh process: nothing to restore
     quantized._MIN_RUN_NUMEL = 128
     return _tiled_results(rank)
 
@@ -272,7 +272,7 @@ def _check_tiled(results, world_size):
 
 
 def test_small_tiles_match_reference_bitwise(monkeypatch):
-    monkeypatch.setitem(quantized._TILE_NUMEL, "cpu", 200)
+    monkeypatch.setattr(kernels.for_device(torch.device("cpu")), "tile_numel", 200)
     monkeypatch.setattr(quantized, "_MIN_RUN_NUMEL", 128)
     kinds = set()
     for _, bits, comm in _tiled_comms():

@@ -325,7 +325,7 @@ class CompressedAllreduce:
 
         :meth:`serve` then updates the worker error from ``y``, or calls ``commit()``, which
         updates :attr:`worker_error` itself (say with a fused kernel that computes ``y`` again,
-        see :mod:`onebit.fused`).
+        see :mod:`onebit.kernels.fused`).
         """
         n, chunk = self.world_size, self._chunk_bytes
         device = signs.device

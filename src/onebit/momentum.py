@@ -5,15 +5,16 @@ After a compression step every momentum element is ``±σ`` of its piece (a tens
 chunk): exactly what the compressed allreduce returned, signs and scales, about ``d/8`` bytes
 (1-bit LAMB's is that over the piece's momentum scaling, ``±(σ / c)``, just as exact).
 :class:`PackedMomentumStage` keeps it that way instead of an fp32 copy, and runs each bucket's
-worker side as the fused passes of :mod:`onebit.fused`, which read the gradients straight from
-``.grad``. The fp32 momentum buffer of the warmup becomes the worker error at the first applied
-compression step, so the stage holds, per model element: the worker error (4 bytes), the server
-error (4/n) and the packed momentum (1/8 plus the scales), besides the optimizer's own state
-(1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: that and the fresh variance, 8).
+worker side as the fused passes of :mod:`onebit.kernels.fused`, which read the gradients
+straight from ``.grad``. The fp32 momentum buffer of the warmup becomes the worker error at the
+first applied compression step, so the stage holds, per model element: the worker error (4
+bytes), the server error (4/n) and the packed momentum (1/8 plus the scales), besides the
+optimizer's own state (1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: that and the
+fresh variance, 8).
 
-It applies to fp32 parameters on the CPU with the C kernels, a scale per tensor, no
-``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere the optimizers run the
-unfused torch formulation, which gives the same bits.
+It applies to fp32 parameters whose backend has the fused passes (the C kernels, on the CPU),
+a scale per tensor, no ``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere
+the optimizers run the unfused formulation, which gives the same bits.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import _native, fused
+from . import kernels
 from .comm import CompressedAllreduce, _Call
 from .compress import decompress_pieces_, pack_signs
+from .kernels import fused
 from .layout import FlatLayout
 
 
 def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) -> bool:
     """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps."""
     return (
-        _native.load() is not None
-        and scale_per == "tensor"
+        scale_per == "tensor"
         and not clip
         and not masked
         and sum(p.numel() for p in params) > 0
@@ -42,29 +43,18 @@ def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) 
 
 
 def fused_parameters(params: Sequence[Tensor]) -> bool:
-    """Whether the fused kernels can update ``params`` in place: fp32, contiguous, on the CPU.
-    Checked at every step, since ``model.half()`` or ``.to(memory_format=...)`` can change it."""
-    return all(
-        p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params
+    """Whether the backend of ``params`` has the fused passes and they can update ``params`` in
+    place (fp32, contiguous). Checked at every step, since ``model.half()``, ``model.cuda()`` or
+    ``.to(memory_format=...)`` can change it."""
+    return kernels.for_tensors(*params).packs_momentum and all(
+        p.dtype == torch.float32 and p.is_contiguous() for p in params
     )
 
 
 def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
-    """Each parameter's gradient as the address the fused kernels read: an fp32 contiguous CPU
-    ``.grad`` in place, any other through an fp32 contiguous copy (returned, to be kept alive
-    while the kernels run); 0 for no gradient or a sparse one (then also returns True)."""
-    addresses, keep, sparse = [], [], False
-    for p in params:
-        g = p.grad
-        if g is None or g.is_sparse:
-            sparse |= g is not None
-            addresses.append(0)
-            continue
-        if g.dtype != torch.float32 or not g.is_contiguous() or g.device.type != "cpu":
-            g = g.to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
-            keep.append(g)
-        addresses.append(g.data_ptr())
-    return torch.tensor(addresses, dtype=torch.int64), keep, sparse
+    """Each parameter's gradient as the address the fused kernels read (see
+    :meth:`onebit.kernels.native.CKernels.gradient_addresses`)."""
+    return kernels.for_tensors(*params).gradient_addresses(params)
 
 
 class PackedMomentumStage:
@@ -138,7 +128,7 @@ class PackedMomentumStage:
     ) -> _Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
         ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
-        :meth:`~onebit.fused.BucketRuns.addresses`; ``scaling``: fp32 per parameter, or
+        :meth:`~onebit.kernels.fused.BucketRuns.addresses`; ``scaling``: fp32 per parameter, or
         ``None``), sent with ``header``. The worker error is committed by the communicator's
         ``serve`` once every rank's scales are finite."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)

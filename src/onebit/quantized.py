@@ -31,15 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import kernels
 from .comm import finish_compressed_, group_size_and_rank
 from .compress import padded_numel
 
 BITS = ("bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 _FLOAT_BYTES = 4
-_TILE_NUMEL = {"cpu": 1 << 16, None: 1 << 20}
-"""Elements per tile, by device type: what stays in a CPU core's cache (a GPU takes bigger ones,
-for fewer kernel launches)."""
 _MIN_RUN_NUMEL = 8192
 """Blocks of one length get tiles of their own (one row per block) when there are this many
 elements of them in a row; shorter runs are gathered into tiles of mixed block lengths."""
@@ -499,7 +497,7 @@ class QuantizedAllreduce:
             ends.append(start)
         if self.bits == "bf16":  # no scales: blocks only split the input from the padding
             ends = [self.numel]
-        tile_numel = _TILE_NUMEL.get(device.type, _TILE_NUMEL[None])
+        tile_numel = kernels.for_device(device).tile_numel
         block_size = tile_numel if self.bits == "bf16" else self.block_size
         plans = []
         for j in range(self.world_size):

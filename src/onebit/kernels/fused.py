@@ -1,4 +1,4 @@
-"""The fused passes of 1-bit Adam's compression step (CPU, the C kernels of :mod:`onebit._native`).
+"""The fused passes of the packed momentum (the C backend's, :mod:`onebit.kernels.native`).
 
 Unfused, a compression step makes about a dozen passes over model-sized buffers: gather the
 gradients, the momentum update, add the error, the signs, the scales, the error update,
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _native
-from .compress import scales_from_totals
+from .. import _native
+from .reference import scales_from_totals
 
 
 @dataclass
