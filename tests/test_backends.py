@@ -12,6 +12,8 @@ reference's by what such scales move them: :data:`ATOL`.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from backends import BACKENDS, use_backend
@@ -53,3 +55,22 @@ def test_every_backend_follows_the_reference_through_optimizer_steps(world):
                 for t, (p, q) in enumerate(zip(params, reference[rank][name][1]), start=1):
                     diff = float((p - q).abs().max())
                     assert diff <= ATOL, (backend, name, rank, t, diff)
+
+
+def _built_with(rank: int, world_size: int, value: str) -> str | None:
+    """Build an optimizer with ``ONEBIT_BACKEND=value`` on the last rank only."""
+    if rank == world_size - 1:
+        os.environ[kernels.ENV] = value
+    case = CASES["adam"]
+    try:
+        case.optimizer(case.problem.params())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("value", ["triton", "gpu"])
+def test_a_backend_that_cannot_run_fails_every_rank_at_construction(value):
+    errors = run_ranks(_built_with, 2, value, timeout=120)
+    for error in errors:
+        assert error is not None and "rank 1: ONEBIT_BACKEND" in error

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import kernels
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, finish_compressed_, group_size_and_rank
 from .flat_state import FlatState
@@ -209,7 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             _check_ranks_agree(self._settings() if problem is None else problem, process_group)
         if self.world_size > 1:
             _broadcast_from_first_rank(self.layout.params, process_group)
-        self._place_communicators()
+        self._build_on_device()
         self._step_open = False
         self.bucketer = Bucketer(
             self.layout,
@@ -236,8 +237,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # Where the state lives: on the parameters' device, following them when they move.
 
-    def _place_communicators(self) -> None:
-        """Make the communicators, the flat state and the masks on :attr:`device`."""
+    def _build_on_device(self) -> None:
+        """Make the communicators, the flat state and the masks on :attr:`device` (the
+        subclass's buffers are :meth:`_allocate_state`'s)."""
         device, group = self.device, self.process_group
         buckets = list(enumerate(self.layout.buckets))
         self.comms = [
@@ -290,11 +292,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _move_state_to(self, device: torch.device) -> None:
         """Make the state anew on ``device`` as a new optimizer has it, then load what it held."""
+        kernels.for_device(device)  # a bad ONEBIT_BACKEND for that device raises, changing nothing
         saved = self.state_dict()
         self.device = device
         self.state.clear()
         self._fused = None
-        self._place_communicators()
+        self._build_on_device()
         self.bucketer.place(device, self.comms, self.warmup_comms)
         self._allocate_state()
         self.load_state_dict(saved)
@@ -328,6 +331,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} got no parameters")
         _check_parameters(params)
         self.device = params[0].device
+        kernels.for_device(self.device)  # a bad ONEBIT_BACKEND raises here, on every rank
         self.layout = FlatLayout(params, bucket_size, self.world_size)
         self._masks = _check_masks(exp_avg_mask or {}, self.layout)
 

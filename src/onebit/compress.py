@@ -25,8 +25,6 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .kernels.numpy_chunks import CHUNK as CHUNK
-from .kernels.reference import scales_from_totals as scales_from_totals
 
 SCALES = ("rms", "mean_abs")
 """Scale rules: ``"rms"`` keeps the norm (the reference's choice); ``"mean_abs"`` minimises
