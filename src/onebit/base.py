@@ -1,6 +1,7 @@
 """Plumbing shared by the 1-bit optimizers: checks, flat state, step headers, checkpoints,
 and the full-precision Adam step that every warmup runs. When buckets are gathered and launched
-is the :class:`~onebit.bucketer.Bucketer`'s job.
+is the :class:`~onebit.bucketer.Bucketer`'s job; that all ranks built the same optimizer,
+:mod:`onebit.agreement`'s.
 
 Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
@@ -17,7 +18,6 @@ of hanging or diverging.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import warnings
 import zlib
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import kernels
+from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, finish_compressed_, group_size_and_rank
 from .flat_state import FlatState
@@ -207,9 +208,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise
             problem = str(err)  # raised on every rank below, not here alone
         if self.world_size > 1:
-            _check_ranks_agree(self._settings() if problem is None else problem, process_group)
+            check_ranks_agree(self._settings() if problem is None else problem, process_group)
         if self.world_size > 1:
-            _broadcast_from_first_rank(self.layout.params, process_group)
+            broadcast_from_first_rank(self.layout.params, process_group)
         self._build_on_device()
         self._step_open = False
         self.bucketer = Bucketer(
@@ -411,10 +412,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
         self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         self._inv_scale = None
-        digest = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
+        hyper = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
         passes = self.bucketer.backward_passes % _COUNTER
-        self._header = [float(call), float(digest), 0.0, 0.0, float(passes)]
+        self._header = [float(call), float(hyper), 0.0, 0.0, float(passes)]
 
     def _close_step(self) -> None:
         """Close the step without applying it (it raised, or was abandoned)."""
@@ -775,7 +776,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             comm.reset()
 
     def _layout_digest(self) -> str:
-        return _digest((self.layout.buckets, self.layout.numels, self.world_size))
+        return digest((self.layout.buckets, self.layout.numels, self.world_size))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's whole state: per-parameter buffers, error buffers, schedules, counters.
@@ -959,10 +960,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
-
-
 def _to_cpu(value: Any) -> Any:
     if torch.is_tensor(value):
         return value.cpu()
@@ -1003,42 +1000,3 @@ def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tup
         flat = mask.detach().to(device=p.device, dtype=torch.float32).reshape(-1)
         checked.append((where[id(p)][1], flat))
     return sorted(checked, key=lambda item: item[0])
-
-
-def _check_ranks_agree(settings: dict[str, Any] | str, group: dist.ProcessGroup | None) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks have the same settings.
-
-    ``settings`` is a string where this rank's own checks failed: every rank then raises it.
-    """
-    mine = settings if isinstance(settings, str) else {k: _digest(v) for k, v in settings.items()}
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    problems = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
-    if problems:
-        raise ValueError("; ".join(problems))
-    assert isinstance(settings, dict)
-    differ = sorted({key for g in gathered for key in g if g.get(key) != gathered[0].get(key)})
-    if differ:
-        ranks = [r for r, g in enumerate(gathered) if g != gathered[0]]
-        shown = {key: settings[key] for key in differ if key not in ("shapes", "dtypes")}
-        raise ValueError(
-            f"settings differ across ranks: {', '.join(differ)} (rank(s) {ranks} differ from "
-            f"rank 0). Build the model and optimizer the same way on every rank. This rank has "
-            f"{shown}"
-        )
-
-
-def _broadcast_from_first_rank(params: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Give every rank rank 0's parameters. Parameters on a device the group's backend cannot
-    send from (a model still on the CPU under NCCL, as HF Trainer builds it) go through a copy
-    on the current CUDA device."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    supported = getattr(group or dist.group.WORLD, "_device_types", None)
-    with torch.no_grad():
-        for p in params:
-            if supported is None or p.device.type in {d.type for d in supported}:
-                dist.broadcast(p.data, src=src, group=group)
-            else:
-                staged = p.data.to(torch.device("cuda", torch.cuda.current_device()))
-                dist.broadcast(staged, src=src, group=group)
-                p.data.copy_(staged)
