@@ -209,7 +209,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             problem = str(err)  # raised on every rank below, not here alone
         if self.world_size > 1:
             check_ranks_agree(self._settings() if problem is None else problem, process_group)
-        if self.world_size > 1:
             broadcast_from_first_rank(self.layout.params, process_group)
         self._build_on_device()
         self._step_open = False
