@@ -8,8 +8,9 @@ import pytest
 
 from onebit import kernels
 
-BACKENDS = ["c", "numpy", "torch"]
-"""Every backend that runs on the CPU; ``"torch"`` is the reference the others must match."""
+BACKENDS = ["c", "numpy", "triton", "torch"]
+"""Every backend that runs on the CPU (Triton under ``TRITON_INTERPRET=1``, which ``conftest.py``
+sets where there is no GPU); ``"torch"`` is the reference the others must match."""
 
 
 def use_backend(name: str, monkeypatch: pytest.MonkeyPatch | None = None) -> None:

@@ -1,10 +1,14 @@
 """Fixtures shared by the test modules."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from backends import BACKENDS, use_backend
+
+if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, in numpy
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

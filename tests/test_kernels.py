@@ -7,6 +7,9 @@ their reduction order allows.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -310,15 +313,36 @@ def test_the_cpu_takes_the_c_kernels_and_anything_else_the_reference(monkeypatch
     "value, device, message",
     [
         ("cuda", "cpu", "'cuda' is not a backend: use one of auto, torch, c, numpy, triton"),
-        ("triton", "cpu", "ONEBIT_BACKEND=triton: this version of onebit has no Triton kernels"),
-        ("c", "meta", "ONEBIT_BACKEND=c cannot run here: it runs on the CPU only"),
-        ("numpy", "meta", "ONEBIT_BACKEND=numpy cannot run here: it runs on the CPU only"),
+        ("triton", "meta", "ONEBIT_BACKEND=triton cannot run here: it does not take tensors on meta"),
+        ("c", "meta", "ONEBIT_BACKEND=c cannot run here: it does not take tensors on meta"),
+        ("numpy", "meta", "ONEBIT_BACKEND=numpy cannot run here: it does not take tensors on meta"),
     ],
 )
 def test_a_backend_that_cannot_run_is_a_clear_error(monkeypatch, value, device, message):
     monkeypatch.setenv(kernels.ENV, value)
     with pytest.raises(ValueError, match=message):
         kernels.for_tensors(torch.zeros(8, device=device))
+
+
+def test_triton_without_a_gpu_or_the_interpreter_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = "import torch; from onebit import compress; compress.compress_(torch.zeros(8), torch.zeros(8))"
+    env = {**os.environ, kernels.ENV: "triton", "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "ONEBIT_BACKEND=triton cannot run here: there is no CUDA GPU" in run.stderr
+
+
+def test_triton_that_cannot_be_imported_leaves_the_cpu_as_it_was(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON", None)
+    monkeypatch.setitem(sys.modules, "onebit.kernels.triton_kernels", None)
+    monkeypatch.setenv(kernels.ENV, "triton")
+    with pytest.raises(ValueError, match="ONEBIT_BACKEND=triton cannot run here: Triton cannot"):
+        compress.compress_(torch.zeros(8), torch.zeros(8))
+    monkeypatch.setenv(kernels.ENV, "auto")
+    assert "triton" not in kernels.available()
+    assert kernels.for_tensors(torch.zeros(8, device="meta")).name == "torch"
 
 
 def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):

@@ -9,10 +9,12 @@ Backends (``ONEBIT_BACKEND`` names them):
   the CPU; also the fused passes of the packed momentum.
 * ``"numpy"``: :class:`~onebit.kernels.numpy_chunks.NumpyKernels`, the CPU's fallback where the
   C kernels were not built.
-* ``"triton"``: the Triton kernels for CUDA, not part of this version yet.
+* ``"triton"``: :class:`~onebit.kernels.triton_kernels.TritonKernels`, for CUDA tensors (CPU
+  tensors under ``TRITON_INTERPRET=1``, the way a machine without a GPU tests them). Imported on
+  first use only: a CPU install needs no Triton.
 
 :func:`for_tensors` decides which runs, for a set of tensors: the C kernels on the CPU (else
-numpy, else torch), the torch reference elsewhere. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton``
+numpy, else torch), Triton on CUDA (else torch), the torch reference elsewhere. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton``
 forces one; an unknown value, or a backend that cannot run on the tensors' device or on this
 machine, raises a ``ValueError`` that names ``ONEBIT_BACKEND`` (the optimizers check it when
 they are built and when their state moves, so that every rank raises it together).
@@ -39,8 +41,40 @@ ENV = "ONEBIT_BACKEND"
 BACKENDS = ("auto", "torch", "c", "numpy", "triton")
 
 _TORCH, _NUMPY, _C = TorchKernels(), NumpyKernels(), CKernels()
-_BY_NAME = {"c": _C, "numpy": _NUMPY, "torch": _TORCH}  # in order of preference
 _CPU = torch.device("cpu")
+
+
+class _Missing(TorchKernels):
+    """A backend whose module cannot be imported here."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name, self.why = name, why
+
+    def unavailable(self) -> str | None:
+        return self.why
+
+    def runs_on(self, device: torch.device) -> bool:
+        return False
+
+
+_TRITON: TorchKernels | None = None
+
+
+def _triton() -> TorchKernels:
+    """The Triton backend, imported on first use (so ``TRITON_INTERPRET`` counts until then)."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from .triton_kernels import TritonKernels
+
+            _TRITON = TritonKernels()
+        except Exception as err:  # not installed, or cannot load on this machine
+            _TRITON = _Missing("triton", f"Triton cannot be imported ({err})")
+    return _TRITON
+
+
+def _by_name(name: str) -> TorchKernels:
+    return {"c": _C, "numpy": _NUMPY, "torch": _TORCH}.get(name) or _triton()
 
 
 def requested() -> str:
@@ -55,17 +89,12 @@ def for_device(device: torch.device) -> TorchKernels:
     """The backend for tensors on ``device`` (see the module's docstring)."""
     name = requested()
     if name == "auto":
-        cpu = (_C, _NUMPY) if device == _CPU else ()
-        return next((k for k in cpu if k.unavailable() is None), _TORCH)
-    if name == "triton":
-        raise ValueError(
-            f"{ENV}=triton: this version of onebit has no Triton kernels yet; unset {ENV} or "
-            "use torch"
-        )
-    kernels = _BY_NAME[name]
+        faster = (_C, _NUMPY) if device == _CPU else (_triton(),) if device.type == "cuda" else ()
+        return next((k for k in faster if k.unavailable() is None and k.runs_on(device)), _TORCH)
+    kernels = _by_name(name)
     problem = kernels.unavailable()
     if problem is None and not kernels.runs_on(device):
-        problem = f"it runs on the CPU only, and these tensors are on {device}"
+        problem = f"it does not take tensors on {device}"
     if problem is not None:
         raise ValueError(f"{ENV}={name} cannot run here: {problem}")
     return kernels
@@ -81,5 +110,7 @@ def for_tensors(*tensors: Tensor) -> TorchKernels:
 
 
 def available() -> list[str]:
-    """The backends that can run on this machine's CPU, fastest first."""
-    return [name for name, k in _BY_NAME.items() if k.unavailable() is None]
+    """The backends that can run on this machine's CPU, fastest first (Triton only under
+    ``TRITON_INTERPRET=1``)."""
+    names = ("c", "numpy", "triton", "torch")
+    return [n for n in names if _by_name(n).unavailable() is None and _by_name(n).runs_on(_CPU)]
