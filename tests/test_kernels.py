@@ -313,7 +313,11 @@ def test_the_cpu_takes_the_c_kernels_and_anything_else_the_reference(monkeypatch
     "value, device, message",
     [
         ("cuda", "cpu", "'cuda' is not a backend: use one of auto, torch, c, numpy, triton"),
-        ("triton", "meta", "ONEBIT_BACKEND=triton cannot run here: it does not take tensors on meta"),
+        (
+            "triton",
+            "meta",
+            "ONEBIT_BACKEND=triton cannot run here: it does not take tensors on meta",
+        ),
         ("c", "meta", "ONEBIT_BACKEND=c cannot run here: it does not take tensors on meta"),
         ("numpy", "meta", "ONEBIT_BACKEND=numpy cannot run here: it does not take tensors on meta"),
     ],
@@ -327,7 +331,7 @@ def test_a_backend_that_cannot_run_is_a_clear_error(monkeypatch, value, device, 
 def test_triton_without_a_gpu_or_the_interpreter_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = "import torch; from onebit import compress; compress.compress_(torch.zeros(8), torch.zeros(8))"
+    code = "import torch, onebit.compress as c; c.compress_(torch.zeros(8), torch.zeros(8))"
     env = {**os.environ, kernels.ENV: "triton", "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode != 0

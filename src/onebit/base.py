@@ -44,8 +44,9 @@ from .functional import (
     clip_coefficient,
     layer_norms,
 )
+from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
-from .momentum import PackedMomentumStage, fused_parameters, gradient_addresses
+from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
 from .stats import CommStats
 

@@ -51,12 +51,6 @@ def fused_parameters(params: Sequence[Tensor]) -> bool:
     )
 
 
-def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
-    """Each parameter's gradient as the address the fused kernels read (see
-    :meth:`onebit.kernels.native.CKernels.gradient_addresses`)."""
-    return kernels.for_tensors(*params).gradient_addresses(params)
-
-
 class PackedMomentumStage:
     """The momentum and the fused compression steps of one 1-bit Adam optimizer.
 

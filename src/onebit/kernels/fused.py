@@ -1,4 +1,5 @@
-"""The fused passes of the packed momentum (the C backend's, :mod:`onebit.kernels.native`).
+"""The fused passes of the packed momentum, run by the backends that have them (the C kernels on
+the CPU, Triton on CUDA: ``packs_momentum``).
 
 Unfused, a compression step makes about a dozen passes over model-sized buffers: gather the
 gradients, the momentum update, add the error, the signs, the scales, the error update,
@@ -22,13 +23,11 @@ fp32 copy. The results are bit for bit those of the unfused torch formulation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from .. import _native
-from .reference import scales_from_totals
 
 
 @dataclass
@@ -100,28 +99,13 @@ class BucketRuns:
         return torch.where(present, base + self.run_offsets, 0)
 
 
-def _momentum(m: Tensor | PackedMomentum) -> tuple[int, int, int, int, int]:
-    if isinstance(m, PackedMomentum):
-        return 0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr()
-    return m.data_ptr(), 0, 0, 1, 0
+def _backend(out: Tensor):
+    from . import for_tensors  # the package imports this module: import it when called
 
-
-def _y_arguments(
-    runs: BucketRuns,
-    grads: Tensor,
-    inv_scale: float | None,
-    momentum: Tensor | PackedMomentum,
-    weight: float,
-    post: Tensor | None,
-    error: Tensor | None,
-) -> tuple:
-    """The C arguments that say how ``y`` is computed, shared by passes 1 and 2."""
-    inv = 1.0 if inv_scale is None else inv_scale
-    return (
-        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
-        *_momentum(momentum), weight, 0 if post is None else post.data_ptr(),
-        0 if error is None else error.data_ptr(),
-    )  # fmt: skip
+    backend = for_tensors(out)
+    if not backend.packs_momentum:
+        raise ValueError(f"the {backend.name} kernels have no fused momentum passes")
+    return backend
 
 
 def signs(
@@ -142,11 +126,8 @@ def signs(
     gradient). ``error`` ``None`` is an error of zeros. ``post`` is fp32 per run (1-bit LAMB's
     momentum scaling; ``None``: no factor).
     """
-    totals = torch.empty(len(runs.lengths), dtype=torch.float64)
-    y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
-    _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
-                                  len(totals))  # fmt: skip
-    return scales_from_totals(totals, runs.lengths, scale)
+    return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, error, out,
+                                        scale, post)  # fmt: skip
 
 
 def commit(
@@ -163,9 +144,8 @@ def commit(
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
     ``momentum`` itself."""
-    scales = scales.to(torch.float32).contiguous()
-    y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
-    _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
+    _backend(out).momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales, out,
+                                  post)  # fmt: skip
 
 
 def update(
@@ -182,8 +162,23 @@ def update(
     ``params`` holds each run's parameter address, ``denominator`` is the bucket's fp32 slice,
     ``decay`` and ``value`` are fp32 per run.
     """
-    lib = _native.load()
-    lib.ob_fused_update(
-        runs.runs.data_ptr(), len(runs.runs), params.data_ptr(), *_momentum(momentum)[1:],
-        denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
-    )  # fmt: skip
+    _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value)
+
+
+def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
+    """Each parameter's gradient as the address the fused passes read: an fp32 contiguous
+    ``.grad`` on the parameters' device in place, any other through an fp32 contiguous copy there
+    (returned, to be kept alive while the passes run); 0 for no gradient or a sparse one (then
+    also returns True)."""
+    addresses, keep, sparse = [], [], False
+    for p in params:
+        g = p.grad
+        if g is None or g.is_sparse:
+            sparse |= g is not None
+            addresses.append(0)
+            continue
+        if g.dtype != torch.float32 or not g.is_contiguous() or g.device != p.device:
+            g = g.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format)
+            keep.append(g)
+        addresses.append(g.data_ptr())
+    return torch.tensor(addresses, dtype=torch.int64), keep, sparse

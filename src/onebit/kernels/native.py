@@ -1,7 +1,7 @@
 """The C kernels (``_kernels.c``, AVX2, built at install and loaded by :mod:`onebit._native`)
 as a backend: each pass over a buffer is one fused loop at about memory speed, with scales per
 tensor from segment tables. They also run the fused passes of the packed momentum
-(:mod:`onebit.kernels.fused`), which only this backend has.
+(:mod:`onebit.kernels.fused`).
 
 Each op takes contiguous fp32 tensors on the CPU and falls back to the numpy chunks (then the
 torch reference) for anything else. Signs, packing and error updates are bit for bit the
@@ -11,12 +11,11 @@ added in fp64).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from .. import _native
+from .fused import BucketRuns, PackedMomentum
 from .numpy_chunks import NumpyKernels, finish_scale, np, suits
 from .reference import scales_from_totals
 
@@ -41,24 +40,36 @@ class CKernels(NumpyKernels):
     def reads_input(self, *tensors: Tensor) -> bool:
         return _fp32(*tensors)
 
-    def gradient_addresses(self, params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
-        """Each parameter's gradient as the address the fused kernels read: an fp32 contiguous
-        CPU ``.grad`` in place, any other through an fp32 contiguous copy on the CPU (returned,
-        to be kept alive while the kernels run); 0 for no gradient or a sparse one (then also
-        returns True)."""
-        addresses, keep, sparse = [], [], False
-        cpu = torch.device("cpu")
-        for p in params:
-            g = p.grad
-            if g is None or g.is_sparse:
-                sparse |= g is not None
-                addresses.append(0)
-                continue
-            if g.dtype != torch.float32 or not g.is_contiguous() or g.device != cpu:
-                g = g.to(device=cpu, dtype=torch.float32, memory_format=torch.contiguous_format)
-                keep.append(g)
-            addresses.append(g.data_ptr())
-        return torch.tensor(addresses, dtype=torch.int64), keep, sparse
+    # The packed momentum's fused passes (:mod:`onebit.kernels.fused`).
+
+    def momentum_signs(
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
+        scale: str, post: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        totals = torch.empty(len(runs.lengths), dtype=torch.float64)
+        y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
+        _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
+                                      len(totals))  # fmt: skip
+        return scales_from_totals(totals, runs.lengths, scale)
+
+    def momentum_commit(
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
+        out: Tensor, post: Tensor | None,
+    ) -> None:  # fmt: skip
+        scales = scales.to(torch.float32).contiguous()
+        y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
+        _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
+
+    def momentum_update(
+        self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
+        decay: Tensor, value: Tensor,
+    ) -> None:  # fmt: skip
+        _native.load().ob_fused_update(
+            runs.runs.data_ptr(), len(runs.runs), params.data_ptr(), *_momentum(momentum)[1:],
+            denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
+        )  # fmt: skip
 
     def subtract_compressed_(
         self, y: Tensor, s: Tensor, out: Tensor, signs: Tensor | None = None
@@ -232,3 +243,27 @@ class CKernels(NumpyKernels):
                                             pieces.data_ptr(), len(pieces), out.data_ptr(),
                                             out.numel())  # fmt: skip
         return out
+
+
+def _momentum(m: Tensor | PackedMomentum) -> tuple[int, int, int, int, int]:
+    if isinstance(m, PackedMomentum):
+        return 0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr()
+    return m.data_ptr(), 0, 0, 1, 0
+
+
+def _y_arguments(
+    runs: BucketRuns,
+    grads: Tensor,
+    inv_scale: float | None,
+    momentum: Tensor | PackedMomentum,
+    weight: float,
+    post: Tensor | None,
+    error: Tensor | None,
+) -> tuple:
+    """The C arguments that say how ``y`` is computed, shared by passes 1 and 2."""
+    inv = 1.0 if inv_scale is None else inv_scale
+    return (
+        runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
+        *_momentum(momentum), weight, 0 if post is None else post.data_ptr(),
+        0 if error is None else error.data_ptr(),
+    )  # fmt: skip

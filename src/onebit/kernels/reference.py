@@ -59,7 +59,9 @@ class TorchKernels:
     Attributes:
         name: what ``ONEBIT_BACKEND`` calls it.
         packs_momentum: whether it runs the fused passes of the packed momentum
-            (:mod:`onebit.momentum`); only the C kernels do.
+            (:mod:`onebit.kernels.fused`: ``momentum_signs``, ``momentum_commit`` and
+            ``momentum_update``, with the arguments of its ``signs``, ``commit`` and ``update``),
+            which :mod:`onebit.momentum` needs; the C and Triton kernels do.
         tile_numel: elements per tile of the quantized warmup (:mod:`onebit.quantized`): what
             stays in a CPU core's cache, or bigger on a GPU, for fewer kernel launches.
     """
