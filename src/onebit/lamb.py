@@ -339,7 +339,7 @@ class OnebitLamb(CompressedOptimizer):
         bc2 = bias_correction(beta2, t, self.bias_correction)
         raw = torch.zeros(len(self.layout.params))
         for k, (start, end) in enumerate(self.layout.buckets):
-            g, last = torch.empty(end - start), torch.empty(end - start)
+            g, last = self._scratch(end - start), self._scratch(end - start)
             stage.momentum_(k, g, new)
             stage.momentum_(k, last).mul_(-beta1).add_(g).div_(1 - beta1)
             del g
@@ -360,7 +360,7 @@ class OnebitLamb(CompressedOptimizer):
         bc1 = bias_correction(self._beta1, t, self.bias_correction)
         groups = self._groups()
         for k, (start, end) in enumerate(self.layout.buckets):
-            update = self._fused.momentum_(k, torch.empty(end - start), new)
+            update = self._fused.momentum_(k, self._scratch(end - start), new)
             torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
             params, updates = self._bucket_parts(k, update)
             for i, p, u in zip(self._bucket_layers(k), params, updates):
@@ -381,7 +381,7 @@ class OnebitLamb(CompressedOptimizer):
                 p = self.layout.params[i]
                 whole, filled = started.pop(i, (u, 0))
                 if u.numel() < p.numel():  # a part: gathered into a buffer of the layer
-                    whole = torch.empty(p.numel()) if filled == 0 else whole
+                    whole = self._scratch(p.numel()) if filled == 0 else whole
                     whole[filled : filled + u.numel()] = u
                     if filled + u.numel() < p.numel():
                         started[i] = whole, filled + u.numel()
@@ -392,6 +392,10 @@ class OnebitLamb(CompressedOptimizer):
                     torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
                 total[i] = layer_norms([whole]).cpu()[0]
         return torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
+
+    def _scratch(self, numel: int) -> Tensor:
+        """A temporary fp32 buffer of ``numel`` elements on the state's device."""
+        return torch.empty(numel, device=self.device)
 
     def _groups(self) -> list[dict[str, Any]]:
         """Each parameter's param group, in layout order."""

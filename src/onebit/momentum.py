@@ -130,7 +130,7 @@ class PackedMomentumStage:
         weight = 1 - beta1
         post = None if scaling is None else runs.per_run(scaling)
         error = comm._worker_error  # None: zeros, until the first applied step
-        signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8)
+        signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8, device=self.momentum.device)
         scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale, post)
 
         def commit() -> None:
@@ -156,7 +156,7 @@ class PackedMomentumStage:
         divided = []
         for runs, (signs, scales) in zip(self.runs, results):
             scales, (columns, params) = scales.clone(), runs.columns_and_params()
-            scales.view(-1)[columns] = scales.view(-1)[columns] / scaling[params]
+            scales.view(-1)[columns] = scales.view(-1)[columns] / scaling.to(scales)[params]
             divided.append((signs, scales))
         return divided
 
@@ -253,15 +253,16 @@ class PackedMomentumStage:
             return
         packed = []
         for (start, end), comm in zip(self.layout.buckets, self.comms):
-            padded = torch.zeros(comm.padded_numel)
+            device = self.momentum.device
+            padded = torch.zeros(comm.padded_numel, device=device)
             padded[: end - start] = momentum[start:end]
             signs = pack_signs(torch.where(padded.signbit(), -1.0, 1.0))  # -0.0 stays -0.0
             signs = signs.view(comm.world_size, -1)
             table = comm._geometry.gathered  # rows: chunk j, start, end, column c
             first = table[:, 0] * comm.chunk_numel + table[:, 1]
-            scales = torch.zeros(comm.world_size, comm.server_scale_count)
+            scales = torch.zeros(comm.world_size, comm.server_scale_count, device=device)
             scales[table[:, 0], table[:, 3]] = padded[first].abs()
-            again = torch.empty(end - start)
+            again = torch.empty(end - start, device=device)
             decompress_pieces_(signs, scales, table, again)
             if not torch.equal(again.view(torch.int32), momentum[start:end].view(torch.int32)):
                 packed = None

@@ -80,10 +80,11 @@ class BucketRuns:
         self.run_params = torch.tensor(run_params, dtype=torch.int64)
         self.run_offsets = torch.tensor(run_offsets, dtype=torch.int64) * 4  # bytes, fp32
         self.lengths = torch.tensor(segments, dtype=torch.float64)
+        self.device_tables: dict = {}  # a backend's copies of these tables, per device
 
     def per_run(self, values: Tensor) -> Tensor:
         """Per-parameter ``values`` as fp32 per run (1.0 for the padding)."""
-        values = values.to(torch.float32)[self.run_params.clamp(min=0)]
+        values = values.to(torch.float32).cpu()[self.run_params.clamp(min=0)]
         return torch.where(self.run_params >= 0, values, 1.0).contiguous()
 
     def columns_and_params(self) -> tuple[Tensor, Tensor]:

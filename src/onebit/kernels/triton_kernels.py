@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fused import BucketRuns, PackedMomentum
 from .reference import TorchKernels
 
 BLOCK = 4096
@@ -96,6 +97,18 @@ def _y_pass(
         y = y + e
     if STORE_Y:
         tl.store(y_out + offs, y, mask=valid)
+    _emit(y, offs, valid, block, p0, p1, starts, ends, column, signs, partials, scales, out, n,
+          BLOCK, SIGNS, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+
+
+@triton.jit
+def _emit(
+    y, offs, valid, block, p0, p1, starts, ends, scale_index, signs, partials, scales, out, n,
+    BLOCK: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr,
+    COMMIT: tl.constexpr,
+):  # fmt: skip
+    """What a pass makes of its ``y``, as asked: the packed signs, the sums of squares (absolute
+    values) per piece, and ``out = y - ±scales[scale_index]``."""
     if SIGNS:
         weights = (tl.arange(0, BLOCK) % 8).to(tl.uint8)
         bits = (y >= 0).to(tl.uint8) << weights
@@ -108,8 +121,86 @@ def _y_pass(
             inside = (offs >= tl.load(starts + p)) & (offs < tl.load(ends + p))
             tl.store(partials + p, tl.sum(tl.where(inside, term, 0.0)))
     if COMMIT:
-        s = tl.load(scales + column, mask=valid, other=0.0)
+        s = tl.load(scales + scale_index, mask=valid, other=0.0)
         tl.store(out + offs, y - _signed(y >= 0, s), mask=valid)
+
+
+@triton.jit
+def _packed_momentum(bits, stride, chunk, scales, column, offs, present):
+    """``±σ`` of each element from the packed momentum (rows of ``chunk`` elements)."""
+    row = offs // chunk
+    byte = tl.load(bits + row * stride + (offs - row * chunk) // 8, mask=present, other=0)
+    bit = ((byte >> (offs % 8).to(tl.uint8)) & 1) != 0
+    return _signed(bit, tl.load(scales + column, mask=present, other=0.0))
+
+
+@triton.jit
+def _momentum_pass(
+    grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
+    run_starts, run_columns, run_segments, starts, ends, columns, first, signs, partials, scales,
+    out, n,
+    BLOCK: tl.constexpr, USE_INV: tl.constexpr, DENSE: tl.constexpr, SMALL: tl.constexpr,
+    HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr,
+    MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+):  # fmt: skip
+    """Passes 1 and 2 of :mod:`onebit.kernels.fused` on a block of a bucket:
+    ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
+    ``w - 1`` where ``SMALL`` is false), then :func:`_emit`. Pieces are runs' parts: each run has
+    its gradient's address (0: zeros), momentum column (< 0: padding, ``y = e``) and segment."""
+    block = tl.program_id(0).to(tl.int64)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    run = _piece_columns(offs, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1)
+    present = valid & (column >= 0)
+    address = tl.load(grads + run, mask=present, other=0)
+    at = address.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
+    g = tl.load(at, mask=present & (address != 0), other=0.0)
+    if USE_INV:
+        g = g * inv
+    if DENSE:
+        m = tl.load(dense + offs, mask=valid, other=0.0)
+    else:
+        m = _packed_momentum(bits, stride, chunk, momentum_scales, column, offs, present)
+    if SMALL:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
+    else:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+    if HAS_POST:
+        y = y * tl.load(post + run, mask=valid, other=1.0)
+    y = tl.where(present, y, 0.0)
+    if HAS_ERROR:
+        y = y + tl.load(error + offs, mask=valid, other=0.0)
+    segment = tl.load(run_segments + run, mask=valid, other=0)
+    _emit(y, offs, valid, block, p0, p1, starts, ends, segment, signs, partials, scales, out, n,
+          BLOCK, SIGNS, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+
+
+@triton.jit
+def _momentum_update(
+    params, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
+    run_columns, starts, ends, columns, first, n, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
+    ``p = p·decay + (value·m) / denominator`` per run, as ``torch._foreach_mul_`` and
+    ``torch._foreach_addcdiv_`` round it (no step where ``decay`` is 1)."""
+    block = tl.program_id(0).to(tl.int64)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    run = _piece_columns(offs, starts, ends, columns, tl.load(first + block),
+                         tl.load(first + block + 1))  # fmt: skip
+    column = tl.load(run_columns + run, mask=valid, other=-1)
+    address = tl.load(params + run, mask=valid & (column >= 0), other=0)
+    present = valid & (column >= 0) & (address != 0)
+    at = address.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
+    p = tl.load(at, mask=present, other=0.0)
+    d = tl.load(decay + run, mask=valid, other=1.0)
+    p = tl.where(d != 1.0, p * d, p)
+    m = _packed_momentum(bits, stride, chunk, momentum_scales, column, offs, present)
+    v = tl.load(value + run, mask=valid, other=0.0)
+    u = tl.math.div_rn(v * m, tl.load(denominator + offs, mask=present, other=1.0))
+    tl.store(at, p + u, mask=present)
 
 
 @triton.jit
@@ -154,40 +245,54 @@ def _decompress(
 
 class Tiling:
     """A buffer of ``numel`` elements cut into :data:`BLOCK`-element blocks and its intervals
-    (``edges``: increasing, from 0 to at least ``numel``; interval ``q`` is
-    ``[edges[q], edges[q+1])``) into pieces, an interval's part of a block, on ``device``.
+    (``edges``: increasing, from 0 to at least ``numel``; interval ``i`` is
+    ``[edges[i], edges[i+1])``) into pieces, an interval's part of a block, on ``device``.
+
+    ``columns`` gives each interval's scale column, ``segments`` the segment its sums go to
+    (nondecreasing; default: each interval is its own).
 
     Attributes:
-        starts, ends, columns: per piece, its elements and its scale column (``columns[q]`` of
-            its interval), in order.
+        starts, ends, columns: per piece, its elements and its interval's column, in order.
         first: ``[blocks + 1]``, the pieces of block ``b`` are ``first[b]:first[b+1]``.
-        segment_first: ``[intervals + 1]``, the pieces of interval ``q``.
-        lengths: each interval's length (int64).
-        interval_columns: each interval's scale column.
+        segment_first: ``[count + 1]``, the pieces of segment ``q``.
+        lengths: each segment's length (int64).
+        interval_columns: each interval's column.
     """
 
-    def __init__(self, edges: Tensor, columns: Tensor, numel: int, device: torch.device):
+    def __init__(
+        self,
+        edges: Tensor,
+        columns: Tensor,
+        numel: int,
+        device: torch.device,
+        segments: Tensor | None = None,
+    ) -> None:
         edges = edges.to(torch.int64).clamp(max=numel)
-        blocks = -(-numel // BLOCK)
+        self.blocks = -(-numel // BLOCK)
         cuts = torch.cat([edges, torch.arange(0, numel, BLOCK), torch.tensor([numel])]).unique()
         cuts = cuts[cuts <= numel]
         starts, ends = cuts[:-1], cuts[1:]
         interval = torch.searchsorted(edges, starts, right=True) - 1
-        ranges = torch.arange(blocks + 1) * BLOCK
-        self.blocks = blocks
+        if segments is None:
+            segments = torch.arange(len(edges) - 1)
+        self.count = int(segments.max()) + 1 if len(segments) else 0
+        lengths = torch.zeros(self.count, dtype=torch.int64).index_add_(0, segments, edges.diff())
+        piece_segments = segments[interval]
         on = dict(device=device)
         self.starts, self.ends = starts.to(**on), ends.to(**on)
         self.columns = columns.to(torch.int64)[interval].to(**on)
-        self.first = torch.searchsorted(starts, ranges).to(**on)
-        count = len(edges) - 1
-        self.segment_first = torch.searchsorted(interval, torch.arange(count + 1)).to(**on)
-        self.lengths = edges.diff().to(**on)
+        self.first = torch.searchsorted(starts, torch.arange(self.blocks + 1) * BLOCK).to(**on)
+        self.segment_first = torch.searchsorted(piece_segments, torch.arange(self.count + 1))
+        self.segment_first = self.segment_first.to(**on)
+        self.lengths = lengths.to(**on)
         self.interval_columns = columns.to(torch.int64).to(**on)
-        self.count = count
 
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return self.starts, self.ends, self.columns, self.first
 
+
+_EXACT = {"enable_fp_fusion": False}
+"""No multiply-add is fused into one rounding, so that each op rounds as torch's kernels do."""
 
 _TILINGS: OrderedDict[tuple, Tiling] = OrderedDict()
 _CACHED = 256
@@ -207,6 +312,20 @@ def _tiling(edges: Tensor, columns: Tensor | None, numel: int, device: torch.dev
     else:
         _TILINGS.move_to_end(key)
     return tiling
+
+
+class _RunTables:
+    """A bucket's runs (:class:`~onebit.kernels.fused.BucketRuns`) on the device: their tiling
+    (a run's column is its index; its segment is where its sums go) and per-run tables."""
+
+    def __init__(self, runs: BucketRuns, device: torch.device) -> None:
+        table = runs.runs
+        edges = torch.cat([table[:, 0], table[-1:, 1]])
+        self.numel = int(edges[-1])
+        self.tiling = Tiling(edges, torch.arange(len(table)), self.numel, device, table[:, 2])
+        self.starts, self.segments, self.columns = (
+            table[:, i].contiguous().to(device) for i in (0, 2, 3)
+        )
 
 
 def _whole(numel: int) -> Tensor:
@@ -271,16 +390,19 @@ class TritonKernels(TorchKernels):
             BLOCK=BLOCK, HAS_X=x is not None, HAS_ERROR=error is not None,
             AVERAGE=rows is not None, LAST=last is not None, STORE_Y=y_out is not None,
             SIGNS=signs, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
-            COMMIT=scales is not None,
+            COMMIT=scales is not None, **_EXACT,
         )  # fmt: skip
-        if sums is None:
-            return packed, None
-        result = torch.empty(tiling.count, dtype=torch.float32, device=device)
+        return packed, None if sums is None else self._scales(tiling, partials, sums)
+
+    @staticmethod
+    def _scales(tiling: Tiling, partials: Tensor, scale: str) -> Tensor:
+        """Each segment's scale from its pieces' sums (:func:`_segment_scales`)."""
+        result = torch.empty(tiling.count, dtype=torch.float32, device=partials.device)
         _segment_scales[(tiling.count,)](
             partials, tiling.segment_first, tiling.lengths, result, CHUNK=1024,
-            MEAN_ABS=sums == "mean_abs",
+            MEAN_ABS=scale == "mean_abs", **_EXACT,
         )  # fmt: skip
-        return packed, result
+        return result
 
     # SPEC 1 on whole buffers.
 
@@ -427,9 +549,81 @@ class TritonKernels(TorchKernels):
         row_scales = self._row_scales(scales, out.device)
         _decompress[(tiling.blocks,)](
             packed, packed.stride(0), 8 * m, row_scales, row_scales.stride(0), *tiling.table(),
-            out, n, BLOCK=BLOCK,
+            out, n, BLOCK=BLOCK, **_EXACT,
         )  # fmt: skip
         return out
+
+    # The packed momentum's fused passes (:mod:`onebit.kernels.fused`).
+
+    packs_momentum = True
+
+    def momentum_signs(
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
+        scale: str, post: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        tables = self._runs(runs, out.device)
+        partials = torch.empty(len(tables.tiling.starts), dtype=torch.float32, device=out.device)
+        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post,
+                            signs=out, partials=partials, sums=scale)  # fmt: skip
+        return self._scales(tables.tiling, partials, scale)
+
+    def momentum_commit(
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
+        out: Tensor, post: Tensor | None,
+    ) -> None:  # fmt: skip
+        tables = self._runs(runs, out.device)
+        scales = scales.to(device=out.device, dtype=torch.float32).contiguous()
+        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post,
+                            scales=scales, out=out)  # fmt: skip
+
+    def momentum_update(
+        self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
+        decay: Tensor, value: Tensor,
+    ) -> None:  # fmt: skip
+        device = denominator.device
+        tables = self._runs(runs, device)
+        _momentum_update[(tables.tiling.blocks,)](
+            params.to(device), momentum.bits, momentum.bits.stride(0), momentum.chunk,
+            momentum.scales, denominator, decay.to(device), value.to(device), tables.starts,
+            tables.columns, *tables.tiling.table(), tables.numel, BLOCK=BLOCK, **_EXACT,
+        )  # fmt: skip
+
+    @staticmethod
+    def _runs(runs: BucketRuns, device: torch.device) -> _RunTables:
+        tables = runs.device_tables.get(device)
+        if tables is None:
+            tables = runs.device_tables[device] = _RunTables(runs, device)
+        return tables
+
+    @staticmethod
+    def _momentum_pass(
+        tables: _RunTables, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None,
+        post: Tensor | None, *, signs: Tensor | None = None, partials: Tensor | None = None,
+        sums: str | None = None, scales: Tensor | None = None, out: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        device = tables.starts.device
+        dense = not isinstance(momentum, PackedMomentum)
+        bits = momentum if dense else momentum.bits
+        w = torch.tensor(weight, dtype=torch.float32)
+        small = bool(w.abs() < 0.5)
+        any_ = bits
+        _momentum_pass[(tables.tiling.blocks,)](
+            grads.to(device), 1.0 if inv_scale is None else inv_scale, momentum if dense else any_,
+            bits, 0 if dense else bits.stride(0), 1 if dense else momentum.chunk,
+            any_ if dense else momentum.scales, float(w if small else w - 1),
+            any_ if post is None else post.to(device=device, dtype=torch.float32).contiguous(),
+            any_ if error is None else error, tables.starts, tables.columns, tables.segments,
+            *tables.tiling.table(), any_ if signs is None else signs,
+            any_ if partials is None else partials, any_ if scales is None else scales,
+            any_ if out is None else out, tables.numel,
+            BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,
+            HAS_POST=post is not None, HAS_ERROR=error is not None, SIGNS=signs is not None,
+            SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+            **_EXACT,
+        )  # fmt: skip
 
     @staticmethod
     def _row_scales(scales: Tensor, device: torch.device) -> Tensor:
