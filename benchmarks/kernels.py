@@ -26,9 +26,10 @@ GB/s are bytes of the fp32 buffer processed per second, for the copy too, so ``1
 the percentage of the copy's bandwidth.
 
 Paths (``ONEBIT_BACKEND``'s backends): ``auto`` is what the library runs (the fused C kernels
-on x86-64 CPUs, see :mod:`onebit.kernels`), ``c``, ``numpy`` (the fallback without a C compiler)
-and ``torch`` (the whole-tensor reference that CUDA runs; on a CPU about what the library did
-before).
+on x86-64 CPUs, the Triton kernels on CUDA, see :mod:`onebit.kernels`), ``c``, ``numpy`` (the
+fallback without a C compiler), ``triton`` and ``torch`` (the whole-tensor reference, which CUDA
+ran before the Triton kernels; on a CPU about what the library did before). On a GPU compare
+``--paths auto,torch``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed repetitions (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--paths", default="auto", help="of auto, c, numpy, torch")
+    parser.add_argument("--paths", default="auto", help="of auto, c, numpy, triton, torch")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 

@@ -9,11 +9,16 @@ Measures, side by side in one run on the same parameters:
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
   backward passes for the step check).
 
-Two models: few large tensors (the kernels dominate) and many small ones (the per-tensor Python
-work dominates). Prints medians in ms and ratios to AdamW; each step is timed in turns with
-AdamW's, and its ratio is to those AdamW steps (the AdamW row is the median of them).
+Layouts (``--models``): on the CPU, few large tensors (the kernels dominate) and many small ones
+(the per-tensor Python work dominates); on a GPU, the two of the GPU issue: 269M parameters in 16
+tensors, and a GPT-2 medium layout (24 layers, d=1024, 355M parameters in 292 tensors). Prints
+medians in ms and ratios to AdamW; each step is timed in turns with AdamW's, and its ratio is to
+those AdamW steps (the AdamW row is the median of them). On CUDA it also prints, per optimizer,
+its state and the peak memory a step allocates above the model and its gradients, in MB.
 
     python benchmarks/step.py [--repeats 30]
+    python benchmarks/step.py --device cuda              # the GPU layouts, Triton kernels
+    ONEBIT_BACKEND=torch python benchmarks/step.py --device cuda   # the torch reference on CUDA
 """
 
 from __future__ import annotations
@@ -41,12 +46,58 @@ VARIANTS = [
 """The steps measured: name, optimizer, stage, constructor options (defaults otherwise)."""
 
 
-def _model(kind: str) -> torch.nn.Module:
+def _gpt_shapes(layers: int, d: int, vocab: int, context: int) -> list[tuple[int, ...]]:
+    """The parameter shapes of a GPT-2 (tied embedding)."""
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,),
+             (d, 4 * d), (d,)]  # fmt: skip
+    return [(vocab, d), (context, d), *block * layers, (d,), (d,)]
+
+
+LAYOUTS = {
+    "large": "16.8M parameters in 4 tensors (2 Linear layers)",
+    "many": "0.6M parameters in 300 tensors (150 Linear(64, 64))",
+    "16-tensors": "269M parameters in 16 tensors (8 Linear(4096, 8192))",
+    "gpt-medium": "355M parameters in 292 tensors (GPT-2 medium)",
+    "gpt-tiny": "0.1M parameters in 28 tensors (a 2-layer GPT, d=64: a smoke test)",
+}
+
+
+def _model(kind: str, device: torch.device) -> torch.nn.Module:
+    """The parameters of layout ``kind`` on ``device``: a Sequential of Linear layers (whose
+    forward and backward are timed too), or a ParameterList of a GPT's shapes."""
     torch.manual_seed(0)
-    if kind == "large":  # 16.8M parameters in 4 tensors
-        return torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))
-    layers = [torch.nn.Linear(64, 64) for _ in range(150)]  # 300 tensors, 0.6M parameters
-    return torch.nn.Sequential(*layers)
+    if kind == "large":
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))
+    elif kind == "many":
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(150)])
+    elif kind == "16-tensors":
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 8192) for _ in range(8)])
+    else:
+        layers, d, vocab = (24, 1024, 50257) if kind == "gpt-medium" else (2, 64, 256)
+        shapes = _gpt_shapes(layers, d, vocab, 1024 if kind == "gpt-medium" else 64)
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes])
+    return model.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _megabytes(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
+def _peak_mb(step, device: torch.device) -> float:
+    """The most memory one ``step()`` allocates above what was allocated before it, in MB."""
+    if device.type != "cuda":
+        return 0.0
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Optimizer:
@@ -57,7 +108,7 @@ def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Opt
     return getattr(onebit, name)(params, lr=1e-4, freeze_step=freeze, **options)
 
 
-def _alternated_ms(fns, repeats: int) -> list[float]:
+def _alternated_ms(fns, repeats: int, device: torch.device) -> list[float]:
     """Each of ``fns`` timed ``repeats`` times, in turns, so that drifts in the machine's speed
     (its memory bandwidth moves by 30% between minutes here) cancel: their medians in ms."""
     for fn in fns:
@@ -65,8 +116,10 @@ def _alternated_ms(fns, repeats: int) -> list[float]:
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, samples in zip(fns, times):
+            _sync(device)
             start = time.perf_counter()
             fn()
+            _sync(device)
             samples.append(time.perf_counter() - start)
     return [1e3 * statistics.median(samples) for samples in times]
 
@@ -79,43 +132,67 @@ def _set_grads(model: torch.nn.Module) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--models", help=f"of {', '.join(LAYOUTS)} (default: by device)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    models = args.models.split(",") if args.models else (
+        ["16-tensors", "gpt-medium"] if cuda else ["large", "many"]
+    )  # fmt: skip
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, {cpu_name()}")
-    print("model  | what                          | median ms | / AdamW fused")
-    for kind in ("large", "many"):
-        base = _model(kind)
-        rows = {}  # name: (median ms, ratio to AdamW timed in turns with it)
+    where = torch.cuda.get_device_name(device) if cuda else f"1 thread, {cpu_name()}"
+    print(f"torch {torch.__version__}, {where}, kernels: {onebit.kernels.for_device(device).name}")
+    memory = " | state MB | step peak MB" if cuda else ""
+    print(f"model  | what                          | median ms | / AdamW fused{memory}")
+    for kind in models:
+        print(f"{kind}: {LAYOUTS[kind]}")
+        base = _model(kind, device)
+        rows = {}  # name: (median ms, ratio to AdamW timed in turns with it, memory)
         adamw_model = copy.deepcopy(base)
         _set_grads(adamw_model)
+        before = _megabytes(device)
         adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-4, fused=True)
+        adamw_peak = _peak_mb(adamw.step, device)
+        adamw_memory = f" | {_megabytes(device) - before:8.0f} | {adamw_peak:12.0f}"
         adamw_ms = []
         for name, optimizer, stage, options in VARIANTS:
             model = copy.deepcopy(base)
             _set_grads(model)
+            before = _megabytes(device)
             opt = _optimizer(optimizer, model.parameters(), 10**9 if stage == "warmup" else 1,
                              options)  # fmt: skip
             opt.step()
-            reference, ms = _alternated_ms([adamw.step, opt.step], args.repeats)
-            rows[name] = ms, f"{ms / reference:.2f}"
+            peak = _peak_mb(opt.step, device)
+            used = f" | {_megabytes(device) - before:8.0f} | {peak:12.0f}" if cuda else ""
+            reference, ms = _alternated_ms([adamw.step, opt.step], args.repeats, device)
+            rows[name] = ms, f"{ms / reference:13.2f}", used
             adamw_ms.append(reference)
-        x = torch.randn(64, base[0].in_features)
-        plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
-        onebit.OnebitAdam(hooked.parameters(), freeze_step=10)  # installs its hooks
+            del model, opt
+        adamw_row = f"{'AdamW(fused=True) step':29} | {statistics.median(adamw_ms):9.2f} | "
+        print(f"{kind:6} | {adamw_row}{1:13.2f}{adamw_memory if cuda else ''}")
+        if isinstance(base, torch.nn.Sequential):
+            rows.update(_backward_rows(base, args.repeats, device))
+        for name, (ms, ratio, used) in rows.items():
+            print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}{used}")
+        del base, adamw_model, adamw
 
-        def backward(model, x=x):
-            model.zero_grad(set_to_none=False)
-            model(x).sum().backward()
 
-        passes = [functools.partial(backward, plain), functools.partial(backward, hooked)]
-        without, with_hooks = _alternated_ms(passes, args.repeats)
-        adamw_row = f"{'AdamW(fused=True) step':29} | {statistics.median(adamw_ms):9.2f} | 1.00"
-        print(f"{kind:6} | {adamw_row}")
-        rows["forward+backward, no hooks"] = without, ""
-        rows["forward+backward, onebit hooks"] = with_hooks, ""
-        for name, (ms, ratio) in rows.items():
-            print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}")
-        print(f"{kind:6} | backward with hooks / without: {with_hooks / without:.3f}")
+def _backward_rows(base: torch.nn.Sequential, repeats: int, device: torch.device) -> dict:
+    """Forward + backward of ``base`` with and without OnebitAdam's gradient hooks."""
+    x = torch.randn(64, base[0].in_features, device=device)
+    plain, hooked = copy.deepcopy(base), copy.deepcopy(base)
+    onebit.OnebitAdam(hooked.parameters(), freeze_step=10)  # installs its hooks
+
+    def backward(model, x=x):
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+
+    passes = [functools.partial(backward, plain), functools.partial(backward, hooked)]
+    without, with_hooks = _alternated_ms(passes, repeats, device)
+    ratio = f"{with_hooks / without:13.3f} (with / without hooks)"
+    return {"forward+backward, no hooks": (without, "", ""),
+            "forward+backward, onebit hooks": (with_hooks, ratio, "")}  # fmt: skip
 
 
 if __name__ == "__main__":
