@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import use_backend
 from distributed import run_ranks
 
 from onebit import kernels, quantized
@@ -125,11 +126,14 @@ def _drift(comm, world_size, rank, calls, feedback):
     return drift
 
 
-def _scenario(rank, world_size):
-    """Everything the distributed tests check, on one set of ranks (spawning ranks is slow)."""
+def _scenario(rank, world_size, backend="auto"):
+    """Everything the distributed tests check, on one set of ranks (spawning ranks is slow), on
+    ``backend`` (``"triton"``: its kernels run the phases)."""
+    use_backend(backend)
     res = {}
     for bits in BITS:
         comm = _comm(bits)
+        assert (comm._kernels is not None) == (backend == "triton")
         outputs = [comm(_inputs(t, rank)) for t in range(CALLS)]
         errors = (comm.worker_error.clone(), comm.server_error.clone())
         # A non-finite value on the last rank, in chunk 0 (whose block scales only rank 0 gets).
@@ -205,8 +209,11 @@ def _check_scenario(results, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_match_reference_bitwise_and_agree(world_size):
-    results = run_ranks(_scenario, world_size, timeout=120)
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_ranks_match_reference_bitwise_and_agree(world_size, backend):
+    if backend != "auto" and backend not in kernels.available():
+        pytest.skip(f"the {backend} backend cannot run here")
+    results = run_ranks(_scenario, world_size, backend, timeout=300)
     _check_scenario(results, world_size)
     if world_size == 2:
         for bits in BITS:
@@ -252,7 +259,8 @@ def _tiled_results(rank):
     return res
 
 
-def _tiled_scenario(rank, world_size):
+def _tiled_scenario(rank, world_size, backend="auto"):
+    use_backend(backend)  # Triton's kernels have no tiles: the same layouts, in its blocks
     kernels.for_device(torch.device("cpu")).tile_numel = 200  # a fresh process: nothing to restore
     quantized._MIN_RUN_NUMEL = 128
     return _tiled_results(rank)
@@ -290,12 +298,16 @@ def test_small_tiles_match_reference_bitwise(monkeypatch):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_small_tiles_on_ranks_match_reference_bitwise(world_size):
-    _check_tiled(run_ranks(_tiled_scenario, world_size, timeout=120), world_size)
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_small_tiles_on_ranks_match_reference_bitwise(world_size, backend):
+    if backend != "auto" and backend not in kernels.available():
+        pytest.skip(f"the {backend} backend cannot run here")
+    _check_tiled(run_ranks(_tiled_scenario, world_size, backend, timeout=300), world_size)
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_world_size_one_without_process_group(bits):
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_world_size_one_without_process_group(bits, backend):
     for segments, block_size in [(SEGMENTS, BLOCK), (None, 256)]:
         comm = QuantizedAllreduce(NUMEL, segments=segments, bits=bits, block_size=block_size)
         ref = RefQuantizedAllreduce(NUMEL, 1, bits, segments, block_size)

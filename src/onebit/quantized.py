@@ -487,6 +487,10 @@ class QuantizedAllreduce:
         self._server_error_tiles = self._plans[self.rank].elements(self.server_error)
         self._payload = payload_bytes(self.chunk_numel, bits)
         self._scale_count = 0 if bits == "bf16" else self._blocks_per_chunk
+        self._kernels = kernels.for_device(device).block_quantizer(
+            self._chunk_pieces, 4096 if bits == "bf16" else block_size, self.chunk_numel, numel,
+            bits, self._payload, device,
+        )  # fmt: skip
 
     def _tile_geometry(self, device: torch.device) -> list[_Plan]:
         """The tiles of each chunk, in chunk coordinates: its pieces' blocks (bf16: plain runs
@@ -499,11 +503,12 @@ class QuantizedAllreduce:
             ends = [self.numel]
         tile_numel = kernels.for_device(device).tile_numel
         block_size = tile_numel if self.bits == "bf16" else self.block_size
-        plans = []
+        plans, self._chunk_pieces = [], []
         for j in range(self.world_size):
             lo, hi = j * self.chunk_numel, (j + 1) * self.chunk_numel
             cuts = sorted({lo, hi, *(e for e in ends if lo < e < hi)})
             pieces = [b - a for a, b in zip(cuts, cuts[1:])]
+            self._chunk_pieces.append(pieces)
             split = sum(1 for cut in cuts[1:] if cut <= self.numel)  # pieces below numel
             chunk = tiles(pieces[:split], block_size, tile_numel, device=device)
             below = len(chunk)
@@ -562,8 +567,28 @@ class QuantizedAllreduce:
         if self.header_numel and (header is None or header.numel() != self.header_numel):
             raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
         buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
-        n, c, bits = self.world_size, self.chunk_numel, self.bits
+        n = self.world_size
         message = torch.empty(n, self._phase1_row, dtype=torch.uint8, device=buffer.device)
+        p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
+        if self._kernels is not None and self.numel:
+            message[:, p:s].zero_()  # the scale slots a chunk lacks
+            absmax = self._kernels.start(message, self._phase1_row, buffer, self.worker_error,
+                                         source)  # fmt: skip
+        else:
+            absmax = self._quantize_chunks(buffer, source, message)
+        message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
+        if self.header_numel:
+            values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
+            message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
+        if n == 1 or not self.numel:
+            return _Call(buffer, message, message, None)
+        received = torch.empty_like(message)
+        handle = dist.all_to_all_single(received, message, group=self.group, async_op=True)
+        return _Call(buffer, message, received, handle)
+
+    def _quantize_chunks(self, buffer: Tensor, source: Tensor | None, message: Tensor) -> Tensor:
+        """:meth:`start`'s worker quantization in torch, tile by tile; returns ``max |y|``."""
+        c, bits = self.chunk_numel, self.bits
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
         scratch = self._scratch()
         for j, plan in enumerate(self._plans):
@@ -578,16 +603,7 @@ class QuantizedAllreduce:
                 y = torch.add(inputs[t], errors[t], out=ys[t])
                 work = scratch.work(tile, bits)
                 self._quantize(y, tile, t, payload, scales, absmax[t], work, scratch)
-        absmax = self._absmax.amax() if self.numel else buffer.new_zeros(())
-        message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
-        if self.header_numel:
-            values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
-            message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
-        if n == 1 or not self.numel:
-            return _Call(buffer, message, message, None)
-        received = torch.empty_like(message)
-        handle = dist.all_to_all_single(received, message, group=self.group, async_op=True)
-        return _Call(buffer, message, received, handle)
+        return self._absmax.amax() if self.numel else buffer.new_zeros(())
 
     def _scratch(self) -> _Scratch:
         return _Scratch.get(self.worker_error.device, self._max_tile, self._max_tile_blocks)
@@ -685,6 +701,19 @@ class QuantizedAllreduce:
             return
         n, c, rank, bits = self.world_size, self.chunk_numel, self.rank, self.bits
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
+        if self._kernels is not None:
+            self._kernels.commit_workers(call.sent, self._phase1_row, call.y, self.worker_error)
+            if n == 1:  # the result goes into the buffer, which y is done with
+                self._kernels.serve(rank, call.received, self._phase1_row, self.server_error,
+                                    None, call.y[:c])  # fmt: skip
+                return
+            call.y = None
+            message = torch.empty(self._phase2_row, dtype=torch.uint8, device=call.sent.device)
+            message[p:].zero_()
+            self._kernels.serve(rank, call.received, self._phase1_row, self.server_error,
+                                message, None)  # fmt: skip
+            self._gather(call, message)
+            return
         scratch = self._scratch()
         # The worker error of the chunks this rank does not serve: y - deQ(Q(y)).
         for j, plan in enumerate(self._plans):
@@ -725,11 +754,14 @@ class QuantizedAllreduce:
             block_max = None if bits == "bf16" else absmax[t]
             self._quantize(z, tile, t, payload, scales, block_max, work, scratch, result)
             torch.sub(z, result, out=se)
-        if n == 1:
-            return
-        gathered = message.new_empty(n * message.numel())
+        if n > 1:
+            self._gather(call, message)
+
+    def _gather(self, call: _Call, message: Tensor) -> None:
+        """Start phase 2: every rank gets every server's ``message``."""
+        gathered = message.new_empty(self.world_size * message.numel())
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
-        call.gathered = gathered.view(n, -1)
+        call.gathered = gathered.view(self.world_size, -1)
 
     def finish(self, call: _Call, out: Tensor) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out``."""
@@ -746,6 +778,11 @@ class QuantizedAllreduce:
         p, c = self._payload, self.chunk_numel
         direct = out.is_contiguous() and out.dtype == torch.float32
         flat = out.view(-1) if direct else torch.empty(self.numel, device=out.device)
+        if self._kernels is not None:
+            self._kernels.finish(call.gathered, self._phase2_row, flat)
+            if not direct:
+                out.copy_(flat.view(out.shape))
+            return
         scratch = self._scratch()
         for j, plan in enumerate(self._plans):
             if not plan.below:

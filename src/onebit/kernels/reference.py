@@ -74,6 +74,21 @@ class TorchKernels:
         """Why this backend cannot run on this machine, or ``None`` if it can."""
         return None
 
+    def block_quantizer(
+        self,
+        chunk_pieces: list[list[int]],
+        block_size: int,
+        chunk_numel: int,
+        numel: int,
+        bits: str,
+        payload: int,
+        device: torch.device,
+    ) -> object | None:
+        """The kernels of a :class:`~onebit.quantized.QuantizedAllreduce`'s phases, or ``None``
+        where it runs its own torch tiles (see
+        :class:`~onebit.kernels.triton_quantized.BlockQuantizer` for the arguments)."""
+        return None
+
     def runs_on(self, device: torch.device) -> bool:
         """Whether it takes tensors on ``device``."""
         return True

@@ -346,6 +346,22 @@ class TritonKernels(TorchKernels):
     def runs_on(self, device: torch.device) -> bool:
         return device.type == ("cpu" if INTERPRETED else "cuda")
 
+    def block_quantizer(
+        self,
+        chunk_pieces: list[list[int]],
+        block_size: int,
+        chunk_numel: int,
+        numel: int,
+        bits: str,
+        payload: int,
+        device: torch.device,
+    ) -> object | None:
+        if not self.runs_on(device):
+            return None
+        from .triton_quantized import BlockQuantizer  # it imports this module
+
+        return BlockQuantizer(chunk_pieces, block_size, chunk_numel, numel, bits, payload, device)
+
     def _fits(self, *tensors: Tensor) -> bool:
         return all(
             self.runs_on(t.device) and t.is_contiguous() and t.dtype == torch.float32
