@@ -12,6 +12,7 @@ reference's by what such scales move them: :data:`ATOL`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -28,11 +29,17 @@ ATOL = 1e-5
 these cases at 3 ranks: numpy bit for bit, the C kernels 1.2e-7 at most."""
 
 
+WARMUP = dataclasses.replace(
+    CASES["adam"], settings={**CASES["adam"].settings, "warmup_compression": "int4"}
+)
+"""1-bit Adam through a quantized warmup (int4, the packing that shares bytes)."""
+
+
 def _trajectories(rank: int, world_size: int, backend: str) -> dict[str, list[torch.Tensor]]:
     use_backend(backend)
     chosen = kernels.for_tensors(torch.zeros(8)).name
     results = {}
-    for name, case in CASES.items():
+    for name, case in {**CASES, "int4 warmup": WARMUP}.items():
         params = case.problem.params()
         opt = case.optimizer(params)
         trace = run(case, params, opt, rank, 1, case.steps)
@@ -49,7 +56,7 @@ def test_every_backend_follows_the_reference_through_optimizer_steps(world):
         got = run_ranks(_trajectories, world, backend, timeout=300)
         for rank in range(world):
             assert got[rank]["backend"] == backend
-            for name in CASES:
+            for name in [*CASES, "int4 warmup"]:
                 stages, params = got[rank][name]
                 assert stages == reference[rank][name][0]
                 for t, (p, q) in enumerate(zip(params, reference[rank][name][1]), start=1):

@@ -173,7 +173,7 @@ def _scenario(rank, world_size, backend="auto"):
     res["protocol_ok"] = finish_compressed_(comms, calls, outs)
     res["protocol_outputs"] = outs[:3]
     res["headers"] = [comm.headers(call) for comm, call in zip(comms, calls)]
-    if world_size == 2:
+    if world_size == 2 and backend != "triton":  # the bits are the reference's: so is the drift
         res["drift"] = {
             bits: [_drift(_comm(bits), world_size, rank, 150, fb) for fb in (True, False)]
             for bits in BITS
@@ -215,7 +215,7 @@ def test_ranks_match_reference_bitwise_and_agree(world_size, backend):
         pytest.skip(f"the {backend} backend cannot run here")
     results = run_ranks(_scenario, world_size, backend, timeout=300)
     _check_scenario(results, world_size)
-    if world_size == 2:
+    if world_size == 2 and backend != "triton":
         for bits in BITS:
             with_feedback, without = results[0]["drift"][bits]
             assert with_feedback == results[1]["drift"][bits][0]  # the same on every rank
