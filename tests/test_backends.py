@@ -83,3 +83,36 @@ def test_a_backend_that_cannot_run_fails_every_rank_at_construction(value):
     errors = run_ranks(_built_with, 2, value, timeout=120)
     for error in errors:
         assert error is not None and "rank 1: ONEBIT_BACKEND" in error
+
+
+def _trajectory_on(device: torch.device, case) -> tuple[list[str], list[torch.Tensor], bool]:
+    """A 1-rank run of ``case`` with its parameters on ``device``: the stages, the parameters
+    after each step (on the CPU), and whether the momentum was packed."""
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in case.problem.params()]
+    opt = case.optimizer(params)
+    stages, trace = [], []
+    for t in range(1, case.steps + 1):
+        stages.append(opt.stage)
+        for i, p in enumerate(params):
+            p.grad = case.problem.grad(t, 0, i, p.detach().cpu()).to(device)
+        opt.step()
+        trace.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
+    return stages, trace, getattr(opt, "_fused", None) is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", [*CASES, "int4 warmup"])
+def test_triton_on_cuda_follows_the_torch_reference(name, monkeypatch):
+    """On a GPU the Triton kernels run by default (the packed momentum included), within
+    :data:`ATOL` of the torch reference on the same GPU."""
+    case = {**CASES, "int4 warmup": WARMUP}[name]
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    assert kernels.for_device(cuda).name == "triton"
+    stages, got, packed = _trajectory_on(cuda, case)
+    monkeypatch.setenv(kernels.ENV, "torch")
+    want_stages, want, _ = _trajectory_on(cuda, case)
+    assert stages == want_stages
+    assert packed == (name != "zero_one")
+    for t, (p, q) in enumerate(zip(got, want), start=1):
+        assert float((p - q).abs().max()) <= ATOL, (name, t)

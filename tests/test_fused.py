@@ -16,8 +16,8 @@ from onebit.compress import (
 from onebit.kernels import fused
 
 
-@pytest.fixture(params=["c", "triton"], autouse=True)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+@pytest.fixture(params=["c", "triton"])
+def packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each backend with the fused passes, through ``ONEBIT_BACKEND``."""
     use_backend(request.param, monkeypatch)
     return request.param
@@ -59,7 +59,7 @@ def _addresses(runs: fused.BucketRuns, tensors: list[torch.Tensor | None]) -> to
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("inv_scale", [None, 2.0**-7])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])
-def test_signs_and_commit_match_the_torch_formulation(world, packed, inv_scale, beta1):
+def test_signs_and_commit_match_the_torch_formulation(packing, world, packed, inv_scale, beta1):
     gen = torch.Generator().manual_seed(world)
     geometry, runs, grads, numel, padded = _bucket(world, gen)
     grads[2] = None  # a parameter without a gradient: zeros
@@ -90,7 +90,7 @@ def test_signs_and_commit_match_the_torch_formulation(world, packed, inv_scale, 
     assert torch.equal(error, want_error)
 
 
-def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error():
+def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error(packing):
     gen = torch.Generator().manual_seed(0)
     geometry, runs, grads, numel, padded = _bucket(2, gen)
     m = torch.randn(padded, generator=gen)
@@ -110,7 +110,7 @@ def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error():
 
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_update_matches_adamw_update(world, weight_decay):
+def test_update_matches_adamw_update(packing, world, weight_decay):
     gen = torch.Generator().manual_seed(world)
     geometry, runs, params, numel, padded = _bucket(world, gen)
     momentum, m = _packed(geometry, world, padded, gen)
@@ -132,3 +132,38 @@ def test_update_matches_adamw_update(world, weight_decay):
     fused.update(runs, _addresses(runs, params), momentum, denominator, decay, value)
     for p, q in zip(params, want):
         assert torch.equal(p, q)
+
+
+@pytest.mark.cuda
+def test_triton_passes_on_cuda_give_the_cpu_bits(monkeypatch):
+    """On a GPU the passes run in Triton, on CUDA tensors read through their addresses: the
+    signs, error and parameters of the C kernels on the same values, scales within rounding."""
+    monkeypatch.delenv("ONEBIT_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    geometry, runs, grads, numel, padded = _bucket(3, gen)
+    momentum, _ = _packed(geometry, 3, padded, gen)
+    error = torch.randn(padded, generator=gen) * 0.1
+    params = [torch.randn(s, generator=gen) for s in SIZES]
+    denominator = torch.rand(numel, generator=gen) + 1e-3
+    decay = torch.full((len(runs.runs),), 0.999)
+    value = torch.full((len(runs.runs),), -1e-3)
+
+    def passes(device, commit_scales=None):
+        to = lambda t: t.to(device, copy=True)  # noqa: E731
+        m = fused.PackedMomentum(to(momentum.bits), to(momentum.scales), momentum.chunk)
+        g, e, p = [to(t) for t in grads], to(error), [to(t) for t in params]
+        bits = torch.empty(padded // 8, dtype=torch.uint8, device=device)
+        scales = fused.signs(runs, _addresses(runs, g), 2.0**-7, m, 0.1, e, bits)
+        used = scales if commit_scales is None else to(commit_scales)
+        fused.commit(runs, _addresses(runs, g), 2.0**-7, m, 0.1, e, used, out=e)
+        fused.update(runs, _addresses(runs, p), m, to(denominator), decay, value)
+        return bits.cpu(), scales.cpu(), e.cpu(), torch.cat(p).cpu()
+
+    bits, scales, e, p = passes(cuda)
+    use_backend("c", monkeypatch)
+    want_bits, want_scales, want_e, want_p = passes(torch.device("cpu"), commit_scales=scales)
+    assert torch.equal(bits, want_bits)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+    assert torch.equal(e, want_e)
+    assert torch.equal(p, want_p)

@@ -360,3 +360,60 @@ def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):
         compress.compress_(torch.zeros(8), torch.zeros(8))
     monkeypatch.setenv(kernels.ENV, "auto")
     assert kernels.for_tensors(torch.zeros(8)).name == "numpy"
+
+
+@pytest.mark.cuda
+def test_cuda_takes_triton_and_its_bits_are_the_references(monkeypatch):
+    """On a GPU, every op of a bucket with segments, on CUDA tensors (Triton), against the torch
+    reference on the CPU: the same signs, errors and results, scales within fp32 rounding."""
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    cuda = torch.device("cuda")
+    assert kernels.for_device(cuda).name == "triton"
+    numel, k = 5 * 4096 + 40, 4
+    x, error = values(numel - 13, 1, huge=False), values(numel, 2, huge=False) * 0.1
+    bounds = _bounds(numel, 3)
+
+    def both(fn):
+        on_gpu = fn(lambda t: t.to(cuda, copy=True))
+        monkeypatch.setenv(kernels.ENV, "torch")
+        on_cpu = fn(lambda t: t.clone())
+        monkeypatch.delenv(kernels.ENV)
+        return [t.cpu() for t in on_gpu], on_cpu
+
+    (signs, scales), (want_signs, want_scales) = both(
+        lambda to: compress.compress_input(to(x), to(error), "rms", bounds)
+    )
+    assert torch.equal(signs, want_signs)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-5, atol=0)
+    (committed,), (want,) = both(
+        lambda to: [compress.commit_input_(to(x), to(error), to(want_scales), bounds)]
+    )
+    assert_same_bits(committed, want)
+
+    m = numel // (8 * k)
+    packed, _ = _message(k, m, 5)
+    chunk_bounds = _bounds(8 * m, 4)
+    pieces = torch.stack(
+        [chunk_bounds[:-1], chunk_bounds[1:], torch.arange(len(chunk_bounds) - 1)], 1
+    )
+    row_scales = torch.rand(k, len(pieces)) * 3
+    store = values(8 * m, 6, huge=False)
+    last = torch.rand(len(pieces))
+    (served, sigma, z), (want_served, want_sigma, want_z) = both(
+        lambda to: [
+            *compress.serve_pieces_(
+                to(packed), to(row_scales), pieces, chunk_bounds, s := to(store), to(last), "rms"
+            ),
+            s,
+        ]  # fmt: skip
+    )
+    assert torch.equal(served, want_served)
+    assert_same_bits(z, want_z)
+    torch.testing.assert_close(sigma, want_sigma, rtol=1e-5, atol=0)
+    rows = torch.tensor([(j, a, b, c) for j in range(k) for a, b, c in pieces.tolist()])
+    (out,), (want_out,) = both(
+        lambda to: [
+            decompress_pieces_(to(packed), to(row_scales), rows, to(torch.empty(numel - 9)))
+        ]
+    )
+    assert_same_bits(out, want_out)

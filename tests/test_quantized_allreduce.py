@@ -381,3 +381,17 @@ def test_bad_arguments():
 def test_empty_buffer():
     comm = QuantizedAllreduce(0, bits="int4")
     assert comm(torch.ones(0)).numel() == 0 and comm.bytes_per_call == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_takes_triton_with_the_cpu_bits(bits, monkeypatch):
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    gpu = QuantizedAllreduce(NUMEL, segments=SEGMENTS, bits=bits, block_size=BLOCK, device="cuda")
+    cpu = QuantizedAllreduce(NUMEL, segments=SEGMENTS, bits=bits, block_size=BLOCK)
+    assert gpu._kernels is not None and cpu._kernels is None
+    for t in range(CALLS):
+        x = _inputs(t, 0)
+        assert _same_bits(gpu(x.cuda()).cpu(), cpu(x)), t
+    assert _same_bits(gpu.worker_error.cpu(), cpu.worker_error)
+    assert _same_bits(gpu.server_error.cpu(), cpu.server_error)
