@@ -51,8 +51,8 @@ def _packed(geometry: _Segments, world: int, padded: int, gen: torch.Generator):
 
 
 def _addresses(runs: fused.BucketRuns, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-    bases = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
-    return runs.addresses(bases)
+    """Each parameter's address, as the passes take them (0: no tensor)."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
@@ -126,9 +126,8 @@ def test_update_matches_adamw_update(packing, world, weight_decay):
         torch._foreach_addcdiv_(want[i : i + 1], ms[i : i + 1], denoms[i : i + 1],
                                 value=-lr * step_scale)  # fmt: skip
 
-    run_params = runs.run_params.clamp(min=0).tolist()
-    decay = torch.tensor([1 - lrs[i] * weight_decay for i in run_params], dtype=torch.float32)
-    value = torch.tensor([-lrs[i] * step_scale for i in run_params], dtype=torch.float32)
+    decay = torch.tensor([1 - lr * weight_decay for lr in lrs], dtype=torch.float32)
+    value = torch.tensor([-lr * step_scale for lr in lrs], dtype=torch.float32)
     fused.update(runs, _addresses(runs, params), momentum, denominator, decay, value)
     for p, q in zip(params, want):
         assert torch.equal(p, q)
@@ -146,8 +145,8 @@ def test_triton_passes_on_cuda_give_the_cpu_bits(monkeypatch):
     error = torch.randn(padded, generator=gen) * 0.1
     params = [torch.randn(s, generator=gen) for s in SIZES]
     denominator = torch.rand(numel, generator=gen) + 1e-3
-    decay = torch.full((len(runs.runs),), 0.999)
-    value = torch.full((len(runs.runs),), -1e-3)
+    decay = torch.full((len(SIZES),), 0.999)
+    value = torch.full((len(SIZES),), -1e-3)
 
     def passes(device, commit_scales=None):
         to = lambda t: t.to(device, copy=True)  # noqa: E731

@@ -122,21 +122,19 @@ class PackedMomentumStage:
     ) -> _Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
         ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
-        :meth:`~onebit.kernels.fused.BucketRuns.addresses`; ``scaling``: fp32 per parameter, or
+        :func:`~onebit.kernels.fused.gradient_addresses`; ``scaling``: fp32 per parameter, or
         ``None``), sent with ``header``. The worker error is committed by the communicator's
         ``serve`` once every rank's scales are finite."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
-        addresses = runs.addresses(grads)
-        weight = 1 - beta1
-        post = None if scaling is None else runs.per_run(scaling)
+        weight, post = 1 - beta1, scaling
         error = comm._worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8, device=self.momentum.device)
-        scales = fused.signs(runs, addresses, inv_scale, m, weight, error, signs, comm.scale, post)
+        scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post)
 
         def commit() -> None:
             if error is None and not self.keeps_last:  # the momentum's storage becomes the error
                 comm.worker_error = self._slices[k]
-            fused.commit(runs, addresses, inv_scale, m, weight, error, scales, comm.worker_error,
+            fused.commit(runs, grads, inv_scale, m, weight, error, scales, comm.worker_error,
                          post)  # fmt: skip
 
         return comm.start_compressed(signs, scales, header, commit=commit)
@@ -189,15 +187,15 @@ class PackedMomentumStage:
     ) -> None:
         """AdamW's update from the packed momentum: ``p = p·(1 - lr·wd) + (-lr·step_scale)·m /
         denominator``, with each parameter's ``lrs[i]`` and ``weight_decays[i]``."""
-        bases = torch.tensor([p.data_ptr() for p in self.layout.params], dtype=torch.int64)
+        device = self.momentum.device
+        bases = [p.data_ptr() for p in self.layout.params]
+        bases = torch.tensor(bases, dtype=torch.int64, device=device)
         decay = [1 - lr * wd if wd else 1.0 for lr, wd in zip(lrs, weight_decays)]
         value = [-lr * step_scale for lr in lrs]
-        per_param = torch.tensor([decay, value], dtype=torch.float32)
+        decay, value = torch.tensor([decay, value], dtype=torch.float32, device=device)
         for k, (start, end) in enumerate(self.layout.buckets):
-            runs = self.runs[k]
-            decays, values = per_param[:, runs.run_params.clamp(min=0)].contiguous()
-            fused.update(runs, runs.addresses(bases), self._source(k), denominator[start:end],
-                         decays, values)  # fmt: skip
+            fused.update(self.runs[k], bases, self._source(k), denominator[start:end], decay,
+                         value)  # fmt: skip
 
     def materialize(self) -> Tensor:
         """The momentum as a new flat fp32 buffer (``layout.numel``)."""

@@ -82,10 +82,10 @@ class BucketRuns:
         self.lengths = torch.tensor(segments, dtype=torch.float64)
         self.device_tables: dict = {}  # a backend's copies of these tables, per device
 
-    def per_run(self, values: Tensor) -> Tensor:
-        """Per-parameter ``values`` as fp32 per run (1.0 for the padding)."""
+    def per_run(self, values: Tensor, padding: float = 1.0) -> Tensor:
+        """Per-parameter ``values`` as fp32 per run on the CPU (``padding`` for the padding)."""
         values = values.to(torch.float32).cpu()[self.run_params.clamp(min=0)]
-        return torch.where(self.run_params >= 0, values, 1.0).contiguous()
+        return torch.where(self.run_params >= 0, values, padding).contiguous()
 
     def columns_and_params(self) -> tuple[Tensor, Tensor]:
         """The momentum scale column of each run that is not padding, and its parameter."""
@@ -94,8 +94,8 @@ class BucketRuns:
 
     def addresses(self, bases: Tensor) -> Tensor:
         """Per run, the address of its first element given each parameter's base address in
-        ``bases`` (int64; 0 for a missing tensor, which stays 0)."""
-        base = bases[self.run_params.clamp(min=0)]
+        ``bases`` (int64; 0 for a missing tensor, which stays 0), on the CPU."""
+        base = bases.cpu()[self.run_params.clamp(min=0)]
         present = (self.run_params >= 0) & (base != 0)
         return torch.where(present, base + self.run_offsets, 0)
 
@@ -123,9 +123,9 @@ def signs(
     """Pass 1: pack the signs of ``y = lerp(m, g·inv_scale, weight)·post + error`` into ``out``
     (``uint8``, one bit per element of the bucket) and return each segment's scale (fp32).
 
-    ``grads`` holds each run's gradient address (:meth:`BucketRuns.addresses`; 0 is a zero
-    gradient). ``error`` ``None`` is an error of zeros. ``post`` is fp32 per run (1-bit LAMB's
-    momentum scaling; ``None``: no factor).
+    ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
+    gradient: :func:`gradient_addresses`). ``error`` ``None`` is an error of zeros. ``post`` is
+    fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
     """
     return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, error, out,
                                         scale, post)  # fmt: skip
@@ -157,20 +157,21 @@ def update(
     decay: Tensor,
     value: Tensor,
 ) -> None:
-    """Pass 3: per run ``r``, ``p = p·decay[r]`` (skipped where it is 1), then
-    ``p = p + (value[r]·m) / denominator`` with ``m = ±σ`` from ``momentum``.
+    """Pass 3: per parameter ``i``, ``p = p·decay[i]`` (skipped where it is 1), then
+    ``p = p + (value[i]·m) / denominator`` with ``m = ±σ`` from ``momentum``.
 
-    ``params`` holds each run's parameter address, ``denominator`` is the bucket's fp32 slice,
-    ``decay`` and ``value`` are fp32 per run.
+    ``params`` holds each parameter's address (int64, on ``denominator``'s device),
+    ``denominator`` is the bucket's fp32 slice, ``decay`` and ``value`` are fp32 per parameter,
+    on the same device.
     """
     _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value)
 
 
 def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
-    """Each parameter's gradient as the address the fused passes read: an fp32 contiguous
-    ``.grad`` on the parameters' device in place, any other through an fp32 contiguous copy there
-    (returned, to be kept alive while the passes run); 0 for no gradient or a sparse one (then
-    also returns True)."""
+    """Each parameter's gradient as the address the fused passes read (int64, on the
+    parameters' device: one copy per step): an fp32 contiguous ``.grad`` in place, any other
+    through an fp32 contiguous copy there (returned, to be kept alive while the passes run); 0
+    for no gradient or a sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False
     for p in params:
         g = p.grad
@@ -182,4 +183,5 @@ def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], 
             g = g.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format)
             keep.append(g)
         addresses.append(g.data_ptr())
-    return torch.tensor(addresses, dtype=torch.int64), keep, sparse
+    device = params[0].device if params else None
+    return torch.tensor(addresses, dtype=torch.int64, device=device), keep, sparse

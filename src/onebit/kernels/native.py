@@ -48,7 +48,9 @@ class CKernels(NumpyKernels):
         scale: str, post: Tensor | None,
     ) -> Tensor:  # fmt: skip
         totals = torch.empty(len(runs.lengths), dtype=torch.float64)
-        y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
+        post = None if post is None else runs.per_run(post)
+        addresses = runs.addresses(grads)  # kept alive while the kernel reads it
+        y = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
                                       len(totals))  # fmt: skip
         return scales_from_totals(totals, runs.lengths, scale)
@@ -59,16 +61,20 @@ class CKernels(NumpyKernels):
         out: Tensor, post: Tensor | None,
     ) -> None:  # fmt: skip
         scales = scales.to(torch.float32).contiguous()
-        y = _y_arguments(runs, grads, inv_scale, momentum, weight, post, error)
+        post = None if post is None else runs.per_run(post)
+        addresses = runs.addresses(grads)  # kept alive while the kernel reads it
+        y = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
 
     def momentum_update(
         self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
         decay: Tensor, value: Tensor,
     ) -> None:  # fmt: skip
+        decay, value = runs.per_run(decay), runs.per_run(value, padding=0.0)
+        addresses = runs.addresses(params)
         _native.load().ob_fused_update(
-            runs.runs.data_ptr(), len(runs.runs), params.data_ptr(), *_momentum(momentum)[1:],
-            denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
+            runs.runs.data_ptr(), len(runs.runs), addresses.data_ptr(),
+            *_momentum(momentum)[1:], denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
         )  # fmt: skip
 
     def subtract_compressed_(

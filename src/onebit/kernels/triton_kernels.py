@@ -22,6 +22,7 @@ not need Triton.
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 
 import torch
@@ -135,10 +136,19 @@ def _packed_momentum(bits, stride, chunk, scales, column, offs, present):
 
 
 @triton.jit
+def _read(bases, param, run_offsets, run_starts, run, offs, present):
+    """Each element of its run's tensor, at ``bases[param]`` (0: zeros) plus the run's offset."""
+    base = tl.load(bases + param, mask=present, other=0)
+    start = base + tl.load(run_offsets + run, mask=present, other=0)
+    at = start.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
+    return tl.load(at, mask=present & (base != 0), other=0.0)
+
+
+@triton.jit
 def _momentum_pass(
     grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
-    run_starts, run_columns, run_segments, starts, ends, columns, first, signs, partials, scales,
-    out, n,
+    run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
+    signs, partials, scales, out, n,
     BLOCK: tl.constexpr, USE_INV: tl.constexpr, DENSE: tl.constexpr, SMALL: tl.constexpr,
     HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr,
     MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
@@ -146,7 +156,8 @@ def _momentum_pass(
     """Passes 1 and 2 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
     ``w - 1`` where ``SMALL`` is false), then :func:`_emit`. Pieces are runs' parts: each run has
-    its gradient's address (0: zeros), momentum column (< 0: padding, ``y = e``) and segment."""
+    its parameter (its gradient's address is ``grads[param]``, 0: zeros; its factor
+    ``post[param]``), momentum column (< 0: padding, ``y = e``) and segment."""
     block = tl.program_id(0).to(tl.int64)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
@@ -154,9 +165,8 @@ def _momentum_pass(
     run = _piece_columns(offs, starts, ends, columns, p0, p1)
     column = tl.load(run_columns + run, mask=valid, other=-1)
     present = valid & (column >= 0)
-    address = tl.load(grads + run, mask=present, other=0)
-    at = address.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
-    g = tl.load(at, mask=present & (address != 0), other=0.0)
+    param = tl.load(run_params + run, mask=present, other=0)
+    g = _read(grads, param, run_offsets, run_starts, run, offs, present)
     if USE_INV:
         g = g * inv
     if DENSE:
@@ -168,7 +178,7 @@ def _momentum_pass(
     else:
         y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
     if HAS_POST:
-        y = y * tl.load(post + run, mask=valid, other=1.0)
+        y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
     if HAS_ERROR:
         y = y + tl.load(error + offs, mask=valid, other=0.0)
@@ -180,25 +190,28 @@ def _momentum_pass(
 @triton.jit
 def _momentum_update(
     params, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
-    run_columns, starts, ends, columns, first, n, BLOCK: tl.constexpr,
+    run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
-    ``p = p·decay + (value·m) / denominator`` per run, as ``torch._foreach_mul_`` and
-    ``torch._foreach_addcdiv_`` round it (no step where ``decay`` is 1)."""
+    ``p = p·decay + (value·m) / denominator`` per parameter, as ``torch._foreach_mul_`` and
+    ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1)."""
     block = tl.program_id(0).to(tl.int64)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
     run = _piece_columns(offs, starts, ends, columns, tl.load(first + block),
                          tl.load(first + block + 1))  # fmt: skip
     column = tl.load(run_columns + run, mask=valid, other=-1)
-    address = tl.load(params + run, mask=valid & (column >= 0), other=0)
-    present = valid & (column >= 0) & (address != 0)
-    at = address.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0)
+    base = tl.load(params + param, mask=present, other=0)
+    present = present & (base != 0)
+    start = base + tl.load(run_offsets + run, mask=present, other=0)
+    at = start.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
     p = tl.load(at, mask=present, other=0.0)
-    d = tl.load(decay + run, mask=valid, other=1.0)
+    d = tl.load(decay + param, mask=present, other=1.0)
     p = tl.where(d != 1.0, p * d, p)
     m = _packed_momentum(bits, stride, chunk, momentum_scales, column, offs, present)
-    v = tl.load(value + run, mask=valid, other=0.0)
+    v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + offs, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
 
@@ -326,6 +339,8 @@ class _RunTables:
         self.starts, self.segments, self.columns = (
             table[:, i].contiguous().to(device) for i in (0, 2, 3)
         )
+        self.params = runs.run_params.clamp(min=0).to(device)
+        self.offsets = runs.run_offsets.to(device)  # bytes
 
 
 def _whole(numel: int) -> Tensor:
@@ -603,7 +618,8 @@ class TritonKernels(TorchKernels):
         _momentum_update[(tables.tiling.blocks,)](
             params.to(device), momentum.bits, momentum.bits.stride(0), momentum.chunk,
             momentum.scales, denominator, decay.to(device), value.to(device), tables.starts,
-            tables.columns, *tables.tiling.table(), tables.numel, BLOCK=BLOCK, **_EXACT,
+            tables.columns, tables.params, tables.offsets, *tables.tiling.table(), tables.numel,
+            BLOCK=BLOCK, **_EXACT,
         )  # fmt: skip
 
     @staticmethod
@@ -623,16 +639,17 @@ class TritonKernels(TorchKernels):
         device = tables.starts.device
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
-        w = torch.tensor(weight, dtype=torch.float32)
-        small = bool(w.abs() < 0.5)
+        w = struct.unpack("f", struct.pack("f", weight))[0]  # as an fp32 kernel argument
+        small = abs(w) < 0.5
+        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
         any_ = bits
         _momentum_pass[(tables.tiling.blocks,)](
             grads.to(device), 1.0 if inv_scale is None else inv_scale, momentum if dense else any_,
             bits, 0 if dense else bits.stride(0), 1 if dense else momentum.chunk,
-            any_ if dense else momentum.scales, float(w if small else w - 1),
+            any_ if dense else momentum.scales, coeff,
             any_ if post is None else post.to(device=device, dtype=torch.float32).contiguous(),
             any_ if error is None else error, tables.starts, tables.columns, tables.segments,
-            *tables.tiling.table(), any_ if signs is None else signs,
+            tables.params, tables.offsets, *tables.tiling.table(), any_ if signs is None else signs,
             any_ if partials is None else partials, any_ if scales is None else scales,
             any_ if out is None else out, tables.numel,
             BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,

@@ -1,0 +1,124 @@
+"""Count the kernels one optimizer step launches: torch ops that compute (views and allocations
+left out) and Triton launches, per backend, on layouts of many and of few tensors.
+
+On a GPU every one of them is a kernel launch and its CPU time, which is what bounded the
+compression step before the Triton kernels (the GPU issue: 5,665 kernels for 16 tensors). The
+count is the same on any device, so this runs on the CPU, Triton under its interpreter:
+
+    TRITON_INTERPRET=1 python benchmarks/launches.py
+
+``torch`` is the reference backend, which CUDA ran before; ``triton`` the Triton kernels. The
+layouts are small (the counts do not depend on the tensors' sizes, only on their number and on
+the buckets), and ``--bucket-size`` sets how many buckets they make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+from step import VARIANTS, _gpt_shapes, _optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from onebit import kernels
+
+_FREE = {"empty", "empty_strided", "empty_like", "alias", "detach", "lift_fresh", "set_"}
+
+
+_IN_TRITON = [False]  # the interpreter's own torch ops (copies of the arguments) do not count
+
+
+class _Counting(TorchDispatchMode):
+    """Counts the torch ops that compute something (not views, not allocations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (_IN_TRITON[0] or func.is_view or func.overloadpacket.__name__ in _FREE):
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counting_triton():
+    """Count Triton launches (compiled or interpreted) in the yielded list's first item."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    count = [0]
+    patched = []
+    for owner in (jit.JITFunction, interpreter.InterpretedFunction):
+        run = owner.run
+
+        def counted(self, *args, _run=run, **kwargs):
+            count[0] += 1
+            _IN_TRITON[0] = True
+            try:
+                return _run(self, *args, **kwargs)
+            finally:
+                _IN_TRITON[0] = False
+
+        owner.run = counted
+        patched.append((owner, run))
+    try:
+        yield count
+    finally:
+        for owner, run in patched:
+            owner.run = run
+
+
+LAYOUTS = {
+    "16 tensors": [(64, 128)] * 8 + [(128,)] * 8,
+    "GPT, 292 tensors": _gpt_shapes(24, 32, 512, 64),
+}
+
+
+def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int]]:
+    """Per step variant: (torch ops, Triton launches) of its third step (the first two build
+    what is built once: the last warmup step, then the first of the stage)."""
+    os.environ[kernels.ENV] = backend
+    rows = {}
+    for name, optimizer, stage, options in VARIANTS:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        freeze = 10**9 if stage == "warmup" else 1
+        opt = _optimizer(optimizer, params, freeze, {**options, "bucket_size": bucket_size})
+        opt.step()
+        opt.step()
+        with _counting_triton() as launches, _Counting() as ops:
+            opt.step()
+        rows[name] = ops.ops, launches[0]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="torch,triton")
+    parser.add_argument("--bucket-sizes", default=str(1 << 22) + ",16384")
+    args = parser.parse_args()
+    backends = args.backends.split(",")
+    print(f"torch {torch.__version__}; per step: torch ops + Triton launches, by backend")
+    head = " | ".join(f"{b}: ops + launches" for b in backends)
+    print(f"| layout | buckets | step | {head} |")
+    print("|---|---|---|" + "---|" * len(backends))
+    for layout, shapes in LAYOUTS.items():
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        for bucket_size in map(int, args.bucket_sizes.split(",")):
+            counts = {b: count(shapes, b, bucket_size) for b in backends}
+            buckets = -(-numel // bucket_size)
+            for name, *_ in VARIANTS:
+                cells = " | ".join(
+                    f"{counts[b][name][0]} + {counts[b][name][1]} = {sum(counts[b][name])}"
+                    for b in backends
+                )
+                print(f"| {layout} | {buckets} | {name.strip()} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
