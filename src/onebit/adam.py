@@ -90,12 +90,12 @@ class OnebitAdam(CompressedOptimizer):
       the ``.grad`` views, and the compression stage works on its own;
     * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
       once) and ``exp_avg``;
-    * on the fused path (fp32 CPU parameters with the C kernels, a scale per tensor, no
-      ``max_grad_norm``, ``exp_avg_mask`` or ``overlap_backward``), from the first applied
-      compression step, only ``frozen_denom``: the momentum is kept packed, 1 bit per element
-      plus the scales, since each element is ``±σ`` of its piece, and the fp32 buffer holds the
-      worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then takes
-      ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2. :meth:`state_dict`
+    * on the fused path (fp32 parameters with the C kernels on the CPU or the Triton kernels on
+      CUDA, a scale per tensor, no ``max_grad_norm``, ``exp_avg_mask`` or ``overlap_backward``),
+      from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
+      bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
+      buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then
+      takes ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2. :meth:`state_dict`
       still gives an fp32 ``exp_avg``, unpacked when it is called, and resume is exact.
 
     ``comm_stats`` reports the bytes this rank sent. ``freeze`` is the

@@ -227,9 +227,9 @@ class CompressedAllreduce:
 
         Every rank must call it together. A call allocates no model-sized memory: an input that
         needs a copy (another dtype or device, not contiguous) goes through a scratch buffer
-        kept between calls. With the C kernels a contiguous fp32 input is read where it is, and
-        neither the worker's ``y`` nor the server's chunk is ever stored: five passes over the
-        buffer (worker signs, worker error, server signs, server error, the result), three at
+        kept between calls. With the C or Triton kernels a contiguous fp32 input is read where it
+        is, and neither the worker's ``y`` nor the server's chunk is ever stored: five passes over
+        the buffer (worker signs, worker error, server signs, server error, the result), three at
         world size 1 without segments (:func:`~onebit.compress.allreduce_one_`). The bits are
         those of the stored-buffer kernels (:meth:`start`, :meth:`serve`, :meth:`finish`).
         """

@@ -12,11 +12,11 @@ Conventions shared with the SPEC:
 
 Each function checks its arguments, then runs the backend that :func:`onebit.kernels.for_tensors`
 picks for its tensors: the fused C kernels on the CPU (compress under 2.5x a ``copy_`` of the
-buffer, decompress under 1x, ``benchmarks/kernels.py``), numpy chunks where those were not
-built, the torch reference elsewhere. All give the same bits: the same signs and packed bytes,
-the same error update and decompressed values for a given scale, the same server average (rank
-order, then the division). Scales differ only by fp32 rounding, since each backend reduces in
-its own order. NaN payloads are not preserved.
+buffer, decompress under 1x, ``benchmarks/kernels.py``), numpy chunks where those were not built,
+the Triton kernels on CUDA, the torch reference elsewhere. All give the same bits: the same signs
+and packed bytes, the same error update and decompressed values for a given scale, the same server
+average (rank order, then the division). Scales differ only by fp32 rounding, since each backend
+reduces in its own order. NaN payloads are not preserved.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ def compress_(buffer: Tensor, error: Tensor, scale: str = "rms") -> tuple[Tensor
 
 def input_kernels(*tensors: Tensor) -> bool:
     """Whether :func:`compress_input` and :func:`commit_input_` read these tensors where they
-    are and never store ``y`` (the C kernels, on contiguous fp32). Elsewhere they store ``y`` in
-    a temporary, and a caller with a buffer of its own does better with :func:`compress_` on
-    it."""
+    are and never store ``y`` (the C and Triton kernels, on contiguous fp32). Elsewhere they store
+    ``y`` in a temporary, and a caller with a buffer of its own does better with :func:`compress_`
+    on it."""
     return kernels.for_tensors(*tensors).reads_input(*tensors)
 
 

@@ -1,5 +1,5 @@
 """The momentum of 1-bit Adam and 1-bit LAMB in the compression stage: kept packed, updated by
-fused passes (CPU).
+fused passes.
 
 After a compression step every momentum element is ``±σ`` of its piece (a tensor's part of a
 chunk): exactly what the compressed allreduce returned, signs and scales, about ``d/8`` bytes
@@ -12,7 +12,8 @@ bytes), the server error (4/n) and the packed momentum (1/8 plus the scales), be
 optimizer's own state (1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: that and the
 fresh variance, 8).
 
-It applies to fp32 parameters whose backend has the fused passes (the C kernels, on the CPU),
+It applies to fp32 parameters whose backend has the fused passes (the C kernels on the CPU,
+Triton on CUDA),
 a scale per tensor, no ``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere
 the optimizers run the unfused formulation, which gives the same bits.
 """

@@ -377,6 +377,9 @@ class TritonKernels(TorchKernels):
 
         return BlockQuantizer(chunk_pieces, block_size, chunk_numel, numel, bits, payload, device)
 
+    def reads_input(self, *tensors: Tensor) -> bool:
+        return self._fits(*tensors)
+
     def _fits(self, *tensors: Tensor) -> bool:
         return all(
             self.runs_on(t.device) and t.is_contiguous() and t.dtype == torch.float32
