@@ -186,27 +186,28 @@ class Bucketer:
         """
         start, end = self.layout.buckets[k]
         layout, sparse = self.layout, False
+        zeros, sources, targets, scaled = [], [], [], []  # one multi-tensor op each
         for p, offset, numel in zip(layout.params, layout.offsets, layout.numels):
             lo, hi = max(start, offset), min(end, offset + numel)
             if lo >= hi:
                 continue
             view = self.grads[lo:hi]
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.is_sparse:
-                view.zero_()
-                sparse = True
-            else:
-                grad = p.grad.reshape(-1)[lo - offset : hi - offset]
-                if grad.data_ptr() == view.data_ptr():  # .grad is this view (grads_as_views)
-                    if inv_scale is not None:
-                        view.mul_(inv_scale)
-                elif inv_scale is None:
-                    view.copy_(grad)
-                elif grad.dtype == torch.float32:
-                    torch.mul(grad, inv_scale, out=view)
-                else:  # unscale in fp32: a low-precision product could underflow
-                    view.copy_(grad).mul_(inv_scale)
+            if p.grad is None or p.grad.is_sparse:
+                sparse |= p.grad is not None
+                zeros.append(view)
+                continue
+            grad = p.grad.reshape(-1)[lo - offset : hi - offset]
+            if grad.data_ptr() != view.data_ptr():  # not this view already (grads_as_views)
+                sources.append(grad)
+                targets.append(view)
+            if inv_scale is not None:  # unscaled in fp32: a low-precision product could underflow
+                scaled.append(view)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if scaled:
+            torch._foreach_mul_(scaled, inv_scale)
         if norm and self.clip:  # stays on the device: no sync per bucket
             self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse
