@@ -22,6 +22,7 @@ not need Triton.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections import OrderedDict
 
@@ -36,9 +37,9 @@ from .reference import TorchKernels
 BLOCK = 4096
 """Elements per program (a multiple of 8, so that no byte of signs straddles two programs)."""
 
-INTERPRETED = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else False
-"""Whether ``TRITON_INTERPRET=1`` was set when this module was imported: the kernels then run
-on CPU tensors, in numpy."""
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether ``TRITON_INTERPRET=1`` was set when this module was imported (as ``triton.jit``
+reads it): the kernels then run on CPU tensors, in numpy."""
 
 
 @triton.jit

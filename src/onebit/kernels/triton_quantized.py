@@ -46,12 +46,6 @@ def _step(s):
 
 
 @triton.jit
-def _absmax(y, valid):
-    """``max |y|`` over ``valid``, +inf if any of it is NaN (so a NaN is seen as not finite)."""
-    return tl.max(tl.where(valid, tl.where(y == y, tl.abs(y), float("inf")), 0.0), axis=0)
-
-
-@triton.jit
 def _dequantized(i8, u8, i16, f32, row, local, scale_at, valid, BITS: tl.constexpr):
     """The fp32 values of elements ``local`` of a message row starting at byte ``row``, whose
     block scales are floats ``scale_at`` of the row."""
