@@ -309,7 +309,7 @@ _EXACT = {"enable_fp_fusion": False}
 """No multiply-add is fused into one rounding, so that each op rounds as torch's kernels do."""
 
 _TILINGS: OrderedDict[tuple, Tiling] = OrderedDict()
-_CACHED = 256
+_CACHED = 4096  # a few per bucket
 
 
 def _tiling(edges: Tensor, columns: Tensor | None, numel: int, device: torch.device) -> Tiling:

@@ -268,32 +268,29 @@ class BlockQuantizer:
         self.block_size, self.chunk, self.numel, self.payload = (
             block_size, chunk_numel, numel, payload,
         )  # fmt: skip
-        edges, piece_blocks, starts, lengths, chunks, locals_ = [], [], [], [], [], []
-        self.chunk_blocks = []  # per chunk, its blocks [g0, g1)
-        for j, pieces in enumerate(chunk_pieces):
-            at, local, g0 = j * chunk_numel, 0, len(starts)
-            for size in pieces:
-                edges.append(at)
-                piece_blocks.append(len(starts))
-                for offset in range(0, size, block_size):
-                    starts.append(at + offset)
-                    lengths.append(min(block_size, size - offset))
-                    chunks.append(j)
-                    locals_.append(local)
-                    local += 1
-                at += size
-            self.chunk_blocks.append((g0, len(starts)))
-        edges.append(len(chunk_pieces) * chunk_numel)
+        sizes = torch.tensor([size for pieces in chunk_pieces for size in pieces])
+        piece_chunks = torch.repeat_interleave(
+            torch.arange(len(chunk_pieces)), torch.tensor([len(p) for p in chunk_pieces])
+        )
+        edges = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+        counts = -(-sizes // block_size)  # blocks per piece
+        piece_blocks = counts.cumsum(0) - counts
+        piece = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # of each block
+        within = (torch.arange(len(piece)) - piece_blocks[piece]) * block_size
+        chunks = piece_chunks[piece]
+        per_chunk = torch.bincount(chunks, minlength=len(chunk_pieces))
+        chunk_first = per_chunk.cumsum(0) - per_chunk
+        self.chunk_blocks = list(zip(chunk_first.tolist(), (chunk_first + per_chunk).tolist()))
         on = dict(dtype=torch.int64, device=device)
-        edges_t = torch.tensor(edges, dtype=torch.int64)
-        self.tiling = Tiling(edges_t, torch.arange(len(edges) - 1), int(edges[-1]), device)
-        self.piece_starts = edges_t[:-1].to(device)
-        self.piece_blocks = torch.tensor(piece_blocks, **on)
-        self.block_starts = torch.tensor(starts, **on)
-        self.block_lengths = torch.tensor(lengths, **on)
-        self.block_chunks = torch.tensor(chunks, **on)
-        self.scale_at = torch.tensor(locals_, **on) + payload // 4  # floats into a row
-        self.blocks = len(starts)
+        self.tiling = Tiling(edges, torch.arange(len(sizes)), int(edges[-1]), device)
+        self.piece_starts = edges[:-1].to(**on)
+        self.piece_blocks = piece_blocks.to(**on)
+        self.block_starts = (edges[piece] + within).to(**on)
+        self.block_lengths = torch.minimum(sizes[piece] - within, torch.tensor(block_size)).to(**on)
+        self.block_chunks = chunks.to(**on)
+        local = torch.arange(len(piece)) - chunk_first[chunks]
+        self.scale_at = (local + payload // 4).to(**on)  # floats into a row
+        self.blocks = len(piece)
         self.span = 1024 if block_size > 1024 else max(16, triton.next_power_of_2(block_size))
         self.absmax = torch.zeros(max(self.blocks, 1), device=device)
 
