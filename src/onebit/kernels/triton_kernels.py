@@ -22,6 +22,7 @@ not need Triton.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections import OrderedDict
@@ -40,6 +41,29 @@ BLOCK = 4096
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether ``TRITON_INTERPRET=1`` was set when this module was imported (as ``triton.jit``
 reads it): the kernels then run on CPU tensors, in numpy."""
+
+
+class _Launched:
+    """A Triton kernel that launches on its first tensor argument's device (Triton launches on
+    the current CUDA device, which need not be the tensors') and fuses no multiply-add into one
+    rounding, so that each op rounds as torch's kernels do."""
+
+    def __init__(self, kernel: triton.JITFunction) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args, **kwargs):
+            device = next(a.device for a in args if isinstance(a, Tensor))
+            on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+            with on:
+                return self.kernel[grid](*args, **kwargs, enable_fp_fusion=False)
+
+        return launch
+
+
+def launched(kernel: triton.JITFunction) -> _Launched:
+    """Decorate a ``@triton.jit`` kernel launched from the host (see :class:`_Launched`)."""
+    return _Launched(kernel)
 
 
 @triton.jit
@@ -65,6 +89,7 @@ def _row_term(row, row_scales, offs, column, valid):
     return _signed(bit, tl.load(row_scales + column, mask=valid, other=0.0))
 
 
+@launched
 @triton.jit
 def _y_pass(
     x, nx, error, y_out, rows, row_stride, k, row_scales, scale_stride, last,
@@ -145,6 +170,7 @@ def _read(bases, param, run_offsets, run_starts, run, offs, present):
     return tl.load(at, mask=present & (base != 0), other=0.0)
 
 
+@launched
 @triton.jit
 def _momentum_pass(
     grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
@@ -188,6 +214,7 @@ def _momentum_pass(
           BLOCK, SIGNS, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
+@launched
 @triton.jit
 def _momentum_update(
     params, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
@@ -217,6 +244,7 @@ def _momentum_update(
     tl.store(at, p + u, mask=present)
 
 
+@launched
 @triton.jit
 def _segment_scales(
     partials, first, lengths, scales, CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr
@@ -238,6 +266,7 @@ def _segment_scales(
     tl.store(scales + q, tl.where(length > 0, value, 0.0).to(tl.float32))
 
 
+@launched
 @triton.jit
 def _decompress(
     rows, row_stride, row_numel, row_scales, scale_stride, starts, ends, columns, first, out, n,
@@ -304,9 +333,6 @@ class Tiling:
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return self.starts, self.ends, self.columns, self.first
 
-
-_EXACT = {"enable_fp_fusion": False}
-"""No multiply-add is fused into one rounding, so that each op rounds as torch's kernels do."""
 
 _TILINGS: OrderedDict[tuple, Tiling] = OrderedDict()
 _CACHED = 4096  # a few per bucket
@@ -425,7 +451,7 @@ class TritonKernels(TorchKernels):
             BLOCK=BLOCK, HAS_X=x is not None, HAS_ERROR=error is not None,
             AVERAGE=rows is not None, LAST=last is not None, STORE_Y=y_out is not None,
             SIGNS=signs, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
-            COMMIT=scales is not None, **_EXACT,
+            COMMIT=scales is not None,
         )  # fmt: skip
         return packed, None if sums is None else self._scales(tiling, partials, sums)
 
@@ -435,7 +461,7 @@ class TritonKernels(TorchKernels):
         result = torch.empty(tiling.count, dtype=torch.float32, device=partials.device)
         _segment_scales[(tiling.count,)](
             partials, tiling.segment_first, tiling.lengths, result, CHUNK=1024,
-            MEAN_ABS=scale == "mean_abs", **_EXACT,
+            MEAN_ABS=scale == "mean_abs",
         )  # fmt: skip
         return result
 
@@ -584,7 +610,7 @@ class TritonKernels(TorchKernels):
         row_scales = self._row_scales(scales, out.device)
         _decompress[(tiling.blocks,)](
             packed, packed.stride(0), 8 * m, row_scales, row_scales.stride(0), *tiling.table(),
-            out, n, BLOCK=BLOCK, **_EXACT,
+            out, n, BLOCK=BLOCK,
         )  # fmt: skip
         return out
 
@@ -623,7 +649,7 @@ class TritonKernels(TorchKernels):
             params.to(device), momentum.bits, momentum.bits.stride(0), momentum.chunk,
             momentum.scales, denominator, decay.to(device), value.to(device), tables.starts,
             tables.columns, tables.params, tables.offsets, *tables.tiling.table(), tables.numel,
-            BLOCK=BLOCK, **_EXACT,
+            BLOCK=BLOCK,
         )  # fmt: skip
 
     @staticmethod
@@ -659,7 +685,6 @@ class TritonKernels(TorchKernels):
             BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,
             HAS_POST=post is not None, HAS_ERROR=error is not None, SIGNS=signs is not None,
             SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
-            **_EXACT,
         )  # fmt: skip
 
     @staticmethod

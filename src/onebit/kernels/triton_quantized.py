@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_kernels import _EXACT, BLOCK, Tiling
+from .triton_kernels import BLOCK, Tiling, launched
 
 _BITS = {"bf16": 0, "int8": 1, "int4": 2}
 _QMAX = {"bf16": 1.0, "int8": 127.0, "int4": 7.0}
@@ -96,6 +96,7 @@ def _where(offs, valid, starts, ends, columns, first, block, piece_starts, piece
     return j, offs - j * chunk, blocks
 
 
+@launched
 @triton.jit
 def _worker_blocks(
     source, numel, buffer, error, block_starts, block_lengths, block_rows, block_scales,
@@ -123,6 +124,7 @@ def _worker_blocks(
                  tl.math.div_rn(top_max, QMAX))  # fmt: skip
 
 
+@launched
 @triton.jit
 def _worker_quantize(
     buffer, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
@@ -142,6 +144,7 @@ def _worker_quantize(
     _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK, BITS)
 
 
+@launched
 @triton.jit
 def _worker_errors(
     buffer, error, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
@@ -159,6 +162,7 @@ def _worker_errors(
     tl.store(error + offs, y - sent, mask=valid)
 
 
+@launched
 @triton.jit
 def _server_blocks(
     i8, u8, i16, f32, row_bytes, ranks, block_starts, block_lengths, block_scales, chunk_start,
@@ -193,6 +197,7 @@ def _server_blocks(
         tl.store(out_f32 + scale_at, s)
 
 
+@launched
 @triton.jit
 def _server_quantize(
     z, server_error, result, i8, u8, i16, scales, starts, ends, columns, first, piece_starts,
@@ -221,6 +226,7 @@ def _server_quantize(
         tl.store(result + local, deq, mask=valid)
 
 
+@launched
 @triton.jit
 def _results(
     out, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts, piece_blocks,
@@ -307,11 +313,11 @@ class BlockQuantizer:
         _worker_blocks[(self.blocks,)](
             buffer if source is None else source, self.numel, buffer, error, self.block_starts,
             self.block_lengths, rows, self.scale_at, self.absmax, f32, self.qmax,
-            SPAN=self.span, HAS_SOURCE=source is not None, SCALES=self.code != 0, **_EXACT,
+            SPAN=self.span, HAS_SOURCE=source is not None, SCALES=self.code != 0,
         )  # fmt: skip
         _worker_quantize[(self.tiling.blocks,)](
             buffer, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size, self.chunk,
-            buffer.numel(), self.qmax, BLOCK=BLOCK, BITS=self.code, **_EXACT,
+            buffer.numel(), self.qmax, BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
         return self.absmax[: self.blocks].amax()
 
@@ -321,7 +327,7 @@ class BlockQuantizer:
         i8, u8, i16, f32 = _views(sent)
         _worker_errors[(self.tiling.blocks,)](
             buffer, error, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size,
-            self.chunk, buffer.numel(), BLOCK=BLOCK, BITS=self.code, **_EXACT,
+            self.chunk, buffer.numel(), BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
 
     def serve(self, rank: int, received: Tensor, row_bytes: int, server_error: Tensor,
@@ -340,14 +346,14 @@ class BlockQuantizer:
             i8, u8, i16, f32, row_bytes, received.shape[0], self.block_starts[g0:],
             self.block_lengths[g0:], self.scale_at[g0:], start, server_error, z, scales,
             self.absmax[g0:], out, self.qmax, SPAN=self.span, BITS=self.code,
-            OUT=message is not None and self.code != 0, **_EXACT,
+            OUT=message is not None and self.code != 0,
         )  # fmt: skip
         q8, qu, q16, _ = _views(received if message is None else message)
         tile0, tile1 = start // BLOCK, -(-(start + self.chunk) // BLOCK)
         _server_quantize[(tile1 - tile0,)](
             z, server_error, z if result is None else result, q8, qu, q16, scales,
             *self._pieces(), self.block_size, self.chunk, start, tile0, self.qmax, BLOCK=BLOCK,
-            BITS=self.code, OUT=message is not None, RESULT=result is not None, **_EXACT,
+            BITS=self.code, OUT=message is not None, RESULT=result is not None,
         )  # fmt: skip
 
     def finish(self, gathered: Tensor, row_bytes: int, out: Tensor) -> None:
@@ -356,5 +362,5 @@ class BlockQuantizer:
         blocks = -(-self.numel // BLOCK)
         _results[(blocks,)](
             out, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size, self.chunk,
-            self.numel, BLOCK=BLOCK, BITS=self.code, **_EXACT,
+            self.numel, BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
