@@ -13,9 +13,9 @@ optimizer's own state (1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: 
 fresh variance, 8).
 
 It applies to fp32 parameters whose backend has the fused passes (the C kernels on the CPU,
-Triton on CUDA),
-a scale per tensor, no ``max_grad_norm`` and no ``exp_avg_mask`` (:func:`applies`); elsewhere
-the optimizers run the unfused formulation, which gives the same bits.
+Triton on CUDA), a scale per tensor, no ``max_grad_norm`` and no ``exp_avg_mask``
+(:func:`applies`); elsewhere the optimizers run the unfused formulation, which gives the same
+bits.
 """
 
 from __future__ import annotations
@@ -250,9 +250,8 @@ class PackedMomentumStage:
         self.packed = None
         if not packed:
             return
-        packed = []
+        packed, device = [], self.momentum.device
         for (start, end), comm in zip(self.layout.buckets, self.comms):
-            device = self.momentum.device
             padded = torch.zeros(comm.padded_numel, device=device)
             padded[: end - start] = momentum[start:end]
             signs = pack_signs(torch.where(padded.signbit(), -1.0, 1.0))  # -0.0 stays -0.0

@@ -16,7 +16,8 @@ reused; there is no per-element index. A tile is a ``[rows, width]`` view: one r
 where the blocks have one length (block maxima are one ``amax``, scales broadcast per row), and
 for the blocks of small pieces, gathered into one tile, rows of the lengths' common divisor (row
 maxima, then a ``segment_reduce`` over each block's rows), so many small tensors cost few
-operations.
+operations. Where the kernel backend has kernels of its own for the phases (Triton, on CUDA:
+:mod:`onebit.kernels.triton_quantized`), they run instead, with the same bits.
 """
 
 from __future__ import annotations
