@@ -5,16 +5,17 @@ onebit's 1-bit Adam, from a measured step compute and the wire bytes.
     python benchmarks/gpu_model.py --onebit-step-ms 9.9   # a compression step of 1.5x AdamW
 
 One GPU per node, ``n`` nodes, a link of ``bw`` bit/s per node and a latency ``alpha`` per
-message. Per step, with ``F`` forward + backward, ``B`` backward alone (``2/3 F``), ``d``
-parameters:
+message, with the alpha-beta pieces of ``scaling.py``. Per step, with ``F`` forward + backward,
+``B`` backward alone (``2/3 F``), ``d`` parameters:
 
-* AdamW + DDP: ``F + max(0, R - B) + A``. ``R = 2 (n-1)/n · 4d · 8 / bw + 2 (n-1) · alpha`` is a
-  ring allreduce of fp32 gradients, which DDP overlaps with backward (as much as all of it:
-  generous to DDP); ``A`` is ``AdamW(fused=True)``'s step.
-* onebit, compression stage: ``F + S + W``. ``W = 2 (n-1)/n · d/8 · 8 / bw + 2 (n-1) · alpha``
-  is the 1-bit exchange (an all-to-all of signs, then an all-gather, SPEC 2; scales are a few
-  bytes per tensor), not overlapped (``overlap_backward=False``, the default); ``S`` is the
-  compression step's compute.
+* AdamW + DDP: ``F + max(0, R - B) + A``. ``R`` is DDP's ring allreduces of fp32 gradients in
+  its 25 MiB buckets (``scaling.ring``: ``2 (n-1)/n · 4d`` bytes sent, ``2 (n-1)`` messages per
+  bucket), which DDP overlaps with backward (as much as all of it: generous to DDP); ``A`` is
+  ``AdamW(fused=True)``'s step.
+* onebit, compression stage: ``F + S + W``. ``W`` is the 1-bit exchange in onebit's default
+  buckets (``scaling.onebit``: an all-to-all of signs, then an all-gather, SPEC 2, ``2 (n-1)/n
+  · d/8`` bytes and the scales), not overlapped (``overlap_backward=False``, the default); ``S``
+  is the compression step's compute.
 * onebit, fp32 warmup: ``F + R + S_w``, the fp32 allreduce not overlapped, ``S_w`` its step.
 * A whole run spends ``--warmup`` of its steps in the warmup.
 
@@ -26,23 +27,17 @@ from __future__ import annotations
 
 import argparse
 
-
-def ring_allreduce_s(nbytes: float, nodes: int, bandwidth: float, alpha: float) -> float:
-    """Seconds for a ring allreduce of ``nbytes`` per rank over ``nodes`` at ``bandwidth``
-    bit/s: each rank sends ``2 (n-1)/n`` of the buffer in ``2 (n-1)`` messages."""
-    if nodes == 1:
-        return 0.0
-    return 2 * (nodes - 1) / nodes * nbytes * 8 / bandwidth + 2 * (nodes - 1) * alpha
+from scaling import ddp_buckets, onebit, ring
 
 
 def step_times(args: argparse.Namespace, nodes: int, gbit: float, onebit_ms: float,
                warmup_ms: float) -> dict[str, float]:  # fmt: skip
     """Modeled step times in ms: AdamW + DDP, onebit's compression step and warmup step, and
     the whole run."""
-    bw, alpha, d = gbit * 1e9, args.alpha_us * 1e-6, args.params
+    beta, alpha, d = gbit * 1e9 / 8, args.alpha_us * 1e-6, int(args.params)  # bytes/s
     fwd_bwd, backward = args.forward_backward_ms / 1e3, args.forward_backward_ms / 1e3 * 2 / 3
-    fp32 = ring_allreduce_s(4 * d, nodes, bw, alpha)
-    one_bit = ring_allreduce_s(d / 8, nodes, bw, alpha)  # the same volume as a ring of d/8
+    fp32 = ring(4 * d, nodes, ddp_buckets(4 * d), alpha, beta)[0]
+    one_bit = onebit(d, nodes, alpha, beta)[0]
     ddp = fwd_bwd + max(0.0, fp32 - backward) + args.adamw_ms / 1e3
     compression = fwd_bwd + onebit_ms / 1e3 + one_bit
     warmup = fwd_bwd + fp32 + warmup_ms / 1e3

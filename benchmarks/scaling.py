@@ -76,7 +76,8 @@ def bert_large() -> Workload:
     return Workload("BERT-Large", params, matrices, vectors)
 
 
-def _ddp_buckets(nbytes: float) -> int:
+def ddp_buckets(nbytes: float) -> int:
+    """How many buckets DDP cuts ``nbytes`` of gradients into (a small first one, then 25 MiB)."""
     return 1 + max(0, math.ceil((nbytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES))
 
 
@@ -114,11 +115,11 @@ def comm(method: str, w: Workload, n: int, alpha: float, beta: float, args) -> t
     """(seconds of communication, bytes sent per rank) per step of ``method``."""
     fp32 = 4 * w.params
     if method in ("adamw", "onebit-warmup", "lamb-warmup"):
-        return ring(fp32, n, _ddp_buckets(fp32), alpha, beta)
+        return ring(fp32, n, ddp_buckets(fp32), alpha, beta)
     if method == "fp16":
-        return ring(fp32 / 2, n, _ddp_buckets(fp32 / 2), alpha, beta)
+        return ring(fp32 / 2, n, ddp_buckets(fp32 / 2), alpha, beta)
     if method in ("powersgd", "powersgd-1b"):
-        buckets = 1 if method == "powersgd-1b" else _ddp_buckets(fp32)
+        buckets = 1 if method == "powersgd-1b" else ddp_buckets(fp32)
         return ring(4 * powersgd_elements(w, args.powersgd_rank), n, 3 * buckets, alpha, beta)
     if method in ("onebit", "onebit-lamb", "zero-one-a"):
         return onebit(w.params, n, alpha, beta)
