@@ -96,6 +96,19 @@ def _where(offs, valid, starts, ends, columns, first, block, piece_starts, piece
     return j, offs - j * chunk, blocks
 
 
+@triton.jit
+def _elements(starts, ends, columns, first, piece_starts, piece_blocks, block_scales, block_size,
+              chunk, n, BLOCK: tl.constexpr):  # fmt: skip
+    """This program's elements of ``[0, n)``: their offsets, validity, chunk, place in the chunk
+    and block scale's float in a message row."""
+    block = tl.program_id(0).to(tl.int64)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    j, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
+                         piece_blocks, block_size, chunk)  # fmt: skip
+    return offs, valid, j, local, tl.load(block_scales + g, mask=valid, other=0)
+
+
 @launched
 @triton.jit
 def _worker_blocks(
@@ -132,14 +145,11 @@ def _worker_quantize(
     BITS: tl.constexpr,
 ):  # fmt: skip
     """Element-wise: ``Q(y)`` of the buffer into each chunk's row of the phase-1 message."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    j, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
-                         piece_blocks, block_size, chunk)  # fmt: skip
+    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
+                                                piece_blocks, block_scales, block_size, chunk,
+                                                n, BLOCK)  # fmt: skip
     row = j * row_bytes
-    s = tl.load(f32 + row // 4 + tl.load(block_scales + g, mask=valid, other=0), mask=valid,
-                other=0.0)  # fmt: skip
+    s = tl.load(f32 + row // 4 + scale_at, mask=valid, other=0.0)
     y = tl.load(buffer + offs, mask=valid, other=0.0)
     _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK, BITS)
 
@@ -151,12 +161,9 @@ def _worker_errors(
     piece_blocks, block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     """Element-wise: ``e = y - deQ(Q(y))`` from what the phase-1 message sent."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    j, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
-                         piece_blocks, block_size, chunk)  # fmt: skip
-    scale_at = tl.load(block_scales + g, mask=valid, other=0)
+    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
+                                                piece_blocks, block_scales, block_size, chunk,
+                                                n, BLOCK)  # fmt: skip
     sent = _dequantized(i8, u8, i16, f32, j * row_bytes, local, scale_at, valid, BITS)
     y = tl.load(buffer + offs, mask=valid, other=0.0)
     tl.store(error + offs, y - sent, mask=valid)
@@ -233,12 +240,9 @@ def _results(
     block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     """Element-wise below numel: the result, ``deQ`` of each server's phase-2 row."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    j, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
-                         piece_blocks, block_size, chunk)  # fmt: skip
-    scale_at = tl.load(block_scales + g, mask=valid, other=0)
+    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
+                                                piece_blocks, block_scales, block_size, chunk,
+                                                n, BLOCK)  # fmt: skip
     tl.store(out + offs, _dequantized(i8, u8, i16, f32, j * row_bytes, local, scale_at, valid,
                                       BITS), mask=valid)  # fmt: skip
 
