@@ -6,9 +6,11 @@ Layers, each depending only on those before it:
 * :mod:`onebit.comm`: :class:`CompressedAllreduce`, the error-compensated 1-bit allreduce;
 * the optimizers: :class:`OnebitAdam`, :class:`ZeroOneAdam`, :class:`OnebitLamb`
   (``freeze_step="auto"``: :class:`AutoFreeze`);
-* :func:`ddp_comm_hook`, for models a framework wraps in ``DistributedDataParallel``.
+* :func:`ddp_comm_hook`, for models a framework wraps in ``DistributedDataParallel``;
+* :mod:`onebit.fsdp`, for models FSDP2 shards inside a node (``onebit.fsdp.attach``).
 """
 
+from . import fsdp
 from .adam import OnebitAdam
 from .comm import CompressedAllreduce
 from .ddp_hook import ddp_comm_hook
@@ -25,5 +27,6 @@ __all__ = [
     "OnebitLamb",
     "ZeroOneAdam",
     "ddp_comm_hook",
+    "fsdp",
 ]
 __version__ = "0.1.0"

@@ -20,27 +20,45 @@ def digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
-def check_ranks_agree(settings: dict[str, Any] | str, group: dist.ProcessGroup | None) -> None:
+def check_ranks_agree(
+    settings: dict[str, Any] | str,
+    group: dist.ProcessGroup | None,
+    shard: int | None = None,
+    per_shard: tuple[str, ...] = (),
+) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks have the same settings.
 
     ``settings`` is a string where this rank's own checks failed: every rank then raises it,
-    prefixed with the rank that failed.
+    prefixed with the rank that failed. With sharded parameters every rank of the mesh takes
+    part, ``shard`` is the shard this rank holds, and the ``per_shard`` settings (the local
+    shapes, say) need only agree among the ranks that hold the same shard.
     """
     mine = settings if isinstance(settings, str) else {k: digest(v) for k, v in settings.items()}
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    problems = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
+    dist.all_gather_object(gathered, (shard, mine), group=group)
+    problems = [f"rank {r}: {g}" for r, (_, g) in enumerate(gathered) if isinstance(g, str)]
     if problems:
         raise ValueError("; ".join(problems))
     assert isinstance(settings, dict)
-    differ = sorted({key for g in gathered for key in g if g.get(key) != gathered[0].get(key)})
+    first_of = {}
+    for s, g in gathered:
+        first_of.setdefault(s, g)
+
+    def reference(s: int | None, key: str) -> Any:
+        return (first_of[s] if key in per_shard else gathered[0][1]).get(key)
+
+    differ = sorted({key for s, g in gathered for key in g if g.get(key) != reference(s, key)})
     if differ:
-        ranks = [r for r, g in enumerate(gathered) if g != gathered[0]]
+        ranks = [
+            r
+            for r, (s, g) in enumerate(gathered)
+            if any(g.get(k) != reference(s, k) for k in differ)
+        ]
         shown = {key: settings[key] for key in differ if key not in ("shapes", "dtypes")}
         raise ValueError(
             f"settings differ across ranks: {', '.join(differ)} (rank(s) {ranks} differ from "
-            f"rank 0). Build the model and optimizer the same way on every rank. This rank has "
-            f"{shown}"
+            f"rank 0{' or the first rank with their shard' if per_shard else ''}). Build the "
+            f"model and optimizer the same way on every rank. This rank has {shown}"
         )
 
 

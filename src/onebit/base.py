@@ -48,6 +48,7 @@ from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
 from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
+from .sharding import Replicated, Sharded, has_dtensors, local_tensor, shards_of
 from .stats import CommStats
 
 DEFAULT_BUCKET_SIZE = 2**22
@@ -72,6 +73,8 @@ _STATUS = {
     2: "betas or eps that differ between param groups (they act on whole buckets: set them "
     "the same in every group)",
     3: "parameters on more than one device (move the whole model: model.to(device))",
+    4: "gradients that FSDP2 did not reduce (set_requires_gradient_sync(False) is on: turn it "
+    "back on before the last backward of a step)",
 }
 
 
@@ -198,6 +201,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
+        sharded = has_dtensors([p for g in self.param_groups for p in g["params"]])
+        self.shards = Replicated([])  # _lay_out's, once the parameters are checked
         try:
             if problem is not None:  # the subclass's own argument checks failed
                 raise ValueError(problem)
@@ -205,11 +210,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.freeze = freeze
             self._lay_out(bucket_size, max_grad_norm, exp_avg_mask)
         except ValueError as err:
-            if self.world_size == 1:
+            if self.world_size == 1 and not sharded:
                 raise
             problem = str(err)  # raised on every rank below, not here alone
+        settings = self._settings() if problem is None else problem
+        if sharded:  # every rank of the mesh: the shards must agree with each other too
+            per_shard = ("shapes", "dtypes", "shard")
+            check_ranks_agree(settings, None, self.shards.rank, per_shard)
+        elif self.world_size > 1:
+            check_ranks_agree(settings, process_group)
         if self.world_size > 1:
-            check_ranks_agree(self._settings() if problem is None else problem, process_group)
             broadcast_from_first_rank(self.layout.params, process_group)
         self._build_on_device()
         self._step_open = False
@@ -283,6 +293,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         nothing, if the parameters are on more than one device (the step then raises on every
         rank).
         """
+        self.shards.refresh(self.layout.params)
         devices = {p.device for p in self.layout.params}
         if len(devices) > 1:
             return False
@@ -330,10 +341,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         if not params:
             raise ValueError(f"{type(self).__name__} got no parameters")
-        _check_parameters(params)
-        self.device = params[0].device
+        self.shards = shards_of(params, self.process_group)
+        local = self.shards.locals()
+        _check_parameters(local)
+        if isinstance(self.shards, Sharded):
+            if self.overlap_backward:
+                raise ValueError(
+                    "overlap_backward with FSDP2: FSDP2 sends the gradients during backward "
+                    "itself, and onebit averages them across replicas in step()"
+                )
+            if exp_avg_mask:
+                raise ValueError("exp_avg_mask is not supported with FSDP2-sharded parameters")
+            if self.freeze.monitor is not None:  # "auto" decides on the whole model
+                self.freeze.monitor.numels = self.shards.numels()
+                self.freeze.monitor.layer_norms = self.shards.layer_norms
+        self.device = local[0].device
         kernels.for_device(self.device)  # a bad ONEBIT_BACKEND raises here, on every rank
-        self.layout = FlatLayout(params, bucket_size, self.world_size)
+        self.layout = FlatLayout(local, bucket_size, self.world_size, keys=params)
         self._masks = _check_masks(exp_avg_mask or {}, self.layout)
 
     def _settings(self) -> dict[str, Any]:
@@ -353,6 +377,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "auto_freeze": self.freeze.auto_freeze,
             "overlap_backward": self.overlap_backward,
             "exp_avg_mask": [offset for offset, _ in self._masks],
+            **self.shards.settings(),
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -411,6 +436,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (self._beta1, self._beta2), self._eps = first["betas"], first["eps"]
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
         self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
+        if not self._status and not self.shards.syncing():
+            self._status = 4
         self._inv_scale = None
         hyper = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
@@ -439,9 +466,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
         self._inv_scale = None if inv_scale == 1.0 else inv_scale
 
-    def _check_headers(self, headers: Tensor) -> None:
+    def _check_headers(self, headers: Tensor, finite: bool) -> bool:
         """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]``,
-        identical on every rank) show different steps, hyperparameters or a local problem."""
+        identical on every rank) show different steps, hyperparameters or a local problem;
+        else return whether every rank's values were ``finite``.
+
+        With sharded parameters both verdicts are combined across the shard group in one
+        collective, so a problem of one shard's ranks stops every rank of the mesh."""
         calls, digests, status, passes = headers[:, 0], headers[:, 1], headers[:, 2], headers[:, 4]
         error = None
         if not bool((calls == calls[0]).all() and (passes == passes[0]).all()):
@@ -469,9 +500,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if bad:
                 problems = "; ".join(f"rank {r} has {_STATUS.get(s, s)}" for r, s in bad)
                 error = f"{type(self).__name__}.step(): {problems}"
-        if error is not None:
+        verdict = self.shards.worst(2 if error is not None else 0 if finite else 1)
+        if verdict == 2:
             self._close_step()
-            raise RuntimeError(error)
+            raise RuntimeError(
+                error
+                or f"{type(self).__name__}.step(): the ranks that hold another shard raised an "
+                "error (see theirs); this step was not applied"
+            )
+        return verdict == 0
 
     # Communication: the bucketer launches the buckets, the headers are checked here.
 
@@ -508,9 +545,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if kind == "allreduce":
             for call in calls:
                 call.wait()
-            self._check_headers(self.bucketer.header_slots())
             # all_finite, not isfinite(grads).all(): no model-sized temporaries
-            return all_finite([self._grads]), sum(c.bytes_sent for c in calls)
+            applied = self._check_headers(self.bucketer.header_slots(), all_finite([self._grads]))
+            return applied, sum(c.bytes_sent for c in calls)
         outputs = self.layout.bucket_views(out)
         return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
 
@@ -527,16 +564,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``gradients``, note the mean of the ranks' gradient norms that ``max_grad_norm`` clips
         with (a quantized average is clipped as an fp32 one, by its own norm)."""
         comms = self.bucketer.comms_for(kind)
-        for comm, call in zip(comms, calls):
-            comm.worker_scales(call)
+        scales = torch.cat(
+            [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
+        )
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
         first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
         first[:, 2] = headers[:, :, 2].amax(0)
-        self._check_headers(first)
-        applied = finish_compressed_(comms, calls, outputs)
+        finite = self._check_headers(first, bool(torch.isfinite(scales).all()))
+        applied = finite and finish_compressed_(comms, calls, outputs)
         if applied and gradients and kind == "compressed" and self.max_grad_norm is not None:
-            local_norms = headers[:, :, 3].sum(0).sqrt()  # each rank's norm over all buckets
-            self.grad_norm = float(local_norms.mean())
+            norms2 = self.shards.sum_(headers[:, :, 3].sum(0))  # each rank's, over all buckets
+            self.grad_norm = float(norms2.sqrt().mean())
         return applied, sum(c.bytes_per_call for c in comms)
 
     def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
@@ -568,6 +606,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is None:
             return
         total = torch.linalg.vector_norm(layer_norms(self.layout.views(g)))
+        total = self.shards.combine(total.reshape(1))[0]
         self.grad_norm = float(total)
         g.mul_(clip_coefficient(total, self.max_grad_norm))
 
@@ -638,7 +677,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         vs, start = self.layout.views(v), 0
         for group in self.param_groups:
             end = start + len(group["params"])
-            for part in _parts(self.layout.numels[start:end], self.layout.bucket_size):
+            numels = self.shards.numels()[start:end]  # the same parts on every shard
+            for part in _parts(numels, self.layout.bucket_size):
                 part = slice(start + part.start, start + part.stop)
                 if whole is not None:
                     yield group, part, whole[part]
@@ -684,6 +724,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._step_open = False
         self._calls += 1
+        self.shards.release(self.layout.params)
         self.bucketer.armed = True
         self.comm_stats.record(stage, nbytes, round_skipped)
         if applied:
@@ -776,7 +817,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             comm.reset()
 
     def _layout_digest(self) -> str:
-        return digest((self.layout.buckets, self.layout.numels, self.world_size))
+        layout = (self.layout.buckets, self.layout.numels, self.world_size)
+        return digest((*layout, self.shards.settings()) if self.shards.rank is not None else layout)
+
+    @property
+    def _part(self) -> int:
+        """Where this rank's part of the state sits in ``["onebit"]["ranks"]``: its rank in the
+        group, or in the world where parameters are sharded (every rank's part differs)."""
+        return self.rank if self.shards.rank is None else dist.get_rank()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's whole state: per-parameter buffers, error buffers, schedules, counters.
@@ -797,10 +845,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
-        ranks = {self.rank: self._rank_state()}
+        ranks = {self._part: self._rank_state()}
         if self._gathered is not None and self._gathered[0] == self._calls:
             ranks = self._gathered[1]
         state = super().state_dict()
+        if self.shards.rank is not None:  # DTensors, for torch.distributed.checkpoint
+            state["state"] = {
+                i: {k: self.shards.wrap(i, v) if torch.is_tensor(v) else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            }
         state["onebit"] = {
             "optimizer": type(self).__name__,
             "world_size": self.world_size,
@@ -826,6 +879,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
+        if self.shards.rank is not None:
+            raise ValueError(
+                "a sharded optimizer's state is saved with torch.distributed.checkpoint, every "
+                "rank its own part: see onebit.fsdp.save"
+            )
         self._gathered = None
         if self.world_size == 1:
             return
@@ -886,7 +944,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         try:
             for i, saved in state_dict["state"].items():
                 for key, buffer in self.state[index[i]].items():
-                    if key not in saved or buffer.shape != saved[key].shape:
+                    if key not in saved or buffer.shape != local_tensor(saved[key]).shape:
                         got = tuple(saved[key].shape) if key in saved else "nothing"
                         raise ValueError(
                             f"state {key!r} of parameter {i}: saved {got}, "
@@ -897,21 +955,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise
         for i, saved in state_dict["state"].items():
             for key, buffer in self.state[index[i]].items():
-                buffer.copy_(saved[key])
+                buffer.copy_(local_tensor(saved[key]))
         for saved, g in zip(groups, self.param_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         extra = dict(saved_onebit)
         ranks = extra.pop("ranks", None)
         if ranks is None:  # onebit 0.1.0 saved one rank's state without naming the rank
             ranks = {
-                self.rank: {k: extra.pop(k) for k in ("comms", "local_skipped_steps") if k in extra}
+                self._part: {
+                    k: extra.pop(k) for k in ("comms", "local_skipped_steps") if k in extra
+                }
             }
             extra.setdefault("layout", self._layout_digest())
-        part = ranks.get(self.rank)
+        part = ranks.get(self._part)
         try:
             if part is None:
                 raise ValueError(
-                    f"the state holds rank(s) {sorted(ranks)}, this is rank {self.rank}; save "
+                    f"the state holds rank(s) {sorted(ranks)}, this is rank {self._part}; save "
                     "with consolidated_state_dict() or one file per rank"
                 )
             if extra.get("layout") != self._layout_digest():

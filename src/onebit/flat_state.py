@@ -55,18 +55,19 @@ class FlatState:
         denominator, say) rename their buffers so that ``state_dict`` says what each holds.
         """
         layout = self.layout
-        views = layout.views(flat) if flat is not None else [None] * len(layout.params)
-        for p, view in zip(layout.params, views):
+        views = layout.views(flat) if flat is not None else [None] * len(layout.keys)
+        for p, view in zip(layout.keys, views):
             if view is None:
                 self.state[p].pop(name, None)
             else:
                 self.state[p][name] = view
 
     def per_group(self, *flats: Tensor) -> Iterator[tuple[Any, ...]]:
-        """``(group, params, views of each flat buffer...)`` per param group."""
+        """``(group, the group's tensors in ``layout.params``, views of each flat buffer...)``
+        per param group."""
         views = [self.layout.views(f) for f in flats]
         start = 0
         for group in self.param_groups:
             end = start + len(group["params"])
-            yield (group, group["params"], *(v[start:end] for v in views))
+            yield (group, self.layout.params[start:end], *(v[start:end] for v in views))
             start = end

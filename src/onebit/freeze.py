@@ -24,6 +24,7 @@ so a resumed run keeps it (and an unfinished decision continues exactly).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -85,7 +86,9 @@ class VarianceMonitor:
     """The state of the ``"auto"`` rule: the last measurement and the run of stable ones.
 
     ``numels`` are the layers' sizes, which weigh the statistic (``None``: the sizes of the
-    denominators observed).
+    denominators observed). ``layer_norms(tensors, ord)`` takes each layer's norm as a CPU
+    vector; an optimizer of sharded parameters sets both to the whole layers'
+    (:class:`onebit.sharding.Sharded`), so that every shard measures the same statistic.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class VarianceMonitor:
         self.config = config
         self.process_group = process_group
         self.numels = numels
+        self.layer_norms: Callable[[list[Tensor], float], Tensor] = _layer_norms
         self.reference: Tensor | None = None
         self.stable_windows = 0
         self.last_change = math.inf
@@ -116,7 +120,7 @@ class VarianceMonitor:
         config = self.config
         sizes = [d.numel() for d in denominators] if self.numels is None else self.numels
         numels = torch.tensor(sizes, dtype=torch.float32)
-        means = layer_norms(denominators, ord=1).cpu() / numels.clamp(min=1)
+        means = self.layer_norms(denominators, 1) / numels.clamp(min=1)
         weights = numels / numels.sum().clamp(min=1)
         change = _relative_change(means, self.reference, weights)
         if dist.is_available() and dist.is_initialized():
@@ -142,6 +146,10 @@ class VarianceMonitor:
         self.reference = None if reference is None else reference.clone()
         self.stable_windows = state["stable_windows"]
         self.last_change = state["last_change"]
+
+
+def _layer_norms(tensors: list[Tensor], ord: float) -> Tensor:
+    return layer_norms(tensors, ord).cpu()
 
 
 def _relative_change(now: Tensor, before: Tensor | None, weights: Tensor) -> float:

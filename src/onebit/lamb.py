@@ -232,8 +232,8 @@ class OnebitLamb(CompressedOptimizer):
                 torch._foreach_div_(updates, bc1)
                 if group["weight_decay"]:
                     torch._foreach_add_(updates, params[part], alpha=group["weight_decay"])
-                weight_norms = layer_norms(params[part]).cpu()
-                update_norms = layer_norms(updates).cpu()
+                weight_norms = self.shards.layer_norms(params[part])
+                update_norms = self.shards.layer_norms(updates)
                 coeffs = trust_ratio(weight_norms, update_norms, self.min_coeff, self.max_coeff)
                 scaled_sub_(params[part], updates, [group["lr"] * c for c in coeffs.tolist()])
                 norms.append((weight_norms, update_norms, coeffs))
@@ -282,14 +282,14 @@ class OnebitLamb(CompressedOptimizer):
             self._apply_mask_(m)
             fresh = self._adam_denominator(v_fresh, t)
             torch.div(frozen_denom, fresh, out=g)
-            raw = layer_norms(views, ord=math.inf).cpu()  # each layer's largest ratio
-            raw = torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
+            raw = self.shards.layer_norms(views, math.inf)  # each layer's largest ratio
+            raw = torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
             update = self._adam_update(m, frozen_denom, t)
             update_ratio = None
             if any(group["weight_decay"] for group in self.param_groups):
-                adaptive = layer_norms(views).cpu()
+                adaptive = self.shards.layer_norms(views)
                 self._add_weight_decay(update)
-                total = layer_norms(views).cpu()
+                total = self.shards.layer_norms(views)
                 update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
             factors = lamb_factor(
                 raw,
@@ -350,7 +350,8 @@ class OnebitLamb(CompressedOptimizer):
             layers = self._bucket_layers(k)
             _, parts = self._bucket_parts(k, ratio)
             raw[layers] = torch.maximum(raw[layers], layer_norms(parts, ord=math.inf).cpu())
-        return torch.where(torch.tensor(self.layout.numels) > 0, raw, 1.0)
+        raw = self.shards.combine(raw, math.inf)
+        return torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
 
     def _packed_updates(
         self, new: list[tuple[Tensor, Tensor]], t: int, decay: bool = True
@@ -391,6 +392,7 @@ class OnebitLamb(CompressedOptimizer):
                 if groups[i]["weight_decay"]:
                     torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
                 total[i] = layer_norms([whole]).cpu()[0]
+        adaptive, total = self.shards.combine(adaptive), self.shards.combine(total)
         return torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
 
     def _scratch(self, numel: int) -> Tensor:

@@ -15,10 +15,23 @@ from .compress import padded_numel
 
 
 class FlatLayout:
-    """Where each parameter lives in the flat buffers, and how they split into buckets."""
+    """Where each parameter lives in the flat buffers, and how they split into buckets.
 
-    def __init__(self, params: list[Tensor], bucket_size: int, world_size: int) -> None:
+    Attributes:
+        params: the tensors the optimizer reads and updates: the parameters, or their local
+            shards where FSDP2 shards them (:mod:`onebit.sharding` keeps the list current).
+        keys: the optimizer's parameters, which key its ``state``.
+    """
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        bucket_size: int,
+        world_size: int,
+        keys: list[Tensor] | None = None,
+    ) -> None:
         self.params = params
+        self.keys = params if keys is None else keys
         self.numels = [p.numel() for p in params]
         self.offsets = []
         offset = 0

@@ -279,7 +279,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if self._status:
             self._close_step()
             raise RuntimeError(f"{type(self).__name__}.step(): {_STATUS[self._status]}")
-        if all_finite(grads):
+        if self.shards.all_(all_finite(grads)):
             momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
             self._apply_mask_(m)
             self._adamw_update_(m, denom, t)
@@ -304,7 +304,8 @@ class ZeroOneAdam(CompressedOptimizer):
         scale = self._inv_scale
         if self.max_grad_norm is not None:
             present = [g for g in grads if g is not None]
-            norm = torch.linalg.vector_norm(layer_norms(present)) * (scale or 1.0)
+            norm = torch.linalg.vector_norm(layer_norms(present))
+            norm = self.shards.combine(norm.reshape(1))[0] * (scale or 1.0)
             self.grad_norm = float(norm)
             scale = (scale or 1.0) * float(clip_coefficient(norm, self.max_grad_norm))
         return None if scale == 1.0 else scale

@@ -1,0 +1,140 @@
+"""1-bit Adam with FSDP2: shard inside a node, send 1 bit across nodes (SPEC section 9).
+
+The model is sharded over the ``S`` ranks of a node with ``fully_shard(..., mesh=mesh["shard"])``:
+FSDP2 all-gathers the parameters and reduce-scatters (averages) the gradients over the fast link
+inside the node. The optimizer, built on the sharded parameters with
+``process_group=mesh["replicate"].get_group()``, averages each local shard across the ``R``
+nodes in ``step()``: in fp32 (or the quantized warmup) until the freeze, then as 1-bit
+compressed momentum. Each rank's optimizer state covers its own shard only::
+
+    mesh = init_device_mesh("cuda", (R, S), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = onebit.OnebitAdam(
+        model.parameters(), lr=1e-4, process_group=mesh["replicate"].get_group()
+    )
+    onebit.fsdp.attach(model, optimizer)
+
+:func:`save` and :func:`load` checkpoint the model and the optimizer, every rank's error
+buffers included, through ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import CompressedOptimizer
+from .sharding import Sharded
+
+__all__ = ["attach", "load", "save"]
+
+
+def attach(model: nn.Module, optimizer: CompressedOptimizer) -> None:
+    """Tie a onebit ``optimizer`` to the FSDP2-sharded ``model`` whose parameters it steps.
+
+    Checks that FSDP2 sharded the model on the 1-D mesh of the optimizer's parameters, so that
+    FSDP2 averages inside the node and onebit, not FSDP2, across nodes; from then on a
+    ``step()`` after a backward with ``set_requires_gradient_sync(False)`` (whose gradients
+    FSDP2 kept unreduced) raises on every rank instead of stepping on stale gradients.
+
+    Raises:
+        ValueError: if the model has no FSDP2 module, the optimizer was not built on its
+            sharded parameters, or FSDP2 shards it on another mesh.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    shards = getattr(optimizer, "shards", None)
+    if not isinstance(shards, Sharded):
+        raise ValueError(
+            "attach needs a onebit optimizer built on the parameters of a model sharded with "
+            'fully_shard(..., mesh=mesh["shard"]): build the optimizer after fully_shard'
+        )
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                groups.append(group)
+    if not groups:
+        raise ValueError("the model has no module sharded by fully_shard")
+    sharded = {id(fsdp_param.sharded_param) for g in groups for fsdp_param in g.fsdp_params}
+    if any(id(p) not in sharded for p in shards.params):
+        raise ValueError("the optimizer has parameters that FSDP2 does not shard in this model")
+    for group in groups:
+        mesh = group.mesh_info.mesh
+        if mesh.ndim != 1 or mesh != shards.mesh:
+            raise ValueError(
+                f"FSDP2 shards the model on {mesh}, the optimizer's parameters are on "
+                f'{shards.mesh}: shard every module with fully_shard(..., mesh=mesh["shard"])'
+            )
+    shards.fsdp_groups = groups
+
+
+def _mesh(optimizer: CompressedOptimizer) -> torch.Tensor:
+    """``[replicas, shards]`` of the optimizer's mesh."""
+    return torch.tensor([optimizer.world_size, optimizer.shards.size])
+
+
+def _state(model: nn.Module, optimizer: CompressedOptimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": optimizer.state_dict(),
+        "onebit_mesh": _mesh(optimizer),
+    }
+
+
+def save(
+    model: nn.Module, optimizer: CompressedOptimizer, checkpoint_id: str | os.PathLike
+) -> None:
+    """Save the sharded model and optimizer to ``checkpoint_id`` with
+    ``torch.distributed.checkpoint``, every rank its own shards and error buffers.
+
+    A collective: call it on every rank. The momentum and variance are saved as DTensors
+    sharded as their parameters; each rank's error-feedback buffers under its own rank.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+
+
+def load(
+    model: nn.Module,
+    optimizer: CompressedOptimizer,
+    checkpoint_id: str | os.PathLike,
+    reshard: bool = False,
+) -> None:
+    """Load what :func:`save` wrote into the sharded model and optimizer.
+
+    A collective: call it on every rank. On the mesh it was saved from, the run resumes bit
+    for bit. On another mesh the error-feedback buffers, which belong to each rank's bucket
+    layout, cannot follow: this raises ``ValueError`` on every rank unless ``reshard``, which
+    loads the model, the momentum and the variance resharded by
+    ``torch.distributed.checkpoint`` and restarts the error buffers at zero, with a warning
+    (as :meth:`~onebit.base.CompressedOptimizer.load_state_dict` does for another world size).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    saved_mesh = {"onebit_mesh": torch.zeros(2, dtype=torch.int64)}
+    dcp.load(saved_mesh, checkpoint_id=checkpoint_id)
+    saved, here = saved_mesh["onebit_mesh"].tolist(), _mesh(optimizer).tolist()
+    state = _state(model, optimizer)
+    if saved != here:
+        if not reshard:
+            raise ValueError(
+                f"checkpoint saved on a mesh of {saved[0]} replicas x {saved[1]} shards, this "
+                f"run has {here[0]} x {here[1]}: each rank's error-feedback buffers cannot be "
+                "resharded. Resume on the same mesh, or pass reshard=True to restart them at zero"
+            )
+        state["optimizer"]["onebit"]["ranks"] = {}  # load_state_dict warns, and resets them
+    del state["onebit_mesh"]
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    set_model_state_dict(model, state["model"])
+    optimizer.load_state_dict(state["optimizer"])
