@@ -116,14 +116,14 @@ def test_warmup_equals_torch_hsdp_in_users_loops(case):
     assert diff <= 1e-5
 
 
-def _compression_run(rank: int, world_size: int, mesh_shape, name: str) -> dict:
+def _compression_run(rank: int, world_size: int, mesh_shape, name: str, kwargs: dict) -> dict:
     mesh = _mesh(*mesh_shape)
-    model, opt = _onebit(mesh, name, _wide(), bucket_size=4096)
+    model, opt = _onebit(mesh, name, _wide(), bucket_size=4096, **kwargs)
     _train(model, opt, range(8))
     replicas = mesh["replicate"].get_group()
     replicated = _wide()  # the same optimizer on whole parameters, for its state's size
     rep_opt = make_optimizer(
-        name, replicated.parameters(), process_group=replicas, bucket_size=4096
+        name, replicated.parameters(), process_group=replicas, bucket_size=4096, **kwargs
     )
     _train(replicated, rep_opt, range(8))
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
@@ -139,18 +139,29 @@ def _compression_run(rank: int, world_size: int, mesh_shape, name: str) -> dict:
         / dist.get_world_size(replicas),
         "state bytes": storage_bytes(opt),
         "replicated state bytes": storage_bytes(rep_opt),
+        "freeze": (opt.freeze_step, opt.freeze.monitor and opt.freeze.monitor.last_change),
         "model bytes": model_bytes,
     }
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_compression_stage_keeps_replicas_equal_at_one_bit(name):
+AUTO_INT8 = dict(
+    warmup_compression="int8",
+    freeze_step="auto",
+    auto_freeze=onebit.AutoFreeze(window=2, tolerance=0.5, patience=1, min_step=2, max_step=6),
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"), [*((n, {}) for n in NAMES), ("adam", AUTO_INT8)], ids=[*NAMES, "auto-int8"]
+)
+def test_compression_stage_keeps_replicas_equal_at_one_bit(name, kwargs):
     """Through the compression stage the ranks that hold the same shard stay bitwise equal and
     send about 1/32 of an fp32 allreduce between nodes (scales and headers aside). Each keeps
     1/S of the replicated optimizer's state, for OnebitAdam at most (2 + 1/R + 1/16) / S model
     sizes."""
     replicas, shards = 2, 2
-    results = run_ranks(_compression_run, 4, (replicas, shards), name)
+    results = run_ranks(_compression_run, 4, (replicas, shards), name, kwargs)
+    assert len({r["freeze"] for r in results}) == 1  # "auto": one decision, on the whole model
     by_shard: dict[int, list] = {}
     for r in results:
         by_shard.setdefault(r["shard"], []).append(r["local"])
@@ -164,3 +175,133 @@ def test_compression_stage_keeps_replicas_equal_at_one_bit(name):
     assert len(by_shard) == shards
     for peers in by_shard.values():
         assert all(torch.equal(a, b) for a, b in zip(peers[0], peers[1]))
+
+
+def _resume(rank: int, world_size: int, name: str, directory: str, load_on) -> dict:
+    """Train 5 steps on a 2x2 mesh (past the freeze) and save; go on 3 steps. Then a fresh
+    model and optimizer (on ``load_on``) load the checkpoint and run the same 3 steps."""
+    mesh = _mesh(2, 2)
+    model, opt = _onebit(mesh, name, _wide(), bucket_size=1024)
+    _train(model, opt, range(5))
+    onebit.fsdp.save(model, opt, directory)
+    _train(model, opt, range(5, 8))
+    straight = _full(model)
+    mesh = _mesh(*load_on) if load_on != (2, 2) else mesh
+    torch.manual_seed(1)  # another initialisation: everything must come from the checkpoint
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 2))
+    model, opt = _onebit(mesh, name, fresh, bucket_size=1024)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            onebit.fsdp.load(model, opt, directory, reshard=load_on == (1, 4))
+        except ValueError as err:
+            return {"error": str(err)}
+    _train(model, opt, range(5, 8))
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(straight, _full(model))),
+        "warnings": [str(w.message) for w in caught],
+        "steps": opt.num_steps,
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_resumes_bitwise_through_dcp(name, tmp_path):
+    """Model and optimizer through ``torch.distributed.checkpoint``, every rank's error buffers
+    included: the resumed run is bitwise the run that went on."""
+    results = run_ranks(_resume, 4, name, str(tmp_path), (2, 2))
+    assert all(r["same"] and r["steps"] == 8 and not r["warnings"] for r in results), results
+
+
+def test_checkpoint_on_another_mesh_is_an_error_or_reshards(tmp_path):
+    """Loading a 2x2 checkpoint on 4x1 raises on every rank; on 1x4 with ``reshard=True`` it
+    loads, warns that the error buffers restart, and trains on."""
+    errors = run_ranks(_resume, 4, "adam", str(tmp_path / "a"), (4, 1))
+    assert all(
+        "2 replicas x 2 shards" in r["error"] and "reshard=True" in r["error"] for r in errors
+    )
+    resharded = run_ranks(_resume, 4, "adam", str(tmp_path / "b"), (1, 4))
+    for r in resharded:
+        assert r["steps"] == 8 and any("error-feedback buffers reset" in w for w in r["warnings"])
+
+
+def _errors(rank: int, world_size: int) -> dict[str, str | None]:
+    """What each case of ``ERRORS`` raises on this rank (``None``: nothing), one after another."""
+    return {case: _error(rank, case, _mesh(2, 2)) for case in ERRORS}
+
+
+def _error(rank: int, case: str, mesh) -> str | None:
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        if case == "2-D mesh":  # FSDP2's own HSDP: it would average across replicas itself
+            model = _shard(make_model(), mesh)
+            make_optimizer("adam", model.parameters(), process_group=mesh["replicate"].get_group())
+        elif case == "world group":
+            make_optimizer("adam", _shard(make_model(), mesh["shard"]).parameters())
+        elif case == "lr on one rank":
+            model = _shard(make_model(), mesh["shard"])
+            group = mesh["replicate"].get_group()
+            make_optimizer("adam", model.parameters(), process_group=group, lr=1e-2 + (rank == 3))
+        elif case == "overlap_backward":
+            _onebit(mesh, overlap_backward=True)
+        elif case == "attach to another model":
+            model, opt = _onebit(mesh)
+            onebit.fsdp.attach(fully_shard(make_model(), mesh=mesh["shard"]), opt)
+        elif case == "attach unsharded":
+            model = make_model()
+            onebit.fsdp.attach(model, make_optimizer("adam", model.parameters()))
+        elif case == "step without gradient sync":
+            model, opt = _onebit(mesh)
+            model.set_requires_gradient_sync(False)
+            loss_of(model, 0, rank).backward()
+            opt.step()
+    except (ValueError, RuntimeError) as err:
+        return str(err)
+    return None
+
+
+ERRORS = {
+    "2-D mesh": "1-D mesh",
+    "world group": "is not the world's 4 ranks",
+    "lr on one rank": "settings differ across ranks: param groups",
+    "overlap_backward": "overlap_backward with FSDP2",
+    "attach to another model": "parameters that FSDP2 does not shard",
+    "attach unsharded": "built on the parameters of a model sharded",
+    "step without gradient sync": "set_requires_gradient_sync(False)",
+}
+
+
+def test_mismatches_are_clear_errors_on_every_rank():
+    """Each case raises on every rank, and the ranks go on to the next case: nothing hangs."""
+    for messages in run_ranks(_errors, 4, timeout=120):
+        for case, message in messages.items():
+            assert message is not None and ERRORS[case] in message, (case, message)
+
+
+INF_AT = {"adam": (1, 6), "lamb": (1, 6), "zero_one": (1, 3)}
+"""Where ``_skip_inf`` puts a non-finite gradient: a warmup step, and a compressed one (for
+0/1 Adam one of phase A: a local step of phase B skips on the ranks that saw it only)."""
+
+
+def _skip_inf(rank: int, world_size: int, name: str) -> dict:
+    """A non-finite gradient on global rank 3 alone, at the steps of ``INF_AT``."""
+    mesh = _mesh(2, 2)
+    model, opt = _onebit(mesh, name)
+    kept = []
+    for step in range(8):
+        loss_of(model, step, rank).backward()
+        if step in INF_AT[name] and rank == 3:
+            next(model.parameters()).grad.to_local().view(-1)[0] = math.inf
+        before = _local(model)
+        opt.step()
+        opt.zero_grad()
+        if step in INF_AT[name]:
+            kept.append(all(torch.equal(a, b) for a, b in zip(before, _local(model))))
+    finite = all(bool(torch.isfinite(p).all()) for p in _local(model))
+    return {"kept": kept, "skipped": opt.skipped_steps, "finite": finite}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inf_on_one_rank_skips_the_step_on_every_rank(name):
+    results = run_ranks(_skip_inf, 4, name)
+    assert all(r == {"kept": [True, True], "skipped": 2, "finite": True} for r in results), results

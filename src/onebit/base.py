@@ -887,7 +887,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._gathered = None
         if self.world_size == 1:
             return
-        part = _to_cpu(self._rank_state())
+        part = to_cpu(self._rank_state())
         parts: list[Any] | None = [None] * self.world_size if self.rank == to else None
         dst = dist.get_global_rank(self.process_group, to) if self.process_group else to
         dist.gather_object(part, parts, dst=dst, group=self.process_group)
@@ -1020,13 +1020,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _to_cpu(value: Any) -> Any:
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists and tuples) copied to the CPU."""
     if torch.is_tensor(value):
         return value.cpu()
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
     return value
 
 

@@ -22,13 +22,14 @@ buffers included, through ``torch.distributed.checkpoint``.
 
 from __future__ import annotations
 
+import io
 import os
-from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .base import CompressedOptimizer
+from .base import CompressedOptimizer, to_cpu
 from .sharding import Sharded
 
 __all__ = ["attach", "load", "save"]
@@ -80,28 +81,40 @@ def _mesh(optimizer: CompressedOptimizer) -> torch.Tensor:
     return torch.tensor([optimizer.world_size, optimizer.shards.size])
 
 
-def _state(model: nn.Module, optimizer: CompressedOptimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return {
-        "model": get_model_state_dict(model),
-        "optimizer": optimizer.state_dict(),
-        "onebit_mesh": _mesh(optimizer),
-    }
+def _own(rank: int) -> str:
+    return f"onebit_rank_{rank}"
 
 
 def save(
     model: nn.Module, optimizer: CompressedOptimizer, checkpoint_id: str | os.PathLike
 ) -> None:
-    """Save the sharded model and optimizer to ``checkpoint_id`` with
-    ``torch.distributed.checkpoint``, every rank its own shards and error buffers.
+    """Save the sharded model and optimizer to the directory ``checkpoint_id`` with
+    ``torch.distributed.checkpoint``.
 
-    A collective: call it on every rank. The momentum and variance are saved as DTensors
-    sharded as their parameters; each rank's error-feedback buffers under its own rank.
+    A collective: call it on every rank. The parameters, the momentum and the variance are
+    DTensors, each rank writing its own shards. The rest of the optimizer's state (its error
+    buffers, counters and schedules) is one object per rank, under the rank's own key.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+    state = optimizer.state_dict()
+    rest = {
+        "param_groups": state["param_groups"],
+        "onebit": state["onebit"],
+        "state_keys": {i: list(s) for i, s in state["state"].items()},
+    }
+    buffer = io.BytesIO()
+    torch.save(to_cpu(rest), buffer)
+    dcp.save(
+        {
+            "model": get_model_state_dict(model),
+            "optimizer": state["state"],
+            _own(dist.get_rank()): buffer.getvalue(),
+            "onebit_mesh": _mesh(optimizer),
+        },
+        checkpoint_id=checkpoint_id,
+    )
 
 
 def load(
@@ -120,21 +133,32 @@ def load(
     (as :meth:`~onebit.base.CompressedOptimizer.load_state_dict` does for another world size).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    saved_mesh = {"onebit_mesh": torch.zeros(2, dtype=torch.int64)}
-    dcp.load(saved_mesh, checkpoint_id=checkpoint_id)
-    saved, here = saved_mesh["onebit_mesh"].tolist(), _mesh(optimizer).tolist()
-    state = _state(model, optimizer)
+    first = {"onebit_mesh": torch.zeros(2, dtype=torch.int64)}
+    dcp.load(first, checkpoint_id=checkpoint_id)
+    saved, here = first["onebit_mesh"].tolist(), _mesh(optimizer).tolist()
+    if saved != here and not reshard:
+        raise ValueError(
+            f"checkpoint saved on a mesh of {saved[0]} replicas x {saved[1]} shards, this run "
+            f"has {here[0]} x {here[1]}: each rank's error-feedback buffers cannot be resharded. "
+            "Resume on the same mesh, or pass reshard=True to restart them at zero"
+        )
+    own = _own(dist.get_rank() if saved == here else 0)
+    first = {own: b""}
+    dcp.load(first, checkpoint_id=checkpoint_id)
+    rest = torch.load(io.BytesIO(first[own]), weights_only=True)
     if saved != here:
-        if not reshard:
-            raise ValueError(
-                f"checkpoint saved on a mesh of {saved[0]} replicas x {saved[1]} shards, this "
-                f"run has {here[0]} x {here[1]}: each rank's error-feedback buffers cannot be "
-                "resharded. Resume on the same mesh, or pass reshard=True to restart them at zero"
-            )
-        state["optimizer"]["onebit"]["ranks"] = {}  # load_state_dict warns, and resets them
-    del state["onebit_mesh"]
+        rest["onebit"]["ranks"] = {}  # load_state_dict warns, and restarts them at zero
+    shards = optimizer.shards
+    template = {  # shaped as the state was saved (its names change at the freeze)
+        i: {key: shards.wrap(i, torch.empty_like(local)) for key in keys}
+        for (i, keys), local in zip(rest["state_keys"].items(), shards.locals())
+    }
+    state = {"model": get_model_state_dict(model), "optimizer": template}
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_model_state_dict(model, state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(
+        {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
+    )
+

@@ -157,17 +157,17 @@ def trust_ratio(
     return torch.where(valid, ratio, torch.ones_like(ratio))
 
 
-def momentum_scaling(exp_avgs: list[Tensor]) -> Tensor:
-    """1-bit LAMB's per-layer momentum scaling ``mean(s) / s_l`` with ``s_l = ||m_l|| / sqrt(d_l)``.
+def momentum_scaling(norms: Tensor, numels: list[int]) -> Tensor:
+    """1-bit LAMB's per-layer momentum scaling ``mean(s) / s_l`` with ``s_l = ||m_l|| / sqrt(d_l)``,
+    from each layer's momentum norm ``||m_l||`` (a CPU vector) and size ``d_l``.
 
     Scaling every layer's momentum to a common RMS lets one 1-bit scale fit the whole model.
     Layers with zero momentum (or no elements) get 1 and do not enter the mean.
     """
-    numels = torch.tensor([float(m.numel()) for m in exp_avgs])
-    rms = layer_norms(exp_avgs).cpu() / numels.clamp(min=1).sqrt()
+    rms = norms / torch.tensor([float(n) for n in numels]).clamp(min=1).sqrt()
     valid = rms > 0
     if not bool(valid.any()):
-        return torch.ones(len(exp_avgs))
+        return torch.ones(len(numels))
     mean = rms[valid].mean()
     return torch.where(valid, mean / torch.where(valid, rms, 1.0), torch.ones_like(rms))
 

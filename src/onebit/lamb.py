@@ -451,7 +451,8 @@ class OnebitLamb(CompressedOptimizer):
         fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(frozen_t))
         self._exp_avg_sq_fresh = v.clone()
         self._adam_denominator(v, frozen_t, out=v)
-        self._scaling = momentum_scaling(self.layout.views(self._exp_avg[: self.layout.numel]))
+        momentum = self.layout.views(self._exp_avg[: self.layout.numel])
+        self._scaling = momentum_scaling(self.shards.layer_norms(momentum), self.shards.numels())
         ema = self._coeff_ema
         if self.bias_correction:
             ema = ema / (1 - self.coeff_beta**self._coeff_updates)
