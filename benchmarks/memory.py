@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                      # 2 gloo ranks, a 16.8M-parameter MLP
     python benchmarks/memory.py --world-size 4 --width 1024
+    python benchmarks/memory.py --world-size 4 --shard 2   # and sharded by FSDP2, 2 x 2
 
 Each optimizer runs in fresh processes, one per rank, through its warmup and into its
 compression stage (ZeroOneAdam: through phase A into phase B, with local steps and syncs). Each
@@ -23,6 +24,12 @@ rank 0:
 ``AdamW`` is ``torch.optim.AdamW`` alone; ``AdamW+DDP`` runs its forward and backward under
 ``DistributedDataParallel``, whose gradient buckets (one more copy of the gradients) show in the
 peak, not in the optimizer's state.
+
+With ``--shard S`` each layer is sharded by FSDP2 over ``S`` ranks per node as well, and the
+rows ``+HSDP`` follow: ``AdamW+HSDP`` is torch's own (``fully_shard`` on the 2-D mesh), the onebit
+optimizers shard on the mesh's shard dimension and average across nodes themselves
+(:mod:`onebit.fsdp`). Their state is per rank, for its shards; the model size stays the whole
+model's. Then the state of a 1B and a 7B model is computed from the measured fractions.
 """
 
 from __future__ import annotations
@@ -77,44 +84,79 @@ def _tensors(obj: object, found: list[torch.Tensor], seen: set[int]) -> None:
 
 def _storage_bytes(opt: torch.optim.Optimizer) -> int:
     """The bytes of every storage the optimizer holds: its state, flat buffers, error buffers,
-    packed momentum and scratch (the parameters and their gradients excluded)."""
+    packed momentum and scratch (the parameters and their gradients excluded; of sharded
+    parameters, their local shards)."""
+    from torch.distributed.tensor import DTensor
+
     found: list[torch.Tensor] = []
     params = [p for g in opt.param_groups for p in g["params"]]
-    _tensors(opt, found, {id(p) for p in params})
+    shards = [p._local_tensor for p in params if isinstance(p, DTensor)]
+    _tensors(opt, found, {id(p) for p in params + shards})
+    found = [t._local_tensor if isinstance(t, DTensor) else t for t in found]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
     for p in params:
-        if p.grad is not None:
-            storages.pop(p.grad.untyped_storage().data_ptr(), None)
+        grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        if grad is not None:
+            storages.pop(grad.untyped_storage().data_ptr(), None)
     return sum(storages.values())
 
 
-def _make(name: str, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, int]:
-    """The optimizer and how many steps take it well into its compression stage."""
+def _make(
+    name: str, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None
+) -> tuple[torch.optim.Optimizer, int]:
+    """The optimizer (the onebit ones across ``group``) and how many steps take it well into
+    its compression stage."""
     if name == "AdamW":
         return torch.optim.AdamW(params, lr=1e-3), 4
     if name == "OnebitAdam":
-        return onebit.OnebitAdam(params, lr=1e-3, freeze_step=2), 5
+        return onebit.OnebitAdam(params, lr=1e-3, freeze_step=2, process_group=group), 5
     if name == "ZeroOneAdam":
         opt = onebit.ZeroOneAdam(
-            params, lr=1e-3, var_freeze_step=3, local_step_scaler=2, local_step_clipper=4
+            params,
+            lr=1e-3,
+            var_freeze_step=3,
+            local_step_scaler=2,
+            local_step_clipper=4,
+            process_group=group,
         )
         return opt, 12
-    return onebit.OnebitLamb(params, lr=1e-3, freeze_step=2), 5
+    return onebit.OnebitLamb(params, lr=1e-3, freeze_step=2, process_group=group), 5
+
+
+def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGroup:
+    """Shard each layer of ``model`` with FSDP2 over ``shards`` ranks per node (AdamW on the
+    2-D mesh, as torch's HSDP); return the group of the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size // shards, shards), ("replicate", "shard"))
+    on = mesh if name == "AdamW" else mesh["shard"]
+    for layer in model:
+        fully_shard(layer, mesh=on)
+    fully_shard(model, mesh=on)
+    return mesh["replicate"].get_group()
 
 
 def _run(
-    name: str, layers: list[torch.nn.Module], before: int = 0
+    name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Step ``name`` through its stages; return its largest state and peak per stage.
 
     ``AdamW+DDP`` runs forward and backward under ``DistributedDataParallel`` (whose gradient
-    buckets are not optimizer state: they show in its peak only).
+    buckets are not optimizer state: they show in its peak only); ``+HSDP`` shards the model
+    with FSDP2 over ``shards`` ranks per node.
     """
     model = torch.nn.Sequential(*layers)
-    params = list(model.parameters())
-    forward = torch.nn.parallel.DistributedDataParallel(model) if name == "AdamW+DDP" else model
     x = torch.randn(4, layers[0].in_features)
-    opt, steps = _make(name.removesuffix("+DDP"), params)
+    group = None
+    if name.endswith("+HSDP"):
+        group = _shard(model, name.removesuffix("+HSDP"), shards)
+    forward = torch.nn.parallel.DistributedDataParallel(model) if name == "AdamW+DDP" else model
+    params = list(model.parameters())
+    opt, steps = _make(name.split("+")[0], params, group)
+    if group is not None and name != "AdamW+HSDP":
+        onebit.fsdp.attach(model, opt)
     state: dict[str, int] = {}
     peaks: dict[str, int] = {}
     for _ in range(steps):
@@ -129,23 +171,26 @@ def _run(
 
 
 def _rank(
-    rank: int, world_size: int, name: str, width: int, depth: int
+    rank: int, world_size: int, name: str, width: int, depth: int, shards: int = 1
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage."""
-    _run(name, [torch.nn.Linear(64, 64)])  # page code in, warm pools
+    _run(name, [torch.nn.Linear(64, 64)], shards=shards)  # page code in, warm pools
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(depth)]
     model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
-    state, peaks = _run(name, layers, before)
+    state, peaks = _run(name, layers, before, shards)
     return model_bytes, state, peaks
 
 
-def measure(name: str, world_size: int, width: int, depth: int) -> tuple[int, int, dict]:
+def measure(
+    name: str, world_size: int, width: int, depth: int, shards: int = 1
+) -> tuple[int, int, dict]:
     """Rank 0's model bytes, largest optimizer state and peak per stage, in fresh processes."""
-    results = run_ranks(_rank, world_size, name, width, depth, timeout=None, collective_timeout=300)
-    return results[0]
+    return run_ranks(
+        _rank, world_size, name, width, depth, shards, timeout=None, collective_timeout=300
+    )[0]
 
 
 def main() -> None:
@@ -153,6 +198,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument(
+        "--shard", type=int, default=1, metavar="S", help="also shard with FSDP2, S ranks per node"
+    )
     args = parser.parse_args()
     numel = args.depth * (args.width * args.width + args.width)
     print(
@@ -160,16 +208,38 @@ def main() -> None:
         f"{4 * numel / 2**20:.0f} MiB fp32; {args.world_size} gloo ranks; figures for rank 0"
     )
     print("in model sizes, per stage: optimizer state (exact) / peak resident memory of a step")
-    print(f"{'optimizer':<12}  per stage")
-    for name in OPTIMIZERS:
-        model_bytes, state, peaks = measure(name, args.world_size, args.width, args.depth)
+    print(f"{'optimizer':<18}  per stage")
+    names = list(OPTIMIZERS)
+    if args.shard > 1:
+        names += [f"{name}+HSDP" for name in OPTIMIZERS if name != "AdamW+DDP"]
+    largest = {}
+    for name in names:
+        model_bytes, state, peaks = measure(
+            name, args.world_size, args.width, args.depth, args.shard
+        )
         cells = ", ".join(
             f"{stage} {state[stage] / model_bytes:.3f} / {peaks[stage] / model_bytes:.2f}"
             for stage in state
         )
-        print(f"{name:<12}  {cells}")
-    n = args.world_size
+        print(f"{name:<18}  {cells}")
+        largest[name] = max(state.values()) / model_bytes
+    n, s = args.world_size, args.shard
     print(f"OnebitAdam's target (issue 12): at most 2 + 1/n + 1/16 = {2 + 1 / n + 1 / 16:.3f}")
+    if s > 1:
+        r = n // s
+        target = (2 + 1 / r + 1 / 16) / s
+        print(f"OnebitAdam+HSDP's target (issue 22): at most (2 + 1/R + 1/16)/S = {target:.3f}")
+        _computed(largest, r, s)
+
+
+def _computed(largest: dict[str, float], replicas: int, shards: int) -> None:
+    """The largest state per rank, in GB, of 1B- and 7B-parameter models, scaled from the
+    measured fractions of a model size (fp32). The sharded rows divide by the mesh's ``S`` as
+    measured; the replicated rows do not depend on it."""
+    print(f"computed, GB of optimizer state per rank ({replicas} x {shards} mesh):")
+    print(f"{'optimizer':<18}  {'1B':>7}  {'7B':>7}")
+    for name, fraction in largest.items():
+        print(f"{name:<18}  {fraction * 4:>7.1f}  {fraction * 28:>7.1f}")
 
 
 if __name__ == "__main__":

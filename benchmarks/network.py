@@ -3,6 +3,7 @@
     sudo python benchmarks/network.py                 # 4 hosts, 100 Mbit/s, 1 and 10 Gbit/s
     sudo python benchmarks/network.py --quick         # a fast check: 1 rate, few steps
     python benchmarks/network.py --hosts 8 --rates 1gbit --models comm --methods adamw,onebit
+    sudo python benchmarks/network.py --hosts 2 --shard 2 --rates 100mbit,1gbit   # HSDP
 
 Each emulated host is a Linux network namespace (``obnet-h0``, ``obnet-h1``...) with one veth
 link to a bridge in its own namespace (``obnet-br``), address ``10.77.0.(k+1)/24``; nothing is
@@ -33,6 +34,16 @@ Methods, all on the same model, batch and data:
   every ``--local-steps`` steps (timed as the mean over whole sync periods, since the median
   would be a local step);
 * ``lamb-warmup`` / ``onebit-lamb``: :class:`onebit.OnebitLamb` in warmup and compression.
+
+With ``--shard S`` every host runs ``S`` workers, and the model is sharded by FSDP2 over the
+workers of a host, which talk over the host's loopback, unlimited (a node's fast link); only
+traffic between hosts crosses the limited links. Its methods (the default with ``--shard``):
+
+* ``hsdp-adamw``: torch's HSDP, ``fully_shard`` on the 2-D mesh with AdamW: reduce-scatter inside
+  the host, an fp32 allreduce of each shard between hosts;
+* ``hsdp-onebit-warmup`` / ``hsdp-onebit``: ``fully_shard`` inside the host and
+  :class:`onebit.OnebitAdam` across hosts (:mod:`onebit.fsdp`), in its warmup and compression
+  stage. Their speedups are against ``hsdp-adamw``.
 
 Per method and rate it prints the step time (median over ``--steps`` steps after warmup),
 samples/s, speedup over AdamW+DDP, ratio to compute only, wire bytes sent per step per host and
@@ -66,7 +77,7 @@ from typing import Any
 
 from machine import cpu_name
 from netem import INTERFACE, Network, namespaces_available, parse_rate, rate_name, tx_bytes
-from network_methods import METHODS, MODELS, build
+from network_methods import HSDP, METHODS, MODELS, build
 from network_report import derive, plot, print_table, write_json
 
 PORT = 29577
@@ -152,7 +163,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    rank, world = args.rank, args.hosts
+    rank, world = args.rank, args.hosts * args.shard
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{args.master}:{args.port}",
@@ -211,9 +222,11 @@ def _launch(
     master = Network.address(0) if network else "127.0.0.1"
     interface = INTERFACE if network else "lo"
     procs = []
-    for k in range(args.hosts):
+    for rank in range(args.hosts * args.shard):
+        k = rank // args.shard  # the host: its workers share its namespace
         argv = [
-            sys.executable, script, "--worker", "--rank", str(k), "--hosts", str(args.hosts),
+            sys.executable, script, "--worker", "--rank", str(rank), "--hosts", str(args.hosts),
+            "--shard", str(args.shard),
             "--master", master, "--port", str(port), "--interface", interface,
             "--models", ",".join(models), "--methods", ",".join(methods),
             "--steps", str(args.steps),
@@ -223,8 +236,8 @@ def _launch(
         ]  # fmt: skip
         env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, OMP_NUM_THREADS=str(args.threads))
         cmd = network.command(k, argv) if network else argv
-        stdout = None if k == 0 else subprocess.DEVNULL
-        with open(Path(result_dir) / f"rank{k}.err", "w") as stderr:
+        stdout = None if rank == 0 else subprocess.DEVNULL
+        with open(Path(result_dir) / f"rank{rank}.err", "w") as stderr:
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
             )
@@ -298,7 +311,16 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rates", default="100mbit,1gbit,10gbit", help="comma separated")
     parser.add_argument("--models", default="comm,gpt", help=f"of {sorted(MODELS)}")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods", help="comma separated (default: all but the hsdp- ones; with --shard, those)"
+    )
+    parser.add_argument(
+        "--shard",
+        type=int,
+        default=1,
+        metavar="S",
+        help="S workers per host, the model sharded by FSDP2 over them (HSDP)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="measured steps per method")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--powersgd-rank", type=int, default=4)
@@ -346,6 +368,9 @@ def main() -> None:
         return
     if args.quick:
         args.rates, args.steps, args.local_steps = "1gbit", 3, 4
+    if args.methods is None:
+        methods = ["compute", *HSDP] if args.shard > 1 else [m for m in METHODS if m not in HSDP]
+        args.methods = ",".join(methods)
     for name in args.models.split(","):
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {sorted(MODELS)}")
@@ -374,6 +399,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["python", *sys.argv]),
         "hosts": args.hosts,
+        "workers_per_host": args.shard,
         "models": args.models.split(","),
         "model_specs": {m: MODELS[m] for m in args.models.split(",")},
         "threads_per_worker": args.threads,
@@ -393,7 +419,8 @@ def main() -> None:
         for index, rate in enumerate(rates):
             if network and rate is not None:
                 network.set_rate(rate)
-            print(f"\n== {rate_name(rate)}, {args.hosts} hosts ==", flush=True)
+            per_host = f" of {args.shard} workers" if args.shard > 1 else ""
+            print(f"\n== {rate_name(rate)}, {args.hosts} hosts{per_host} ==", flush=True)
             rows, ok = {}, True
             groups = _launch_groups(results["models"], args.methods.split(","))
             for group, (models, methods) in enumerate(groups):
@@ -401,8 +428,9 @@ def main() -> None:
                     os.chmod(result_dir, 0o777)
                     port = args.port + 20 * index + group
                     launched = _launch(args, network, port, models, methods, result_dir)
-                    part = _collect(result_dir, args.hosts, 1 if network else args.hosts)
-                    died = "" if launched else _first_error(result_dir, args.hosts)
+                    workers = args.hosts * args.shard
+                    part = _collect(result_dir, workers, 1 if network else workers)
+                    died = "" if launched else _first_error(result_dir, workers)
                 for model in models:
                     for method in methods:
                         key = f"{model}/{method}"
@@ -411,7 +439,7 @@ def main() -> None:
                 rows.update(part)
                 ok = ok and launched
             for model in results["models"]:
-                derive(rows, model, args.hosts)
+                derive(rows, model, args.hosts * args.shard)
                 print(f"\n{model} @ {rate_name(rate)}:")
                 print(print_table(rows, model))
             results["runs"].append(

@@ -66,6 +66,9 @@ class Method:
     warmup_stage: str | None = None
     """The method whose step time a whole run's warmup costs, for the end-to-end column (shown
     only where this is set; without it the whole run is this method)."""
+    baseline: str = "adamw"
+    """The method the speedups are measured against: AdamW + DDP, or torch's HSDP for the
+    methods that shard (``--shard``)."""
 
 
 def _adamw(model: nn.Module) -> Optimizer:
@@ -169,6 +172,32 @@ def _zero_one_b(args: argparse.Namespace) -> tuple[dict[str, Any], Plan]:
     return kwargs, Plan(warmup, h * max(1, -(-args.steps // h)), mean=True)
 
 
+def _hsdp(setup: Setup | None) -> Builder:
+    """The model sharded by FSDP2 over the ``--shard`` ranks of each host: torch's HSDP with
+    AdamW (``setup`` ``None``), or OnebitAdam configured by ``setup`` on the shard dimension,
+    averaging each shard across hosts (:mod:`onebit.fsdp`)."""
+
+    def build(model: nn.Module, args: argparse.Namespace) -> Built:
+        import torch
+
+        import onebit
+        from onebit.train.optim import shard
+
+        name = "adamw" if setup is None else "onebit-adam"
+        mesh = shard(model, args.shard, name, torch.device("cpu"))
+        if setup is None:
+            return model, _adamw(model), Plan(2, args.steps)
+        kwargs, plan = setup(args)
+        group = mesh["replicate"].get_group()
+        optimizer = onebit.OnebitAdam(
+            model.parameters(), lr=LR, eps=EPS, process_group=group, **kwargs
+        )
+        onebit.fsdp.attach(model, optimizer)
+        return model, optimizer, plan
+
+    return build
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -201,9 +230,21 @@ METHODS: dict[str, Method] = {
             _onebit("OnebitLamb", _compression),
             warmup_stage="lamb-warmup",
         ),
+        Method("hsdp-adamw", "HSDP + AdamW (fp32)", _hsdp(None), baseline="hsdp-adamw"),
+        Method("hsdp-onebit-warmup", "onebit HSDP warmup", _hsdp(_warmup), baseline="hsdp-adamw"),
+        Method(
+            "hsdp-onebit",
+            "onebit HSDP compression",
+            _hsdp(_compression),
+            warmup_stage="hsdp-onebit-warmup",
+            baseline="hsdp-adamw",
+        ),
     )
 }
 """Every method, in the order of the tables and of a launch."""
+
+HSDP = [name for name in METHODS if name.startswith("hsdp-")]
+"""The methods that shard with FSDP2 (``network.py --shard S``)."""
 
 LABELS: dict[str, str] = {name: m.label for name, m in METHODS.items()}
 """Each method's label, for readers of the result files (``scaling.py``)."""

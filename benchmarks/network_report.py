@@ -13,15 +13,16 @@ WARMUP_FRACTION = 0.15
 """The share of a whole run's steps spent in warmup, for the end-to-end columns."""
 
 
-def derive(rows: dict[str, dict[str, Any]], model: str, hosts: int) -> None:
-    """Add the speedups, throughput and per-parameter bytes to ``rows[f"{model}/{method}"]``."""
-    base = rows.get(f"{model}/adamw", {})
+def derive(rows: dict[str, dict[str, Any]], model: str, workers: int) -> None:
+    """Add the speedups (against each method's baseline), throughput and per-parameter bytes to
+    ``rows[f"{model}/{method}"]``."""
     compute = rows.get(f"{model}/compute", {})
     for method, m in METHODS.items():
         r = rows.get(f"{model}/{method}")
+        base = rows.get(f"{model}/{m.baseline}", {})
         if not r or "error" in r:
             continue
-        r["samples_per_s"] = hosts * r["batch"] / r["step_time"]
+        r["samples_per_s"] = workers * r["batch"] / r["step_time"]
         r["bytes_per_param"] = r["tx_bytes_per_step"] / r["params"]
         if "step_time" in base:
             r["speedup"] = base["step_time"] / r["step_time"]
@@ -40,7 +41,7 @@ def derive(rows: dict[str, dict[str, Any]], model: str, hosts: int) -> None:
 def print_table(rows: dict[str, dict[str, Any]], model: str, markdown: bool = False) -> str:
     """The results of one model at one rate, as aligned text or a markdown table."""
     head = [
-        "method", "step s", "samples/s", "vs AdamW+DDP", "/ compute", "wire MB/step/host",
+        "method", "step s", "samples/s", "vs AdamW (DDP or HSDP)", "/ compute", "wire MB/step/host",
         "wire B/param", f"e2e speedup ({WARMUP_FRACTION:.0%} warmup)",
     ]  # fmt: skip
     table = []

@@ -305,3 +305,29 @@ def _skip_inf(rank: int, world_size: int, name: str) -> dict:
 def test_inf_on_one_rank_skips_the_step_on_every_rank(name):
     results = run_ranks(_skip_inf, 4, name)
     assert all(r == {"kept": [True, True], "skipped": 2, "finite": True} for r in results), results
+
+
+@pytest.mark.cuda
+def test_one_node_hsdp_on_nccl(tmp_path):
+    """On every GPU of this machine (one node, a 1 x S mesh), NCCL: the warmup follows FSDP2 +
+    AdamW, and the compression stage runs with the GPU kernels and stays finite."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    gpus = torch.cuda.device_count()
+    script = Path(__file__).with_name("fsdp_nccl.py")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    result = subprocess.run(
+        [*run, f"--nproc-per-node={gpus}", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == gpus
+    for r in ranks:
+        assert r["warmup_diff"] <= 1e-5 and r["stage"] == "compression" and r["finite"], r
+        assert r["backend"] == "triton"

@@ -108,6 +108,14 @@ CONTRADICTIONS = {
         "--max-restarts needs --save-every N",
     ),
     "keep without checkpoints": (["--keep", "2"], "--keep needs --save-every N"),
+    "shard not dividing the workers": (
+        ["--workers", "4", "--shard", "3"],
+        "--shard 3 does not divide the 4 workers into nodes",
+    ),
+    "shard with checkpoints": (
+        ["--workers", "4", "--shard", "2", "--save-every", "5"],
+        "--shard runs do not checkpoint yet",
+    ),
     "width and heads": (["--width", "30", "--heads", "4"], "--width 30 is not a multiple"),
     "weight decay flips weights": (
         ["--lr", "0.01", "--weight-decay", "100"],

@@ -48,7 +48,7 @@ from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
 from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
-from .sharding import Replicated, Sharded, has_dtensors, local_tensor, shards_of
+from .sharding import Replicated, has_dtensors, local_tensor, shards_of
 from .stats import CommStats
 
 DEFAULT_BUCKET_SIZE = 2**22
@@ -344,7 +344,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.shards = shards_of(params, self.process_group)
         local = self.shards.locals()
         _check_parameters(local)
-        if isinstance(self.shards, Sharded):
+        if self.shards.sharded:
             if self.overlap_backward:
                 raise ValueError(
                     "overlap_backward with FSDP2: FSDP2 sends the gradients during backward "
@@ -818,13 +818,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _layout_digest(self) -> str:
         layout = (self.layout.buckets, self.layout.numels, self.world_size)
-        return digest((*layout, self.shards.settings()) if self.shards.rank is not None else layout)
+        return digest((*layout, self.shards.settings()) if self.shards.sharded else layout)
 
     @property
     def _part(self) -> int:
         """Where this rank's part of the state sits in ``["onebit"]["ranks"]``: its rank in the
         group, or in the world where parameters are sharded (every rank's part differs)."""
-        return self.rank if self.shards.rank is None else dist.get_rank()
+        return self.rank if not self.shards.sharded else dist.get_rank()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's whole state: per-parameter buffers, error buffers, schedules, counters.
@@ -849,7 +849,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._gathered is not None and self._gathered[0] == self._calls:
             ranks = self._gathered[1]
         state = super().state_dict()
-        if self.shards.rank is not None:  # DTensors, for torch.distributed.checkpoint
+        if self.shards.sharded:  # DTensors, for torch.distributed.checkpoint
             state["state"] = {
                 i: {k: self.shards.wrap(i, v) if torch.is_tensor(v) else v for k, v in s.items()}
                 for i, s in state["state"].items()
@@ -879,7 +879,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
-        if self.shards.rank is not None:
+        if self.shards.sharded:
             raise ValueError(
                 "a sharded optimizer's state is saved with torch.distributed.checkpoint, every "
                 "rank its own part: see onebit.fsdp.save"

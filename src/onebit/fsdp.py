@@ -1,4 +1,4 @@
-"""1-bit Adam with FSDP2: shard inside a node, send 1 bit across nodes (SPEC section 9).
+"""1-bit Adam with FSDP2: shard inside a node, send 1 bit across nodes (SPEC section 8).
 
 The model is sharded over the ``S`` ranks of a node with ``fully_shard(..., mesh=mesh["shard"])``:
 FSDP2 all-gathers the parameters and reduce-scatters (averages) the gradients over the fast link
@@ -161,4 +161,3 @@ def load(
     optimizer.load_state_dict(
         {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
     )
-

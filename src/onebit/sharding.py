@@ -1,7 +1,7 @@
 """Parameters that FSDP2 shards: the local shards a onebit optimizer steps, and the few
 reductions across shards that keep the shards one model.
 
-Under hybrid sharding (SPEC section 9) FSDP2 shards each parameter across the ``S`` ranks of a
+Under hybrid sharding (SPEC section 8) FSDP2 shards each parameter across the ``S`` ranks of a
 node (``fully_shard(..., mesh=mesh["shard"])``) and averages the gradients inside the node; the
 optimizer, built with ``process_group=mesh["replicate"].get_group()``, runs 1-bit Adam on each
 local shard across the ``R`` ranks that hold the same shard. Elementwise math needs nothing
@@ -35,6 +35,7 @@ class Replicated:
     """Every rank holds whole parameters (one process, or DDP's replicas): the optimizer steps
     the parameters themselves, and there is nothing to combine across shards."""
 
+    sharded = False
     size = 1
     rank: int | None = None
 
@@ -103,14 +104,15 @@ class Sharded(Replicated):
             itself would average across replicas).
     """
 
+    sharded = True
+
     def __init__(self, params: Sequence[Tensor], replicas: dist.ProcessGroup | None) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         if not all(isinstance(p, DTensor) for p in params):
             raise ValueError("either every parameter is a DTensor (sharded by FSDP2) or none is")
-        meshes = {id(p.device_mesh) for p in params}
         mesh = params[0].device_mesh
-        if len(meshes) > 1 and any(p.device_mesh != mesh for p in params):
+        if any(p.device_mesh != mesh for p in params):
             raise ValueError("all sharded parameters must be on one device mesh")
         if mesh.ndim != 1 or any(not isinstance(p.placements[0], Shard) for p in params):
             raise ValueError(

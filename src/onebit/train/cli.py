@@ -153,6 +153,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="clip the averaged gradients to this global norm (default: no clipping)",
     )
     run.add_argument(
+        "--shard",
+        type=_positive,
+        default=1,
+        metavar="S",
+        help="FSDP2: shard the model over S ranks per emulated node, the other ranks being "
+        "replicas; the 1-bit optimizers average each shard across nodes, adamw is torch's HSDP "
+        "(default 1: every rank holds the whole model)",
+    )
+    run.add_argument(
         "--freeze-step",
         type=_freeze_step,
         metavar="N|auto",
@@ -463,6 +472,16 @@ def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None
         )
     if args.keep is not None and not config.save_every:
         raise UsageError("--keep needs --save-every N")
+    if config.shard > 1:
+        if world_size % config.shard:
+            raise UsageError(
+                f"--shard {config.shard} does not divide the {world_size} workers into nodes"
+            )
+        if config.save_every or args.resume is not None:
+            raise UsageError(
+                "--shard runs do not checkpoint yet: drop --save-every and --resume (in your "
+                "own loop, onebit.fsdp.save and onebit.fsdp.load checkpoint a sharded run)"
+            )
     return dataclasses.replace(plan, device=device)
 
 
@@ -563,6 +582,7 @@ def _new_run(
                 error_feedback=error_feedback,
                 amp=args.amp,
                 grad_clip=args.grad_clip,
+                shard=args.shard,
                 eval_every=args.eval_every or max(1, steps // 20),
                 eval_windows=args.eval_windows,
                 seed=args.seed,

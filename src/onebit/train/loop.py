@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 import onebit
 
@@ -64,6 +65,7 @@ class RunConfig:
     keep: int = 3
     amp: str | None = None
     grad_clip: float | None = None
+    shard: int = 1
     log: tuple[str, ...] = ("jsonl",)
     schedule_steps: int | None = None
     progress: bool = True
@@ -176,6 +178,9 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
 
     torch.manual_seed(config.seed)
     model = Transformer(config.model_config()).to(device)
+    mesh = None
+    if config.shard > 1:
+        mesh = optim.shard(model, config.shard, config.optimizer, device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     start_step, elapsed, sent = 0, 0.0, {}
     trainer = optim.build(
@@ -190,6 +195,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         max_grad_norm=config.grad_clip,
         scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
         warmup_compression=config.warmup_compression,
+        mesh=mesh,
     )
     opt = trainer.optimizer
     kept: list[dict[str, Any]] = []
@@ -282,16 +288,28 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     wall_time = time.perf_counter() - t0
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, sum(sent.values()))
+    weights = _full_state_dict(model, mesh)
     if rank != 0:
         return {}
     logger.close()
-    atomic_write(out / "model.pt", checkpoint.to_bytes(model.state_dict()))
+    atomic_write(out / "model.pt", checkpoint.to_bytes(weights))
     summary = _summary(config, trainer, numel, world_size, per_rank, sent, wall_time, device)
     atomic_write(out / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
     records = report.read_metrics(out)
     report.plot_runs({config.label: records}, out / "loss.png", summary["model"])
     print(report.describe(summary))
     return summary
+
+
+def _full_state_dict(model: nn.Module, mesh: Any) -> dict[str, Tensor]:
+    """The model's whole weights, gathered from its shards if FSDP2 sharded it (a collective
+    then: call it on every rank)."""
+    if mesh is None:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def _autocast(amp: str | None, device: torch.device) -> contextlib.AbstractContextManager:
@@ -366,7 +384,8 @@ def _summary(
     records = report.read_metrics(Path(config.out))
     vals = [r["loss/val"] for r in records if "loss/val" in r]
     losses = [r["loss/train"] for r in records][-20:]
-    fp32 = config.steps * onebit.comm.allreduce_bytes(4 * numel, world_size)
+    nodes = world_size // config.shard  # with --shard, the fp32 average of a shard across nodes
+    fp32 = config.steps * onebit.comm.allreduce_bytes(4 * math.ceil(numel / config.shard), nodes)
     total = per_rank[0]
     return {
         "label": config.label,

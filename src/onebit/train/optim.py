@@ -5,18 +5,24 @@
 :class:`onebit.OnebitLamb` that never leaves its warmup, where it is exactly LAMB. The three
 1-bit optimizers own their communication and wrap nothing.
 
+With ``--shard S`` (:func:`shard`) FSDP2 shards the model over the ``S`` ranks of each emulated
+node: ``adamw`` is then torch's HSDP (FSDP2 on the 2-D mesh), and the 1-bit optimizers average
+each shard across nodes themselves (:mod:`onebit.fsdp`).
+
 Bytes are counted on one convention for all: what a bandwidth-optimal collective sends from each
-rank (``2(n-1)/n`` of the buffer for an allreduce).
+rank (``2(n-1)/n`` of the buffer for an allreduce); with ``--shard``, between nodes only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import onebit
 from onebit.base import DEFAULT_BUCKET_SIZE
@@ -185,6 +191,27 @@ class Trainer:
         return step if step is not None else self.optimizer.freeze_step
 
 
+def shard(model: nn.Module, shards: int, name: str, device: torch.device) -> DeviceMesh:
+    """Shard ``model`` (its blocks, then the rest) with FSDP2 over ``shards`` ranks per node;
+    return the ``(replicate, shard)`` mesh of the world.
+
+    ``adamw`` shards on the 2-D mesh, so that FSDP2 also averages across nodes (torch's HSDP);
+    the onebit optimizers on its ``shard`` dimension, averaging across nodes in ``step()``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh(
+        device.type, (world_size // shards, shards), mesh_dim_names=("replicate", "shard")
+    )
+    on = mesh if name == "adamw" else mesh["shard"]
+    for block in model.blocks:
+        fully_shard(block, mesh=on)
+    fully_shard(model, mesh=on)
+    return mesh
+
+
 def build(
     name: str,
     model: nn.Module,
@@ -198,6 +225,7 @@ def build(
     max_grad_norm: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
     warmup_compression: str = "fp32",
+    mesh: DeviceMesh | None = None,
 ) -> Trainer:
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
@@ -206,25 +234,31 @@ def build(
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
     :func:`default_local_step_scaler`). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
-    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB.
-    Every rank must call this with the same arguments.
+    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB. ``mesh`` is :func:`shard`'s
+    if it sharded the model. Every rank must call this with the same arguments.
     """
     cls = optimizer_class(name)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    numel = sum(p.numel() for p in model.parameters())
     if freeze_step is None:
         freeze_step = default_freeze_step(name, steps)
     if name == "adamw":
         optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
-        numel = sum(p.numel() for p in model.parameters())
         per_step = allreduce_bytes(4 * numel, world_size)
-        if world_size > 1:
+        if mesh is not None:  # HSDP: each rank's shard, averaged across nodes
+            replicas, shards = mesh.size(0), mesh.size(1)
+            per_step = allreduce_bytes(4 * math.ceil(numel / shards), replicas)
+        elif world_size > 1:
             model = nn.parallel.DistributedDataParallel(model)
         return Trainer(
             model, optimizer, lambda: "fp32", lambda: per_step, scaler=scaler, clip=max_grad_norm
         )
     common = {"lr": lr, "bucket_size": bucket_size, "max_grad_norm": max_grad_norm}
+    if mesh is not None:
+        common["process_group"] = mesh["replicate"].get_group()
     if name == "lamb":
         optimizer = cls(param_groups, freeze_step=NEVER, **common)
+        _attach(model, optimizer, mesh)
         return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer), scaler)
     if name == "zero-one-adam":
         if freeze_step == "auto":
@@ -240,6 +274,7 @@ def build(
         if freeze_step == "auto":
             common["auto_freeze"] = auto_freeze(steps)
         optimizer = cls(param_groups, freeze_step=freeze_step, **common)
+    _attach(model, optimizer, mesh)
     return Trainer(
         model,
         optimizer,
@@ -247,6 +282,11 @@ def build(
         lambda: _last_bytes(optimizer),
         scaler,
     )
+
+
+def _attach(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None) -> None:
+    if mesh is not None:
+        onebit.fsdp.attach(model, optimizer)
 
 
 def _last_bytes(optimizer: torch.optim.Optimizer) -> int:
