@@ -130,7 +130,8 @@ def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGr
     from torch.distributed.fsdp import fully_shard
 
     world_size = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world_size // shards, shards), ("replicate", "shard"))
+    names = ("replicate", "shard")
+    mesh = init_device_mesh("cpu", (world_size // shards, shards), mesh_dim_names=names)
     on = mesh if name == "AdamW" else mesh["shard"]
     for layer in model:
         fully_shard(layer, mesh=on)

@@ -20,10 +20,17 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=False)
 
 
-def storage_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors)."""
-    tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+def storage_bytes(opt: torch.optim.Optimizer, gradient_buffer: bool = False) -> int:
+    """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors); with
+    ``gradient_buffer``, the bucketer's gradient buffer too, if it holds one between steps."""
+    from onebit.sharding import local_tensor
+
+    tensors = [
+        local_tensor(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    ]
     tensors += [t for t in vars(opt).values() if torch.is_tensor(t)]
+    if gradient_buffer and opt.bucketer._buffer is not None:
+        tensors.append(opt.bucketer._buffer)
     for comm in opt.comms:  # the buffers in use (the properties would make them)
         tensors += [e for e in (comm._worker_error, comm._server_error) if e is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}

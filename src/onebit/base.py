@@ -176,6 +176,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    _keeps_gradient_buffer = False
+    """Whether the subclass keeps data in the bucketer's gradient buffer from one step to the
+    next (0/1 Adam its sync parameters). If not, a sharded optimizer frees the buffer after each
+    step: FSDP2 owns the gradients, and between steps the buffer would be one more copy."""
+
     def __init__(
         self,
         params: Iterable,
@@ -725,6 +730,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._step_open = False
         self._calls += 1
         self.shards.release(self.layout.params)
+        if self.shards.sharded and not self._keeps_gradient_buffer:
+            self.bucketer.release()
         self.bucketer.armed = True
         self.comm_stats.record(stage, nbytes, round_skipped)
         if applied:

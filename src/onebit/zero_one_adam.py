@@ -121,6 +121,8 @@ class ZeroOneAdam(CompressedOptimizer):
     ``freeze_step`` and ``in_warmup`` (phase A) also give.
     """
 
+    _keeps_gradient_buffer = True  # phase B's sync parameters live there
+
     def __init__(
         self,
         params: Iterable,
