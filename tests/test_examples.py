@@ -75,6 +75,21 @@ def test_example_trains_on_two_ranks_and_sends_fewer_bytes(name, framework, tmp_
     assert f"optimizer state on {'cuda:0' if gpus >= 2 else 'cpu'}" in output
 
 
+def test_fsdp_example_shards_inside_nodes_and_sends_one_bit_between(tmp_path):
+    """``examples/fsdp_hsdp.py`` on 4 ranks, 2 emulated nodes of 2: trains, sends 1 bit per
+    element between nodes after the warmup, and checkpoints through torch.distributed.checkpoint."""
+    pytest.importorskip("transformers")
+    output = torchrun(
+        EXAMPLES / "fsdp_hsdp.py", "--out", str(tmp_path), log=tmp_path / "output.txt", ranks=4
+    )
+    report = REPORT.search(output)
+    assert report, output[-4000:]
+    loss = float(report["loss"])
+    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
+    assert int(report["per_step"]) >= 20
+    assert (tmp_path / "step-100" / ".metadata").is_file()
+
+
 ONE_GPU = [
     ("torchrun_ddp", []),
     ("hf_trainer", []),
