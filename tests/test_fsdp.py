@@ -334,3 +334,31 @@ def test_one_node_hsdp_on_nccl(tmp_path):
     for r in ranks:
         assert r["warmup_diff"] <= 1e-5 and r["stage"] == "compression" and r["finite"], r
         assert r["backend"] == "triton"
+
+
+def _uneven(rank: int, world_size: int) -> dict[str, tuple]:
+    """Each optimizer through its stages on a 1 x 4 mesh, where FSDP2 leaves the last layer's
+    local shards empty on ranks 2 and 3 (2 rows over 4 ranks)."""
+    mesh = _mesh(1, 4)
+    results = {}
+    for name in NAMES:
+        model, opt = _onebit(mesh, name, max_grad_norm=1.0)
+        _train(model, opt, range(8))
+        local = _local(model)
+        results[name] = (
+            [tuple(p.shape) for p in local],
+            all(bool(torch.isfinite(p).all()) for p in local),
+            opt.comm_stats.steps,
+            opt.grad_norm,
+        )
+    return results
+
+
+def test_uneven_shards_with_empty_local_tensors():
+    """Ranks whose shard of a layer is empty take part in every step's reductions (clipping,
+    LAMB's norms) like the others: all finish, finite, with the same stages and gradient norm."""
+    results = run_ranks(_uneven, 4)
+    assert results[2]["adam"][0][2] == (0, 32)  # the last layer's weight: no rows on rank 2
+    for name in NAMES:
+        shapes, finite, steps, norm = zip(*(r[name] for r in results))
+        assert all(finite) and len(set(map(str, steps))) == 1 and len(set(norm)) == 1, name
