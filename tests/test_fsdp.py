@@ -40,10 +40,10 @@ def _shard(model: torch.nn.Module, mesh, **kwargs) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh, **kwargs)
 
 
-def _wide() -> torch.nn.Module:
+def _wide(seed: int = 0) -> torch.nn.Module:
     """The family's model with a hidden layer wide enough that the 1-bit messages' scales and
     headers weigh little."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 2))
 
 
@@ -190,8 +190,7 @@ def _resume(rank: int, world_size: int, name: str, directory: str, load_on) -> d
     _train(model, opt, range(5, 8))
     straight = _full(model)
     mesh = _mesh(*load_on) if load_on != (2, 2) else mesh
-    torch.manual_seed(1)  # another initialisation: everything must come from the checkpoint
-    fresh = torch.nn.Sequential(torch.nn.Linear(6, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 2))
+    fresh = _wide(seed=1)  # another initialisation: everything must come from the checkpoint
     model, opt = _onebit(mesh, name, fresh, bucket_size=1024)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
