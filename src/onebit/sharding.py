@@ -66,8 +66,8 @@ class Replicated:
         return tensor
 
     def combine(self, norms: Tensor, ord: float = 2) -> Tensor:
-        """Per-layer ``ord``-norms of whole layers from those of this rank's shards (a CPU
-        vector in, a CPU vector out)."""
+        """Per-layer ``ord``-norms of whole layers from those of this rank's shards (``ord`` 1,
+        2 or inf), on the device of ``norms``."""
         return norms
 
     def layer_norms(self, tensors: Sequence[Tensor], ord: float = 2) -> Tensor:
