@@ -32,7 +32,7 @@ from torch import Tensor
 from . import kernels
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
-from .comm import CompressedAllreduce, finish_compressed_, group_size_and_rank
+from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
@@ -565,18 +565,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = "compressed"
     ) -> tuple[bool, int]:
         """Complete compressed or quantized calls started with headers: check the headers, then
-        serve and decompress (see :func:`~onebit.comm.finish_compressed_`). For 1-bit
+        serve and decompress (:func:`~onebit.comm.commit_compressed_`). For 1-bit
         ``gradients``, note the mean of the ranks' gradient norms that ``max_grad_norm`` clips
         with (a quantized average is clipped as an fp32 one, by its own norm)."""
         comms = self.bucketer.comms_for(kind)
-        scales = torch.cat(
-            [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
-        )
+        finite = scales_finite(comms, calls)
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
         first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
         first[:, 2] = headers[:, :, 2].amax(0)
-        finite = self._check_headers(first, bool(torch.isfinite(scales).all()))
-        applied = finite and finish_compressed_(comms, calls, outputs)
+        applied = self._check_headers(first, finite)
+        if applied:
+            commit_compressed_(comms, calls, outputs)
         if applied and gradients and kind == "compressed" and self.max_grad_norm is not None:
             norms2 = self.shards.sum_(headers[:, :, 3].sum(0))  # each rank's, over all buckets
             self.grad_norm = float(norms2.sqrt().mean())

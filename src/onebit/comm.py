@@ -537,11 +537,23 @@ def finish_compressed_(
     comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
 ) -> bool:
     """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
-    scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
-    if scales and not bool(torch.isfinite(torch.cat(scales)).all()):
+    if not scales_finite(comms, calls):
         return False
+    commit_compressed_(comms, calls, outputs)
+    return True
+
+
+def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> bool:
+    """Wait for phase 1 of every call; whether every rank's worker scales are finite."""
+    scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
+    return not scales or bool(torch.isfinite(torch.cat(scales)).all())
+
+
+def commit_compressed_(
+    comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
+) -> None:
+    """Serve and finish calls whose phase 1 is done and whose scales are all finite."""
     for comm, call in zip(comms, calls):
         comm.serve(call)
     for comm, call, out in zip(comms, calls, outputs):
         comm.finish(call, out)
-    return True
