@@ -361,3 +361,24 @@ def test_uneven_shards_with_empty_local_tensors():
     for name in NAMES:
         shapes, finite, steps, norm = zip(*(r[name] for r in results))
         assert all(finite) and len(set(map(str, steps))) == 1 and len(set(norm)) == 1, name
+
+
+def _loss_scaled(rank: int, world_size: int) -> float:
+    """Largest difference between a run under ``torch.amp.GradScaler`` (a power-of-two scale,
+    which ``step()`` undoes while copying the gradients) and the same run unscaled."""
+    mesh = _mesh(2, 2)
+    model, opt = _onebit(mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(8):
+        scaler.scale(loss_of(model, step, rank)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    unscaled, ref = _onebit(mesh)
+    _train(unscaled, ref, range(8))
+    assert opt.skipped_steps == 0
+    return max(float((a - b).abs().max()) for a, b in zip(_local(model), _local(unscaled)))
+
+
+def test_grad_scaler_steps_bitwise_as_unscaled():
+    assert run_ranks(_loss_scaled, 4) == [0.0] * 4
