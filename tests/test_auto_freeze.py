@@ -11,7 +11,8 @@ import onebit
 from onebit.freeze import AutoFreeze, VarianceMonitor
 
 SHAPES = [(20, 10), (10,), (0,), (5,)]
-KNOBS = AutoFreeze(window=10, tolerance=0.02, patience=2, min_step=20, max_step=400)
+KNOBS = AutoFreeze(window=10, tolerance=0.3, patience=2, min_step=20, max_step=400)
+GROWING = AutoFreeze(tolerance=0.2, patience=2)  # the default window: freezes near 200
 RUN = 250
 
 
@@ -68,27 +69,54 @@ def _observe(monitor, steps, denominators_at):
 def test_stable_variance_freezes_after_patience_windows_and_not_before_min_step():
     numels = [6, 3]
     stable = lambda t: [torch.ones(6), torch.full((3,), 2.0)]  # noqa: E731
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=0), numels, None)
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=1), numels=numels)
     # Measured at 10 (no reference yet), 20 (stable 1), 30 (stable 2): freeze at 30.
     assert _observe(monitor, 30, stable)[0] == 30
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=45), numels, None)
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=45), numels=numels)
     assert _observe(monitor, 60, stable)[0] == 50
 
 
-def test_moving_variance_does_not_freeze_until_max_step():
+def test_the_statistic_is_the_change_per_unit_of_relative_time():
+    """A third of the elements drift by 2% per window of 10 steps: at step 100 that is a change
+    of (1.02^10 - 1) / 3 over a window that is a ninth of the 90 steps before it; with a memory
+    of 50 steps, a fifth of it."""
     numels = [6, 3]
 
-    def one_layer_drifts(t):  # a third of the elements drift by ~10% per window
-        return [torch.ones(6), torch.full((3,), 1.01**t)]
+    def one_layer_drifts(t):
+        return [torch.ones(6), torch.full((3,), 1.02**t)]
 
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=0), numels, None)
-    assert _observe(monitor, 100, one_layer_drifts) == []
-    assert monitor.last_change == pytest.approx((1.01**10 - 1) / 3, rel=1e-4)
-    monitor = VarianceMonitor(AutoFreeze(window=10, min_step=0, max_step=57), numels, None)
-    assert _observe(monitor, 60, one_layer_drifts)[0] == 57
+    per_window = (1.02**10 - 1) / 3
+    for memory, elapsed in ((math.inf, 90), (50, 50)):
+        knobs = AutoFreeze(window=10, tolerance=0.01, patience=1, min_step=1)
+        monitor = VarianceMonitor(knobs, memory, numels=numels)
+        assert _observe(monitor, 100, one_layer_drifts) == []
+        assert monitor.last_change == pytest.approx(per_window * elapsed / 10, rel=1e-4)
+    knobs = AutoFreeze(window=10, tolerance=0.01, min_step=1, max_step=57)
+    assert _observe(VarianceMonitor(knobs, numels=numels), 60, one_layer_drifts)[0] == 57
     nan = lambda t: [torch.full((6,), float("nan")), torch.ones(3)]  # noqa: E731
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=0), numels, None)
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=1), numels=numels)
     assert _observe(monitor, 100, nan) == []
+
+
+def test_the_default_window_grows_with_the_run():
+    """About 8 measurements per doubling of the step, at any length of run."""
+    due = [t for t in range(1, 2**14) if VarianceMonitor(AutoFreeze()).due(t)]
+    assert due[:20] == list(range(1, 17)) + [18, 20, 22, 24]
+    for low in (64, 1024, 8192):
+        between = [t for t in due if low <= t < 2 * low]
+        assert between == list(range(low, 2 * low, low // 8))
+
+
+def test_a_settling_variance_freezes_by_its_own_time_scale():
+    """``d(t) = 1 + c / t``, the mean of a variance averaging gradients that shrank early on:
+    the same rule freezes a run 1000 times longer 1000 times later, where no fixed window
+    could."""
+    freezes = []
+    for c in (3, 3000):
+        monitor = VarianceMonitor(AutoFreeze(min_step=1), numels=[4])
+        decided = _observe(monitor, 100 * c, lambda t: [torch.full((4,), 1 + c / t)])  # noqa: B023
+        freezes.append(decided[0])
+    assert 5 <= freezes[0] <= 20 and 500 * freezes[0] <= freezes[1] <= 2000 * freezes[0]
 
 
 def test_a_tiny_noisy_layer_cannot_hold_the_freeze_back():
@@ -97,8 +125,28 @@ def test_a_tiny_noisy_layer_cannot_hold_the_freeze_back():
     def noisy_bias(t):
         return [torch.ones(1000), 1 + 0.2 * torch.rand(2, generator=gen)]
 
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=2, min_step=0), [1000, 2], None)
-    assert _observe(monitor, 30, noisy_bias)[0] == 30
+    knobs = AutoFreeze(window=10, patience=2, min_step=1)
+    assert _observe(VarianceMonitor(knobs, numels=[1000, 2]), 30, noisy_bias)[0] == 30
+
+
+def test_told_the_run_length_it_freezes_by_a_fraction_of_it():
+    drifting = lambda t: [torch.full((4,), 1.05**t)]  # noqa: E731
+    for total, fraction, last in ((300, 0.25, 75), (1000, 0.1, 100), (6, 0.25, 1)):
+        knobs = AutoFreeze(total_steps=total, max_fraction=fraction)
+        assert knobs.last_step == last and knobs.first_step == min(50, last)
+        assert _observe(VarianceMonitor(knobs), total, drifting)[0] == last
+    # Stable enough, a 300-step run freezes before its cap, past the minimum of 50 steps.
+    settling = lambda t: [torch.full((4,), 1 + 3 / t)]  # noqa: E731
+    decided = _observe(VarianceMonitor(AutoFreeze(total_steps=300)), 300, settling)
+    assert 50 <= decided[0] < 75
+    assert AutoFreeze(max_step=10, total_steps=300).last_step == 10  # an explicit cap wins
+
+
+def test_every_reasonable_combination_of_knobs_is_accepted():
+    assert AutoFreeze(max_step=10).first_step == 10  # a cap below the default minimum lowers it
+    assert AutoFreeze(total_steps=100).first_step == 25
+    assert AutoFreeze(min_step=5, max_step=5).last_step == 5
+    assert AutoFreeze(min_step=500, total_steps=10_000).first_step == 500
 
 
 def test_bad_knobs_raise_value_error():
@@ -108,12 +156,20 @@ def test_bad_knobs_raise_value_error():
         dict(tolerance=0.0),
         dict(tolerance=float("nan")),
         dict(min_step=1.5),
-        dict(min_step=50, max_step=10),
+        dict(min_step=0),
         dict(max_step=0),
         dict(window=True),
+        dict(total_steps=0),
+        dict(total_steps=100, max_fraction=0),
+        dict(total_steps=100, max_fraction=1.5),
+        dict(max_fraction="a"),
     ]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="AutoFreeze"):
             AutoFreeze(**kwargs)
+    with pytest.raises(ValueError, match="min_step=50 is above max_step=10.*Lower min_step"):
+        AutoFreeze(min_step=50, max_step=10)
+    with pytest.raises(ValueError, match=r"above max_step=25 \(0.25 of total_steps=100\)"):
+        AutoFreeze(min_step=50, total_steps=100)
     for make in (_adam, _lamb):
         for freeze_step in ("Auto", 0, -3, 2.5, True, None):
             with pytest.raises(ValueError):
@@ -142,20 +198,21 @@ def test_auto_is_the_fixed_run_at_the_step_it_chose_and_is_recorded(make):
     assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
 
 
+@pytest.mark.parametrize("knobs", [KNOBS, GROWING], ids=["fixed-window", "growing-window"])
 @pytest.mark.parametrize("make", [_adam, _lamb], ids=["OnebitAdam", "OnebitLamb"])
-def test_resume_in_the_middle_of_the_decision_is_exact(make):
+def test_resume_in_the_middle_of_the_decision_is_exact(make, knobs):
     params = _params()
-    opt = make(params, "auto")
+    opt = make(params, "auto", auto_freeze=knobs)
     straight = _run(params, opt, 1, RUN)
     chosen = opt.freeze_step
-    checkpoint = chosen - KNOBS.window // 2  # some stable windows already counted
+    checkpoint = chosen - 5  # some stable windows already counted
     params = _params()
-    opt = make(params, "auto")
+    opt = make(params, "auto", auto_freeze=knobs)
     _run(params, opt, 1, checkpoint)
     assert opt.freeze_step is None and opt._freeze_monitor.stable_windows >= 1
     saved = _roundtrip({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()})
     params = _params()
-    opt = make(params, "auto")
+    opt = make(params, "auto", auto_freeze=knobs)
     with torch.no_grad():
         for p, q in zip(params, saved["model"]):
             p.copy_(q)
@@ -175,8 +232,13 @@ def test_resume_in_the_middle_of_the_decision_is_exact(make):
 def test_default_knobs_freeze_a_settled_run():
     params = _params()
     opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step="auto")
-    _run(params, opt, 1, 700)
-    assert opt.freeze_step is not None and 100 <= opt.freeze_step < 700
+    _run(params, opt, 1, 300)
+    assert opt.freeze_step is not None and 50 <= opt.freeze_step < 300
+    params = _params()
+    told = AutoFreeze(total_steps=100)
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step="auto", auto_freeze=told)
+    _run(params, opt, 1, 100)
+    assert opt.freeze_step == 25 == opt.comm_stats.freeze_step
 
 
 # Agreement across ranks.
@@ -186,12 +248,13 @@ def _agreement(rank, world_size):
     # The monitor alone, fed different denominators on each rank: only the last rank's drift.
     # Alone, the other ranks would freeze at step 15.
     drift = 1.02 if rank == world_size - 1 else 1.0
-    monitor = VarianceMonitor(AutoFreeze(window=5, patience=1, min_step=0), [4, 2], None)
+    knobs = AutoFreeze(window=5, tolerance=0.01, patience=1, min_step=1)
+    monitor = VarianceMonitor(knobs, numels=[4, 2])
     decisions = _observe(monitor, 40, lambda t: [torch.ones(4), torch.full((2,), drift**t)])
     changes = monitor.last_change
     # Both optimizers on rank-dependent gradients.
     chosen, final = [], []
-    quick = AutoFreeze(window=5, tolerance=0.05, patience=2, min_step=10)  # freezes near 55
+    quick = AutoFreeze(patience=2, min_step=10, total_steps=200)  # the default window
     for make in (_adam, _lamb):
         params = _params(torch.bfloat16 if make is _lamb else torch.float32)
         opt = make(params, "auto", bucket_size=64, auto_freeze=quick)
@@ -204,7 +267,7 @@ def _agreement(rank, world_size):
 def test_ranks_agree_on_the_freeze_step():
     results = run_ranks(_agreement, 3)
     decisions, change, chosen, final = results[0]
-    assert decisions == [] and change == pytest.approx((1.02**5 - 1) / 3, rel=1e-4)
+    assert decisions == [] and change == pytest.approx((1.02**5 - 1) / 3 * 35 / 5, rel=1e-4)
     assert chosen[0][0] is not None and chosen[1][0] is not None
     assert chosen[0][0] == chosen[0][1] and chosen[1][0] == chosen[1][1]
     assert [c[2] for c in chosen] == ["compression", "compression"]

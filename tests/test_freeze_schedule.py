@@ -64,8 +64,8 @@ def test_auto_decides_once_and_a_resumed_decision_continues_exactly():
 
 
 def test_the_monitor_weighs_layers_by_the_denominators_sizes_unless_told():
-    told = VarianceMonitor(AutoFreeze(window=1, patience=1, min_step=0), [6, 3], None)
-    guessed = VarianceMonitor(AutoFreeze(window=1, patience=1, min_step=0))
+    told = VarianceMonitor(AutoFreeze(window=1, patience=1, min_step=1), numels=[6, 3])
+    guessed = VarianceMonitor(AutoFreeze(window=1, patience=1, min_step=1))
     for t in range(1, 5):
         assert told.observe(t, _denominators(t)) == guessed.observe(t, _denominators(t))
         assert told.last_change == guessed.last_change

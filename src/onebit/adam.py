@@ -127,7 +127,7 @@ class OnebitAdam(CompressedOptimizer):
         def check() -> None:
             nonlocal freeze
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
-            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group)
+            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
         problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

@@ -3,18 +3,24 @@
 1-bit Adam and 1-bit LAMB rest on one observation (Tang et al., 2021): after a warmup, Adam's
 variance ``v`` barely moves, so it can be frozen and the momentum sent with 1-bit compression.
 A fixed ``freeze_step`` must be guessed before training; ``"auto"`` watches ``v`` and freezes once
-it has stopped moving. The rule, with the knobs of :class:`AutoFreeze`:
+it has stopped moving, on a time scale set by the run itself. The rule, with the knobs of
+:class:`AutoFreeze`:
 
-* every ``window`` warmup steps, measure for each parameter ("layer") the mean of Adam's
-  denominator ``sqrt(v̂) + eps``, the quantity that will be frozen;
+* measure, at the end of some warmup steps, each parameter's ("layer's") mean of Adam's
+  denominator ``sqrt(v̂) + eps``, the quantity that will be frozen. By default the measurements
+  are a growing window apart: the largest power of two at most ``step / 8``, so a window is
+  always 1/16 to 1/8 of the run so far, and a run of any length measures about 8 times per
+  doubling of its step;
 * the statistic is the relative change of these means since the previous measurement, averaged
-  over layers weighted by their sizes: the large matrices, which hold the parameters and the
-  bytes, decide, and a tiny layer whose few elements keep a noisy variance cannot hold the freeze
-  back forever. The ranks agree on it with one scalar ``MAX`` allreduce (``v`` comes from
-  averaged gradients, so it is the same everywhere anyway; the allreduce makes it a guarantee);
+  over layers weighted by their sizes (the large matrices, which hold the parameters and the
+  bytes, decide), *per unit of relative time*: divided by ``window / min(step, memory)``, where
+  ``memory = 1 / (1 - beta2)`` is how many steps ``v`` averages. It reads as "percent change of
+  the denominator per percent of the steps that ``v`` averages", the same on a run of 300 steps
+  and of 300,000. The ranks agree on it with one scalar ``MAX`` allreduce;
 * freeze at the end of the first measuring step at or after ``min_step`` where the statistic has
   been below ``tolerance`` for ``patience`` measurements in a row, and at ``max_step`` at the
-  latest.
+  latest. Told the run's length (``total_steps``), ``max_step`` defaults to ``max_fraction`` of
+  it.
 
 :class:`FreezeSchedule` holds the step, fixed or chosen, and the rule's state. The chosen step is
 recorded in the optimizer's ``freeze_step``, in ``comm_stats.freeze_step`` and in the state dict,
@@ -37,77 +43,131 @@ from .functional import layer_norms
 
 @dataclass(frozen=True)
 class AutoFreeze:
-    """Knobs of ``freeze_step="auto"``; the defaults suit runs of a few thousand steps or more.
+    """Knobs of ``freeze_step="auto"``. The defaults adapt to the run; pass ``total_steps`` when
+    the run's length is known, so that the warmup is capped at a fraction of it.
 
     Args:
-        window: steps between two measurements of the variance (default 50). Longer windows
-            see slow drifts that short ones miss; keep it well below the warmup you expect. The
-            tolerance is per window: halve it if you halve the window.
-        tolerance: the statistic, the size-weighted mean over layers of the relative change of
-            each layer's mean Adam denominator over one window, below which the variance counts
-            as stable (default 0.02, i.e. 2%). Lower it to freeze later and more safely; raise it
-            to compress sooner.
+        window: steps between two measurements of the variance. ``None`` (default): a window
+            that grows with the run, the largest power of two at most ``step / 8``. An int
+            measures every ``window`` steps, as a fixed schedule.
+        tolerance: the statistic below which the variance counts as stable (default 0.3): the
+            size-weighted mean over layers of the relative change of each layer's mean Adam
+            denominator over one window, divided by the window's share of
+            ``min(step, 1 / (1 - beta2))``. 0.3 means the denominator moves by less than 0.3
+            percent per percent of the steps its variance averages. Lower it to
+            freeze later and more safely; raise it to compress sooner.
         patience: consecutive stable measurements needed (default 3), so that one quiet window
             in a noisy warmup does not freeze early.
-        min_step: never freeze before this step (default 100). The variance of the first steps
-            is an average of few gradients; freezing it makes a noisy preconditioner.
-        max_step: freeze at this step at the latest, stable or not (default ``None``: no limit).
-            A variance that never settles (a drifting loss scale, say) would keep every step in
-            fp32; set it to cap the full-precision traffic, e.g. at 25% of the run.
+        min_step: never freeze before this step. ``None`` (default): 50, or ``max_step`` if
+            that is lower. The variance of the first steps is an average of few gradients;
+            freezing it makes a noisy preconditioner.
+        max_step: freeze at this step at the latest, stable or not. ``None`` (default):
+            ``max_fraction`` of ``total_steps`` when that is given, else no limit. A variance
+            that never settles (a short run, whose ``v`` is still averaging its first large
+            gradients, or a drifting loss scale) would otherwise keep every step in the warmup.
+        total_steps: the run's length in optimizer steps, when known (``None``: unknown).
+        max_fraction: with ``total_steps`` and no ``max_step``, the largest share of the run the
+            warmup may take (default 0.25, the 15-25% the papers warm up for).
+
+    Raises:
+        ValueError: for a knob out of range, or a ``min_step`` above ``max_step``: the message
+            says which to change.
     """
 
-    window: int = 50
-    tolerance: float = 0.02
+    window: int | None = None
+    tolerance: float = 0.3
     patience: int = 3
-    min_step: int = 100
+    min_step: int | None = None
     max_step: int | None = None
+    total_steps: int | None = None
+    max_fraction: float = 0.25
+
+    DEFAULT_MIN_STEP = 50
 
     def __post_init__(self) -> None:
-        for name in ("window", "patience"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AutoFreeze.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.min_step, bool) or not isinstance(self.min_step, int):
-            raise ValueError(f"AutoFreeze.min_step must be an int, got {self.min_step!r}")
+        _check_int("patience", self.patience, 1)
+        for name in ("window", "min_step", "max_step", "total_steps"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         if not (isinstance(self.tolerance, (int, float)) and 0 < self.tolerance < math.inf):
             raise ValueError(f"AutoFreeze.tolerance must be > 0, got {self.tolerance!r}")
-        if self.max_step is not None and (
-            isinstance(self.max_step, bool)
-            or not isinstance(self.max_step, int)
-            or self.max_step < max(1, self.min_step)
-        ):
-            raise ValueError(
-                f"AutoFreeze.max_step must be None or an int >= max(1, min_step), "
-                f"got {self.max_step!r}"
+        fraction = self.max_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ValueError(f"AutoFreeze.max_fraction must be a number, got {fraction!r}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"AutoFreeze.max_fraction must be in (0, 1], got {fraction!r}")
+        last = self.last_step
+        if self.min_step is not None and last is not None and self.min_step > last:
+            cap = (
+                f"max_step={last}"
+                if self.max_step is not None
+                else f"max_step={last} ({fraction:g} of total_steps={self.total_steps})"
             )
+            raise ValueError(
+                f"AutoFreeze.min_step={self.min_step} is above {cap}: the warmup cannot end "
+                f"after its own cap. Lower min_step to {last} or less (or leave it None), or "
+                "raise the cap"
+            )
+
+    @property
+    def last_step(self) -> int | None:
+        """The step at which the warmup ends at the latest (``None``: no limit)."""
+        if self.max_step is not None:
+            return self.max_step
+        if self.total_steps is None:
+            return None
+        return max(1, math.floor(self.max_fraction * self.total_steps))
+
+    @property
+    def first_step(self) -> int:
+        """The first step at which the variance may freeze for being stable."""
+        if self.min_step is not None:
+            return self.min_step
+        last = self.last_step
+        return self.DEFAULT_MIN_STEP if last is None else min(self.DEFAULT_MIN_STEP, last)
+
+    def window_at(self, step: int) -> int:
+        """The window that ends at ``step``: ``window``, or the growing one."""
+        if self.window is not None:
+            return self.window
+        return max(1, (1 << (step.bit_length() - 1)) // 8)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"AutoFreeze.{name} must be an int >= {low}, got {value!r}")
 
 
 class VarianceMonitor:
     """The state of the ``"auto"`` rule: the last measurement and the run of stable ones.
 
-    ``numels`` are the layers' sizes, which weigh the statistic (``None``: the sizes of the
-    denominators observed). ``layer_norms(tensors, ord)`` takes each layer's norm as a CPU
-    vector; an optimizer of sharded parameters sets both to the whole layers'
+    ``memory`` is how many steps the variance averages, ``1 / (1 - beta2)``. ``numels`` are the
+    layers' sizes, which weigh the statistic (``None``: the sizes of the denominators
+    observed). ``layer_norms(tensors, ord)`` takes each layer's norm as a CPU vector; an
+    optimizer of sharded parameters sets both to the whole layers'
     (:class:`onebit.sharding.Sharded`), so that every shard measures the same statistic.
     """
 
     def __init__(
         self,
         config: AutoFreeze,
+        memory: float = math.inf,
         numels: list[int] | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
+        self.memory = memory
         self.process_group = process_group
         self.numels = numels
         self.layer_norms: Callable[[list[Tensor], float], Tensor] = _layer_norms
         self.reference: Tensor | None = None
+        self.reference_step = 0
         self.stable_windows = 0
         self.last_change = math.inf
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` measures (every ``window`` steps, and at ``max_step``)."""
-        return step % self.config.window == 0 or step == self.config.max_step
+        """Whether step ``step`` measures: a window ends there, or it is the last warmup step."""
+        return step % self.config.window_at(step) == 0 or step == self.config.last_step
 
     def observe(self, step: int, denominators: list[Tensor]) -> bool:
         """Measure at the end of warmup step ``step``; return whether to freeze now.
@@ -122,28 +182,36 @@ class VarianceMonitor:
         numels = torch.tensor(sizes, dtype=torch.float32)
         means = self.layer_norms(denominators, 1) / numels.clamp(min=1)
         weights = numels / numels.sum().clamp(min=1)
-        change = _relative_change(means, self.reference, weights)
+        change = math.inf
+        if self.reference is not None:
+            elapsed = min(self.reference_step, self.memory) / max(1, step - self.reference_step)
+            change = _relative_change(means, self.reference, weights) * elapsed
         if dist.is_available() and dist.is_initialized():
             device = denominators[0].device if denominators else torch.device("cpu")
             agreed = torch.tensor([change], dtype=torch.float64, device=device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
             change = float(agreed.item())
-        self.reference = means
+        self.reference, self.reference_step = means, step
         self.last_change = change
         self.stable_windows = self.stable_windows + 1 if change < config.tolerance else 0
-        stable = step >= config.min_step and self.stable_windows >= config.patience
-        return stable or (config.max_step is not None and step >= config.max_step)
+        stable = step >= config.first_step and self.stable_windows >= config.patience
+        last = config.last_step
+        return stable or (last is not None and step >= last)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "reference": None if self.reference is None else self.reference.clone(),
+            "reference_step": self.reference_step,
             "stable_windows": self.stable_windows,
             "last_change": self.last_change,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         reference = state["reference"]
-        self.reference = None if reference is None else reference.clone()
+        # A state saved before "reference_step" existed measures afresh from its next window.
+        known = "reference_step" in state
+        self.reference = None if reference is None or not known else reference.clone()
+        self.reference_step = state.get("reference_step", 0)
         self.stable_windows = state["stable_windows"]
         self.last_change = state["last_change"]
 
@@ -152,10 +220,8 @@ def _layer_norms(tensors: list[Tensor], ord: float) -> Tensor:
     return layer_norms(tensors, ord).cpu()
 
 
-def _relative_change(now: Tensor, before: Tensor | None, weights: Tensor) -> float:
+def _relative_change(now: Tensor, before: Tensor, weights: Tensor) -> float:
     """``Σ_l w_l·|now_l - before_l| / before_l``; layers that stay exactly put count 0."""
-    if before is None:
-        return math.inf
     diff = (now - before).abs()
     rel = torch.where(diff == 0, 0.0, diff / before)
     return float((rel * weights).sum())
@@ -174,6 +240,8 @@ class FreezeSchedule:
         auto_freeze: the knobs of ``"auto"`` (default ``AutoFreeze()``); only with ``"auto"``.
         process_group: the group whose ranks agree on an ``"auto"`` decision (``None``: the
             default group).
+        beta2: Adam's ``beta2``, whose ``1 / (1 - beta2)`` steps the ``"auto"`` statistic
+            takes as the variance's memory.
 
     Attributes:
         freeze_step: the last warmup step: the constructor's int, or the step ``"auto"`` chose;
@@ -191,6 +259,7 @@ class FreezeSchedule:
         freeze_step: int | Literal["auto"],
         auto_freeze: AutoFreeze | None = None,
         process_group: dist.ProcessGroup | None = None,
+        beta2: float = 0.999,
     ) -> None:
         self.freeze_step: int | None
         self.auto_freeze: AutoFreeze | None
@@ -200,7 +269,8 @@ class FreezeSchedule:
             self.auto_freeze = AutoFreeze() if auto_freeze is None else auto_freeze
             if not isinstance(self.auto_freeze, AutoFreeze):
                 raise ValueError(f"auto_freeze must be an AutoFreeze, got {auto_freeze!r}")
-            self.monitor = VarianceMonitor(self.auto_freeze, process_group=process_group)
+            memory = 1 / (1 - beta2) if beta2 < 1 else math.inf
+            self.monitor = VarianceMonitor(self.auto_freeze, memory, process_group=process_group)
         else:
             if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
                 raise ValueError(f'freeze_step must be an int >= 1 or "auto", got {freeze_step!r}')

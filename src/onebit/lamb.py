@@ -152,7 +152,7 @@ class OnebitLamb(CompressedOptimizer):
                 )
             if not 0.0 <= factor_threshold < 1.0:
                 raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
-            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group)
+            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
         problem = problem_of(check)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta

@@ -29,6 +29,27 @@ from .functional import (
     momentum_from_grads_,
 )
 
+PAPER_LOCAL_STEPS = (32768, 16)
+"""``(local_step_scaler, local_step_clipper)`` of the paper, for runs of 100k steps and more."""
+
+
+def local_step_schedule(total_steps: int, var_freeze_step: int) -> tuple[int, int]:
+    """0/1 Adam's ``(local_step_scaler, local_step_clipper)`` sized for a run of ``total_steps``.
+
+    The rule: over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval
+    may grow to the largest power of two at most ``P / 100`` (at least 1, at most the paper's
+    16), so that even at its longest a run syncs 100 times or more; and it doubles evenly
+    through phase B, reaching that cap for the last of its ``log2(cap) + 1`` equal parts. A run
+    of 600 steps that freezes at 120 gets ``(160, 4)``: intervals 1, 2, then 4. The paper's
+    BERT-Base run (118k steps, 23k of them phase A) gets ``(19000, 16)``, close to its 32768.
+
+    Long intervals let the replicas drift apart; on short runs the drift of an interval of 16
+    cost 0/1 Adam several percent of loss (``BENCHMARKS.md``).
+    """
+    phase_b = max(1, total_steps - var_freeze_step)
+    clipper = 1 << max(0, min(4, (phase_b // 100).bit_length() - 1))
+    return max(1, phase_b // (clipper.bit_length())), clipper
+
 
 class ZeroOneAdam(CompressedOptimizer):
     """AdamW that needs no full-precision warmup and skips whole communication rounds.
@@ -67,12 +88,16 @@ class ZeroOneAdam(CompressedOptimizer):
             10-20% of training (e.g. 23k of 118k steps for BERT-Base).
         var_update_scaler: variance updates between two doublings of ``var_interval``
             (default 16). Larger keeps ``v`` fresher at the cost of more fp32 allreduces.
-        local_step_scaler: phase-B steps between two doublings of ``local_step_interval``
-            (default 32768, so runs shorter than that sync every step). Lower it to skip rounds
-            sooner when gradients are not very noisy.
-        local_step_clipper: the largest ``local_step_interval`` (default 16). At most one step
-            in this many communicates; larger intervals save more rounds but let replicas drift
-            further apart.
+        local_step_scaler: phase-B steps between two doublings of ``local_step_interval``.
+            Lower it to skip rounds sooner when gradients are not very noisy. Default: scaled
+            to ``total_steps`` by :func:`local_step_schedule`, or the paper's 32768 without it
+            (a run shorter than that then syncs every step).
+        local_step_clipper: the largest ``local_step_interval``. At most one step in this many
+            communicates; larger intervals save more rounds but let replicas drift further
+            apart. Default: scaled to ``total_steps`` by :func:`local_step_schedule`, or the
+            paper's 16 without it.
+        total_steps: the run's length in optimizer steps, when known. It sizes the local-step
+            schedule's defaults to the run; knobs given explicitly win.
         bias_correction: Adam's bias correction. The variance's correction counts variance
             updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
         process_group: the data-parallel group; ``None`` is the default group, or a single
@@ -133,8 +158,9 @@ class ZeroOneAdam(CompressedOptimizer):
         *,
         var_freeze_step: int,
         var_update_scaler: int = 16,
-        local_step_scaler: int = 32768,
-        local_step_clipper: int = 16,
+        local_step_scaler: int | None = None,
+        local_step_clipper: int | None = None,
+        total_steps: int | None = None,
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -150,8 +176,14 @@ class ZeroOneAdam(CompressedOptimizer):
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
             freeze = FreezeSchedule(self.var_freeze_step)
             self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
-            self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler)
-            self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper)
+            scaler, clipper = PAPER_LOCAL_STEPS
+            if total_steps is not None:
+                check_step_count("total_steps", total_steps)
+                scaler, clipper = local_step_schedule(total_steps, self.var_freeze_step)
+            scaler = scaler if local_step_scaler is None else local_step_scaler
+            clipper = clipper if local_step_clipper is None else local_step_clipper
+            self.local_step_scaler = check_step_count("local_step_scaler", scaler)
+            self.local_step_clipper = check_step_count("local_step_clipper", clipper)
 
         problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

@@ -28,6 +28,7 @@ from . import checkpoint, loggers, optim
 from .checkpoint import CheckpointError
 from .data import DataError, prepare
 from .loop import RunConfig, spawn_worker, torchrun_worker
+from .model import MODELS
 
 DEFAULT_STEPS = 300
 DEFAULT_WORKERS = 4
@@ -207,9 +208,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and data")
     model.add_argument(
         "--model",
-        choices=("gpt", "bert"),
+        choices=MODELS,
         default="gpt",
-        help="gpt: causal byte-level LM; bert: masked LM, the papers' workload (gpt)",
+        help="gpt: causal byte-level LM; bert: masked LM, the papers' workload; cnn: causal "
+        "convolutional LM, without attention (gpt)",
     )
     model.add_argument(
         "--block-size", type=_positive, default=128, metavar="N", help="context in bytes (128)"

@@ -152,9 +152,9 @@ def get_batch(
 ) -> tuple[Tensor, Tensor]:
     """A batch of random windows: ``(inputs, targets)`` of shape ``(batch_size, block_size)``.
 
-    For ``kind="gpt"`` the targets are the inputs shifted by one byte. For ``kind="bert"`` 15% of
-    the positions are chosen; of those 80% become ``[MASK]``, 10% a random byte, 10% stay; targets
-    are the original bytes there and -100 elsewhere.
+    For ``kind="gpt"`` or ``"cnn"`` the targets are the inputs shifted by one byte. For
+    ``kind="bert"`` 15% of the positions are chosen; of those 80% become ``[MASK]``, 10% a random
+    byte, 10% stay; targets are the original bytes there and -100 elsewhere.
     """
     starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
     return windows(data, starts, block_size, kind, generator)
@@ -166,7 +166,7 @@ def windows(
     """Inputs and targets for the windows of ``data`` beginning at ``starts`` (see get_batch)."""
     index = starts[:, None] + torch.arange(block_size + 1)
     chunk = data[index].long()
-    if kind == "gpt":
+    if kind != "bert":
         return chunk[:, :-1], chunk[:, 1:]
     x = chunk[:, :-1].clone()
     chosen = torch.rand(x.shape, generator=generator) < 0.15

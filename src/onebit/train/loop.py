@@ -30,7 +30,7 @@ from . import checkpoint, loggers, optim, report
 from .checkpoint import atomic_write
 from .data import get_batch, read_split, val_starts, windows
 from .launch import close_process_group, gloo_process_group
-from .model import ModelConfig, Transformer
+from .model import ModelConfig, build_model
 
 
 @dataclass
@@ -177,7 +177,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     eval_x, eval_y = _eval_set(val_data, config)
 
     torch.manual_seed(config.seed)
-    model = Transformer(config.model_config()).to(device)
+    model = build_model(config.model_config()).to(device)
     mesh = None
     if config.shard > 1:
         mesh = optim.shard(model, config.shard, config.optimizer, device)

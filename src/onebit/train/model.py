@@ -1,4 +1,5 @@
-"""A small byte-level transformer, as a GPT (causal LM) or a BERT-style masked LM.
+"""Small byte-level language models: a transformer, as a GPT (causal LM) or a BERT-style
+masked LM, and a causal convolutional LM (``cnn``), a second architecture to check convergence on.
 
 Written after nanoGPT: pre-LayerNorm blocks, fused attention, GELU MLP, token embedding tied to
 the output head, and biases in the linear layers and LayerNorms unless ``bias=False`` (as
@@ -22,7 +23,8 @@ MASK_TOKEN = 256
 
 @dataclass
 class ModelConfig:
-    """Shape of the model. ``kind`` is ``"gpt"`` (causal) or ``"bert"`` (bidirectional, masked)."""
+    """Shape of the model. ``kind`` is ``"gpt"`` (causal), ``"bert"`` (bidirectional, masked) or
+    ``"cnn"`` (causal, convolutional; ``n_head`` unused)."""
 
     kind: str = "gpt"
     block_size: int = 128
@@ -110,6 +112,70 @@ class Transformer(nn.Module):
             {"params": decay, "weight_decay": weight_decay},
             {"params": rest, "weight_decay": 0.0},
         ]
+
+
+class ConvBlock(nn.Module):
+    """A pre-LayerNorm residual block: a causal convolution of kernel 3 and dilation
+    ``dilation`` widening to ``2·n_embd`` channels, GELU, and a pointwise one back."""
+
+    def __init__(self, config: ModelConfig, dilation: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.pad = 2 * dilation
+        self.conv = nn.Conv1d(
+            config.n_embd, 2 * config.n_embd, 3, dilation=dilation, bias=config.bias
+        )
+        self.proj = nn.Conv1d(2 * config.n_embd, config.n_embd, 1, bias=config.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.pad(self.ln(x).transpose(1, 2), (self.pad, 0))
+        return x + self.proj(F.gelu(self.conv(h))).transpose(1, 2)
+
+
+class ConvNet(nn.Module):
+    """A causal byte-level convolutional LM, after WaveNet: an embedding, ``n_layer`` blocks
+    with dilations 1, 2, 4, ... (a receptive field of ``2^(n_layer+1) - 1`` bytes), a final
+    LayerNorm and an untied head. No attention and no position embedding: its parameters are
+    3-D convolution kernels and matrices of other shapes than the transformer's."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(ConvBlock(config, 2**i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        for block in self.blocks:
+            nn.init.normal_(block.proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits for every position, and the mean cross-entropy of the next byte."""
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices and kernels only, not on biases or LayerNorms."""
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ]
+
+
+MODELS = ("gpt", "bert", "cnn")
+"""The models ``onebit train --model`` builds."""
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """The model ``config.kind`` names: a :class:`Transformer` or a :class:`ConvNet`."""
+    return ConvNet(config) if config.kind == "cnn" else Transformer(config)
 
 
 def _init_weights(module: nn.Module) -> None:

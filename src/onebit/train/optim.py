@@ -82,22 +82,10 @@ def default_freeze_step(name: str, steps: int) -> int:
     return max(1, steps // 5)
 
 
-def default_local_step_scaler(steps: int, var_freeze_step: int) -> int:
-    """0/1 Adam's ``local_step_scaler`` sized for the run: its local-step interval doubles
-    4 times over phase B (1, 2, 4, 8, then 16 steps between syncs for the last fifth).
-
-    The library's 32768 suits runs of 100k steps and more, as the paper's; a shorter run with it
-    would sync every step and never take a local step."""
-    return max(1, (steps - var_freeze_step) // 5)
-
-
 def auto_freeze(steps: int) -> onebit.AutoFreeze:
-    """``freeze_step="auto"`` scaled to a run of ``steps``: measure the variance 30 times over
-    the run, never freeze before 10% of it, and freeze at 25% at the latest."""
-    min_step = max(1, steps // 10)
-    return onebit.AutoFreeze(
-        window=max(1, steps // 30), min_step=min_step, max_step=max(min_step, steps // 4)
-    )
+    """``freeze_step="auto"`` told the run's length: the library's rule, with the warmup capped
+    at a quarter of the run."""
+    return onebit.AutoFreeze(total_steps=steps)
 
 
 @dataclass
@@ -232,7 +220,7 @@ def build(
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
-    :func:`default_local_step_scaler`). ``max_grad_norm``
+    :func:`onebit.zero_one_adam.local_step_schedule` of the run). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
     ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB. ``mesh`` is :func:`shard`'s
     if it sharded the model. Every rank must call this with the same arguments.
@@ -266,7 +254,8 @@ def build(
         optimizer = cls(
             param_groups,
             var_freeze_step=freeze_step,
-            local_step_scaler=local_step_scaler or default_local_step_scaler(steps, freeze_step),
+            local_step_scaler=local_step_scaler,
+            total_steps=steps,
             **common,
         )
     else:
