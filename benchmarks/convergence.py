@@ -10,11 +10,12 @@ RUNS/seed-S``; extra rows may sit in ``RUNS/seed-S-extra``) and writes
 * per row: the final validation loss, mean ± standard deviation over the seeds, and its gap to
   the uncompressed twin (AdamW for the Adams, LAMB for 1-bit LAMB) taken seed by seed, at equal
   samples;
-* the bytes a rank sent over the whole run, and how many steps ran in each stage;
+* the bytes a rank sent over the whole run, how many steps ran in each stage (the first
+  seed's), and the step each seed froze at;
 * the whole run's speedup over AdamW + DDP at each link rate of the ``--network`` results
   (``benchmarks/network.py``): each stage's measured step time there, weighted by the number of
-  steps the row really ran in that stage. 0/1 Adam's fp32 variance steps count as fp32 steps,
-  its local steps as compute alone and its syncs as 1-bit steps;
+  steps the row really ran in that stage, averaged over the seeds. 0/1 Adam's fp32 variance
+  steps count as fp32 steps, its local steps as compute alone and its syncs as 1-bit steps;
 * the frozen denominators' drift: for ``--drift A,B`` (two row labels that saved a final
   checkpoint, ``--save-every``), the median and 99th percentile over all entries of
   ``|d_A - d_B| / d_B`` with ``d = sqrt(v̂_T) + eps``.
@@ -97,13 +98,20 @@ def whole_run_speedup(summary: dict[str, Any], stages: dict[str, int], times: di
     was not measured."""
     methods = dict(STAGE_METHODS[summary["optimizer"]])
     bits = summary.get("warmup_compression", "fp32")
-    if summary["optimizer"] == "onebit-adam" and bits != "fp32":
-        methods["warmup"] = f"onebit-warmup-{bits}"
+    if summary["optimizer"] in ("onebit-adam", "onebit-lamb") and bits != "fp32":
+        methods["warmup"] = f"{methods['warmup']}-{bits}"
     try:
         ours = sum(n * times[methods[stage]] for stage, n in stages.items())
         return sum(stages.values()) * times["adamw"] / ours
     except KeyError:
         return None
+
+
+def _mean_speedup(summary, per_seed: list[dict[str, int]], times: dict[str, float]):
+    """:func:`whole_run_speedup` averaged over the seeds, whose stages differ where the freeze
+    step is chosen while training."""
+    speedups = [whole_run_speedup(summary, stages, times) for stages in per_seed]
+    return None if None in speedups else statistics.fmean(speedups)
 
 
 def frozen_denominators(folder: Path) -> torch.Tensor:
@@ -153,7 +161,8 @@ def summarize(runs, times) -> list[dict[str, Any]]:
             for seed, s in seeds.items()
             if ref is not None and seed in runs[ref]
         ]
-        stages = stage_steps(next(iter(seeds.values()))["records"])
+        per_seed = [stage_steps(s["records"]) for s in seeds.values()]
+        stages = per_seed[0]
         row = {
             "label": label,
             "optimizer": first["optimizer"],
@@ -166,7 +175,7 @@ def summarize(runs, times) -> list[dict[str, Any]]:
             "compression": first["compression"],
             "stages": stages,
             "freeze_steps": [s["summary"]["freeze_step"] for s in seeds.values()],
-            "speedup": {rate: whole_run_speedup(first, stages, t) for rate, t in times.items()},
+            "speedup": {rate: _mean_speedup(first, per_seed, t) for rate, t in times.items()},
         }
         rows.append(row)
     order = list(STAGE_METHODS)
@@ -178,7 +187,9 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
     rates = list(times)
     head = (
         "| run | seeds | final val loss | vs reference (per seed) | bytes per rank | fewer bytes "
-        "| steps per stage | " + " | ".join(f"whole run vs AdamW+DDP, {r}" for r in rates) + " |"
+        "| steps per stage | freeze step, per seed | "
+        + " | ".join(f"whole run vs AdamW+DDP, {r}" for r in rates)
+        + " |"
     )
     lines = [
         f"{first['model']} model, {first['parameters']:,} parameters, {first['workers']} workers, "
@@ -186,7 +197,7 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
         f"worker ({first['samples']:,} samples). Mean ± standard deviation over the seeds.",
         "",
         head,
-        "|" + "|".join([" --- "] + [" ---: "] * (6 + len(rates))) + "|",
+        "|" + "|".join([" --- "] + [" ---: "] * (7 + len(rates))) + "|",
     ]
     for r in rows:
         loss, sd = r["final_val_loss"]
@@ -195,11 +206,12 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
             gap, gap_sd = r["gap_pct"]
             vs = f"{gap:+.2f}% ± {gap_sd:.2f} vs {r['reference']}"
         stages = ", ".join(f"{n} {stage}" for stage, n in r["stages"].items())
+        freezes = ", ".join(str(f) for f in r["freeze_steps"] if f is not None)
         speed = [f"{r['speedup'][rate]:.2f}x" if r["speedup"].get(rate) else "" for rate in rates]
         lines.append(
             f"| {r['label']} | {len(r['seeds'])} | {loss:.4f} ± {sd:.4f} | {vs} | "
-            f"{report.human_bytes(r['bytes_sent'])} | {r['compression']:.1f}x | {stages} |"
-            + "".join(f" {x} |" for x in speed)
+            f"{report.human_bytes(r['bytes_sent'])} | {r['compression']:.1f}x | {stages} | "
+            f"{freezes} |" + "".join(f" {x} |" for x in speed)
         )
     return "\n".join(lines) + "\n"
 

@@ -139,14 +139,17 @@ def _onebit(class_name: str, setup: Setup) -> Builder:
     return build
 
 
-def _adam_warmup(bits: str) -> Builder:
-    """OnebitAdam kept in its warmup, its allreduce in ``bits``."""
+LAMB = "OnebitLamb"
+
+
+def _kept_in_warmup(bits: str, class_name: str = "OnebitAdam") -> Builder:
+    """``onebit.<class_name>`` kept in its warmup, its allreduce in ``bits``."""
 
     def setup(args: argparse.Namespace) -> tuple[dict[str, Any], Plan]:
         kwargs = {"freeze_step": NEVER, "warmup_compression": bits}
         return kwargs, Plan(1 if bits == "fp32" else 2, args.steps)
 
-    return _onebit("OnebitAdam", setup)
+    return _onebit(class_name, setup)
 
 
 def _warmup(args: argparse.Namespace) -> tuple[dict[str, Any], Plan]:
@@ -211,10 +214,10 @@ METHODS: dict[str, Method] = {
             _ddp(_powersgd_hook, warmup=3, one_bucket=True),
             launch="alone",
         ),
-        Method("onebit-warmup", "OnebitAdam warmup", _adam_warmup("fp32")),
-        Method("onebit-warmup-bf16", "OnebitAdam warmup, bf16", _adam_warmup("bf16")),
-        Method("onebit-warmup-int8", "OnebitAdam warmup, int8", _adam_warmup("int8")),
-        Method("onebit-warmup-int4", "OnebitAdam warmup, int4", _adam_warmup("int4")),
+        Method("onebit-warmup", "OnebitAdam warmup", _kept_in_warmup("fp32")),
+        Method("onebit-warmup-bf16", "OnebitAdam warmup, bf16", _kept_in_warmup("bf16")),
+        Method("onebit-warmup-int8", "OnebitAdam warmup, int8", _kept_in_warmup("int8")),
+        Method("onebit-warmup-int4", "OnebitAdam warmup, int4", _kept_in_warmup("int4")),
         Method(
             "onebit",
             "OnebitAdam compression",
@@ -224,6 +227,8 @@ METHODS: dict[str, Method] = {
         Method("zero-one-a", "ZeroOneAdam phase A (1-bit)", _onebit("ZeroOneAdam", _zero_one_a)),
         Method("zero-one", "ZeroOneAdam phase B (local)", _onebit("ZeroOneAdam", _zero_one_b)),
         Method("lamb-warmup", "OnebitLamb warmup", _onebit("OnebitLamb", _warmup)),
+        Method("lamb-warmup-int8", "OnebitLamb warmup, int8", _kept_in_warmup("int8", LAMB)),
+        Method("lamb-warmup-int4", "OnebitLamb warmup, int4", _kept_in_warmup("int4", LAMB)),
         Method(
             "onebit-lamb",
             "OnebitLamb compression",

@@ -137,6 +137,7 @@ CASES = {
                 ("var_update_scaler", (0,)),
                 ("local_step_scaler", (0,)),
                 ("local_step_clipper", (0,)),
+                ("total_steps", (0, 2.5)),
             ]
             for value in values
         ),

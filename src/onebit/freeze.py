@@ -50,12 +50,13 @@ class AutoFreeze:
         window: steps between two measurements of the variance. ``None`` (default): a window
             that grows with the run, the largest power of two at most ``step / 8``. An int
             measures every ``window`` steps, as a fixed schedule.
-        tolerance: the statistic below which the variance counts as stable (default 0.3): the
+        tolerance: the statistic below which the variance counts as stable (default 0.25): the
             size-weighted mean over layers of the relative change of each layer's mean Adam
             denominator over one window, divided by the window's share of
-            ``min(step, 1 / (1 - beta2))``. 0.3 means the denominator moves by less than 0.3
-            percent per percent of the steps its variance averages. Lower it to
-            freeze later and more safely; raise it to compress sooner.
+            ``min(step, 1 / (1 - beta2))``. A variance averaging gradients whose squares are
+            now ``q`` times its mean moves at about ``(1 - q) / 2``: 0.25 asks that the last
+            gradients be at least half as large, in square, as those the variance holds. Lower
+            it to freeze later and more safely; raise it to compress sooner.
         patience: consecutive stable measurements needed (default 3), so that one quiet window
             in a noisy warmup does not freeze early.
         min_step: never freeze before this step. ``None`` (default): 50, or ``max_step`` if
@@ -75,7 +76,7 @@ class AutoFreeze:
     """
 
     window: int | None = None
-    tolerance: float = 0.3
+    tolerance: float = 0.25
     patience: int = 3
     min_step: int | None = None
     max_step: int | None = None

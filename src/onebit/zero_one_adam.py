@@ -37,17 +37,17 @@ def local_step_schedule(total_steps: int, var_freeze_step: int) -> tuple[int, in
     """0/1 Adam's ``(local_step_scaler, local_step_clipper)`` sized for a run of ``total_steps``.
 
     The rule: over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval
-    may grow to the largest power of two at most ``P / 100`` (at least 1, at most the paper's
-    16), so that even at its longest a run syncs 100 times or more; and it doubles evenly
-    through phase B, reaching that cap for the last of its ``log2(cap) + 1`` equal parts. A run
-    of 600 steps that freezes at 120 gets ``(160, 4)``: intervals 1, 2, then 4. The paper's
-    BERT-Base run (118k steps, 23k of them phase A) gets ``(19000, 16)``, close to its 32768.
+    may grow to the largest power of two at most ``P / 200`` (at least 1, at most the paper's
+    16); and it doubles evenly through phase B, reaching that cap for the last of its
+    ``log2(cap) + 1`` equal parts. A run of 600 steps that freezes at 120 gets ``(240, 2)``:
+    intervals 1, then 2. The paper's BERT-Base run (118k steps, 23k of them phase A) gets
+    ``(19000, 16)``, close to its 32768.
 
     Long intervals let the replicas drift apart; on short runs the drift of an interval of 16
     cost 0/1 Adam several percent of loss (``BENCHMARKS.md``).
     """
     phase_b = max(1, total_steps - var_freeze_step)
-    clipper = 1 << max(0, min(4, (phase_b // 100).bit_length() - 1))
+    clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
     return max(1, phase_b // (clipper.bit_length())), clipper
 
 

@@ -26,10 +26,10 @@ What :func:`create_optimizer` and :class:`OnebitCallback` configure:
 Trainer's logged ``grad_norm`` is rank 0's local gradient norm, since gradients are averaged
 inside ``optimizer.step()``; ``optimizer.grad_norm`` is the norm the clipping used.
 
-What the user still does: pick ``freeze_step`` (or ``"auto"``), pass ``optimizers=(optimizer,
-None)`` and add the callback. Trainer's schedulers, ``bf16``/``fp16``, gradient accumulation
-and logging work unchanged. ``save_on_each_node`` is refused: only global rank 0 holds the
-gathered state.
+What the user still does: pick ``freeze_step`` (or ``"auto"``, which ``max_steps`` bounds),
+pass ``optimizers=(optimizer, None)`` and add the callback. Trainer's schedulers,
+``bf16``/``fp16``, gradient accumulation and logging work unchanged. ``save_on_each_node`` is
+refused: only global rank 0 holds the gathered state.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from transformers.trainer_pt_utils import get_parameter_names
 
 from ..adam import OnebitAdam
 from ..base import CompressedOptimizer
+from ..freeze import AutoFreeze
+from ..zero_one_adam import ZeroOneAdam
 from ._common import hand_gradients_to, onebit_optimizer
 
 # Trainer.get_decay_parameter_names: no weight decay on biases and norms.
@@ -58,9 +60,12 @@ def create_optimizer(
 
     Reads ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``,
     ``weight_decay`` (two param groups, as Trainer's) and ``max_grad_norm`` from ``args``;
-    ``kwargs`` (``freeze_step``, ``bucket_size``...) are passed on and take precedence. It sets
-    up ``torch.distributed`` first, as Trainer would, so that under ``torchrun`` every rank
-    builds the optimizer in the same process group.
+    ``kwargs`` (``freeze_step``, ``bucket_size``...) are passed on and take precedence. With
+    ``args.max_steps`` set, it tells the optimizer the run's length: ``freeze_step="auto"``
+    then freezes by a quarter of it at the latest (``AutoFreeze(total_steps=max_steps)``), and
+    0/1 Adam sizes its local steps to it (``total_steps``). It sets up ``torch.distributed``
+    first, as Trainer would, so that under ``torchrun`` every rank builds the optimizer in the
+    same process group.
     """
     args.device  # noqa: B018 - initialises the process group under torchrun
     weight_decay = kwargs.pop("weight_decay", args.weight_decay)
@@ -76,6 +81,11 @@ def create_optimizer(
         "eps": args.adam_epsilon,
         "max_grad_norm": args.max_grad_norm if args.max_grad_norm > 0 else None,
     }
+    if args.max_steps > 0:
+        if issubclass(optimizer_class, ZeroOneAdam):
+            settings["total_steps"] = args.max_steps
+        elif kwargs.get("freeze_step") == "auto":
+            settings["auto_freeze"] = AutoFreeze(total_steps=args.max_steps)
     return optimizer_class([g for g in groups if g["params"]], **{**settings, **kwargs})
 
 

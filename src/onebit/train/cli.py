@@ -166,15 +166,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--freeze-step",
         type=_freeze_step,
         metavar="N|auto",
-        help="warmup steps of the 1-bit optimizers (default 20%% of --steps); auto watches "
-        "Adam's variance and freezes it between 10%% and 25%%",
+        help="warmup steps of onebit-adam and onebit-lamb (default auto: watch Adam's variance "
+        "and freeze it once stable, by 25%% of --steps at the latest), and zero-one-adam's "
+        "var_freeze_step (default 20%% of --steps)",
     )
     run.add_argument(
         "--warmup-compression",
         choices=optim.WARMUP_COMPRESSION,
-        default="fp32",
         help="onebit-adam, onebit-lamb: how the warmup averages gradients (fp32: exactly "
-        "AdamW + DDP; bf16, int8, int4: 2-8x fewer bytes, with error feedback)",
+        "AdamW + DDP; bf16, int8, int4: 2-8x fewer bytes, with error feedback; default "
+        f"{optim.DEFAULT_WARMUP_COMPRESSION})",
     )
     run.add_argument(
         "--bucket-size",
@@ -514,7 +515,9 @@ def _new_run(
         ):
             if value:
                 raise UsageError(f"{flag} applies only to the 1-bit optimizers")
-    if args.warmup_compression != "fp32" and not set(names) & set(optim.WARMUP_COMPRESSED):
+    if args.warmup_compression not in (None, "fp32") and not set(names) & set(
+        optim.WARMUP_COMPRESSED
+    ):
         raise UsageError(
             f"--warmup-compression applies only to {' and '.join(optim.WARMUP_COMPRESSED)}"
         )
@@ -550,9 +553,12 @@ def _new_run(
         error_feedback = run.error_feedback and args.error_feedback and optim.is_compressed(name)
         if isinstance(run.freeze_step, int) and run.freeze_step >= steps:
             raise UsageError(f"freeze={run.freeze_step} in --compare is not below --steps {steps}")
-        warmup = run.warmup or args.warmup_compression
+        warmup = run.warmup or args.warmup_compression or optim.DEFAULT_WARMUP_COMPRESSION
+        freeze_step = run.freeze_step or args.freeze_step
         if name not in optim.WARMUP_COMPRESSED:
             warmup = "fp32"
+        elif freeze_step is None:
+            freeze_step = optim.DEFAULT_FREEZE_STEP
         label = run.label(error_feedback, warmup)
         if args.compare:
             out = root / label
@@ -577,7 +583,7 @@ def _new_run(
                 lr=args.lr or optim.default_lr(name),
                 warmup_steps=max(1, steps // 20),
                 weight_decay=args.weight_decay,
-                freeze_step=run.freeze_step or args.freeze_step,
+                freeze_step=freeze_step,
                 warmup_compression=warmup,
                 bucket_size=args.bucket_size,
                 local_step_scaler=run.local_step_scaler or args.local_step_scaler,
@@ -799,7 +805,7 @@ class Variant:
         parts = [self.name]
         if optim.is_compressed(self.name) and not error_feedback:
             parts.append("no-ef")
-        if warmup != "fp32":
+        if self.name in optim.WARMUP_COMPRESSED and warmup != optim.DEFAULT_WARMUP_COMPRESSION:
             parts.append(f"warmup-{warmup}")
         if self.freeze_step is not None:
             parts.append(f"freeze-{self.freeze_step}")

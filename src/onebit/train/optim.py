@@ -46,6 +46,15 @@ WARMUP_COMPRESSION = onebit.base.WARMUP_COMPRESSION
 WARMUP_COMPRESSED = ("onebit-adam", "onebit-lamb")
 """The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
 
+DEFAULT_WARMUP_COMPRESSION = "int8"
+"""``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: 4x fewer bytes than fp32
+in the warmup, within 1% of the fp32 warmup's loss on both convergence tasks (``BENCHMARKS.md``).
+The library's own default stays ``"fp32"``: exactly AdamW + DDP until the freeze."""
+
+DEFAULT_FREEZE_STEP = "auto"
+"""``onebit train``'s warmup length for :data:`WARMUP_COMPRESSED`: ``freeze_step="auto"``, told
+the run's length (:func:`auto_freeze`)."""
+
 NEVER = 2**62
 """A freeze step no run reaches: keeps OnebitLamb in its exact-LAMB warmup."""
 
@@ -78,7 +87,8 @@ def default_lr(name: str) -> float:
 
 
 def default_freeze_step(name: str, steps: int) -> int:
-    """Warmup length of the 1-bit optimizers: 20% of the run, as the papers do (15-25%)."""
+    """A fixed warmup length: 20% of the run, as the papers do (15-25%). 0/1 Adam's
+    ``var_freeze_step``, and that of runs saved before ``"auto"`` became the default."""
     return max(1, steps // 5)
 
 
