@@ -7,9 +7,10 @@ A small tanh MLP (32-256-256-10) learns to classify the outputs of a fixed rando
 network; every rank draws its own batches. All runs share the model, the data and ``lr`` (with a
 cosine decay). For OnebitAdam it sweeps fixed ``freeze_step`` values (10%, 20%, 40% of the run,
 and never, which is AdamW on averaged gradients), then runs ``freeze_step="auto"`` with the
-default :class:`onebit.AutoFreeze` knobs; the same for OnebitLamb with never (plain LAMB), 20% and
-``"auto"``; and ZeroOneAdam (``var_freeze_step`` 20%, ``local_step_scaler`` 10% of the run) for
-comparison. For each run it prints where the variance froze, the final loss (mean training loss
+default :class:`onebit.AutoFreeze` knobs, alone and told the run's length (``total_steps``,
+which caps the warmup at 25%); the same for OnebitLamb with never (plain LAMB), 20% and the two
+``"auto"``; and ZeroOneAdam (``var_freeze_step`` 20%, its local steps sized by ``total_steps``)
+for comparison. For each run it prints where the variance froze, the final loss (mean training loss
 of the last 10% of steps, and the loss on a held-out set), the bytes a rank sent per step on
 average (``comm_stats``) and the fraction of communication rounds skipped.
 
@@ -28,6 +29,8 @@ import onebit
 from onebit.train.launch import run_ranks
 
 IN, HIDDEN, CLASSES, BATCH = 32, 256, 10, 32
+TOLD = "auto, told"
+"""``freeze_step="auto"`` told the run's length: ``AutoFreeze(total_steps=steps)``."""
 
 
 def _teacher() -> torch.nn.Module:
@@ -57,13 +60,13 @@ def _batch(teacher: torch.nn.Module, seed: int, size: int = BATCH) -> tuple:
 
 
 def _optimizer(kind: str, freeze: int | str | None, params, steps: int, lr: float):
-    if kind == "adam":
-        return onebit.OnebitAdam(params, lr=lr, freeze_step=steps + 1 if freeze is None else freeze)
-    if kind == "lamb":
-        return onebit.OnebitLamb(params, lr=lr, freeze_step=steps + 1 if freeze is None else freeze)
-    return onebit.ZeroOneAdam(
-        params, lr=lr, var_freeze_step=freeze, local_step_scaler=steps // 10, local_step_clipper=16
-    )
+    if kind == "zero-one":
+        return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, total_steps=steps)
+    cls = onebit.OnebitAdam if kind == "adam" else onebit.OnebitLamb
+    if freeze == TOLD:
+        told = onebit.AutoFreeze(total_steps=steps)
+        return cls(params, lr=lr, freeze_step="auto", auto_freeze=told)
+    return cls(params, lr=lr, freeze_step=steps + 1 if freeze is None else freeze)
 
 
 def _train(rank: int, world_size: int, runs: list, steps: int, lr: float) -> list[dict]:
@@ -116,9 +119,11 @@ def main() -> None:
         ("adam", steps // 5),
         ("adam", 2 * steps // 5),
         ("adam", "auto"),
+        ("adam", TOLD),
         ("lamb", None),
         ("lamb", steps // 5),
         ("lamb", "auto"),
+        ("lamb", TOLD),
         ("zero-one", steps // 5),
     ]
     names = {

@@ -147,6 +147,7 @@ def test_every_reasonable_combination_of_knobs_is_accepted():
     assert AutoFreeze(total_steps=100).first_step == 25
     assert AutoFreeze(min_step=5, max_step=5).last_step == 5
     assert AutoFreeze(min_step=500, total_steps=10_000).first_step == 500
+    assert AutoFreeze(min_step=0).first_step == 0  # no minimum at all
 
 
 def test_bad_knobs_raise_value_error():
@@ -156,7 +157,7 @@ def test_bad_knobs_raise_value_error():
         dict(tolerance=0.0),
         dict(tolerance=float("nan")),
         dict(min_step=1.5),
-        dict(min_step=0),
+        dict(min_step=-1),
         dict(max_step=0),
         dict(window=True),
         dict(total_steps=0),

@@ -103,6 +103,9 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
         "onebit-lamb": ("int8", "auto"),
     }
     assert [c.label for c in plan.configs] == COMPARE  # the defaults need no suffix
+    (row,) = cli._parse_compare("zero-one-adam:varscale=64:local=9")
+    assert (row.var_update_scaler, row.local_step_scaler) == (64, 9)
+    assert row.label(True, "fp32") == "zero-one-adam-local-9-varscale-64"
 
 
 @pytest.mark.parametrize("label", RESUMED)

@@ -87,9 +87,9 @@ class AutoFreeze:
 
     def __post_init__(self) -> None:
         _check_int("patience", self.patience, 1)
-        for name in ("window", "min_step", "max_step", "total_steps"):
+        for name, low in (("window", 1), ("min_step", 0), ("max_step", 1), ("total_steps", 1)):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
+                _check_int(name, getattr(self, name), low)
         if not (isinstance(self.tolerance, (int, float)) and 0 < self.tolerance < math.inf):
             raise ValueError(f"AutoFreeze.tolerance must be > 0, got {self.tolerance!r}")
         fraction = self.max_fraction

@@ -587,6 +587,7 @@ def _new_run(
                 warmup_compression=warmup,
                 bucket_size=args.bucket_size,
                 local_step_scaler=run.local_step_scaler or args.local_step_scaler,
+                var_update_scaler=run.var_update_scaler,
                 error_feedback=error_feedback,
                 amp=args.amp,
                 grad_clip=args.grad_clip,
@@ -649,6 +650,7 @@ _SAME_RUN = {
     "bucket_size": "--bucket-size",
     "warmup_compression": "--warmup-compression",
     "local_step_scaler": "--local-step-scaler",
+    "var_update_scaler": "--compare zero-one-adam:varscale",
     "amp": "--amp",
     "grad_clip": "--grad-clip",
     "eval_windows": "--eval-windows",
@@ -792,13 +794,15 @@ def _cache_dir(args: argparse.Namespace) -> Path:
 
 @dataclass(frozen=True)
 class Variant:
-    """One run of ``--compare``: ``OPT[:no-ef][:warmup=BITS][:freeze=N|auto][:local=N]``."""
+    """One run of ``--compare``:
+    ``OPT[:no-ef][:warmup=BITS][:freeze=N|auto][:local=N][:varscale=N]``."""
 
     name: str
     error_feedback: bool = True
     warmup: str | None = None
     freeze_step: int | str | None = None
     local_step_scaler: int | None = None
+    var_update_scaler: int | None = None
 
     def label(self, error_feedback: bool, warmup: str) -> str:
         """The run's folder and row name: the optimizer, then what differs from its defaults."""
@@ -811,6 +815,8 @@ class Variant:
             parts.append(f"freeze-{self.freeze_step}")
         if self.local_step_scaler is not None:
             parts.append(f"local-{self.local_step_scaler}")
+        if self.var_update_scaler is not None:
+            parts.append(f"varscale-{self.var_update_scaler}")
         return "-".join(parts)
 
 
@@ -838,11 +844,13 @@ def _parse_compare(text: str) -> list[Variant]:
                 settings["freeze_step"] = value if value == "auto" else int(value)
             elif key == "local" and name == "zero-one-adam" and value.isdigit() and int(value):
                 settings["local_step_scaler"] = int(value)
+            elif key == "varscale" and name == "zero-one-adam" and value.isdigit() and int(value):
+                settings["var_update_scaler"] = int(value)
             else:
                 raise UsageError(
                     f"unknown variant {variant!r} of {name} in --compare (no-ef, "
                     f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, freeze=N|auto, "
-                    "local=N for zero-one-adam)"
+                    "local=N and varscale=N for zero-one-adam)"
                 )
         runs.append(Variant(name, **settings))
     if len(set(runs)) != len(runs):

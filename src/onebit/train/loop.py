@@ -57,6 +57,7 @@ class RunConfig:
     warmup_compression: str = "fp32"
     bucket_size: int = optim.DEFAULT_BUCKET_SIZE
     local_step_scaler: int | None = None
+    var_update_scaler: int | None = None
     error_feedback: bool = True
     eval_every: int = 25
     eval_windows: int = 256
@@ -192,6 +193,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         steps=config.horizon(),
         bucket_size=config.bucket_size,
         local_step_scaler=config.local_step_scaler,
+        var_update_scaler=config.var_update_scaler,
         max_grad_norm=config.grad_clip,
         scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
         warmup_compression=config.warmup_compression,

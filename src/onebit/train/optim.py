@@ -220,6 +220,7 @@ def build(
     steps: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     local_step_scaler: int | None = None,
+    var_update_scaler: int | None = None,
     max_grad_norm: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
     warmup_compression: str = "fp32",
@@ -230,7 +231,8 @@ def build(
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
-    :func:`onebit.zero_one_adam.local_step_schedule` of the run). ``max_grad_norm``
+    :func:`onebit.zero_one_adam.local_step_schedule` of the run), and so is
+    ``var_update_scaler`` (``None``: the library's 16). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
     ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB. ``mesh`` is :func:`shard`'s
     if it sharded the model. Every rank must call this with the same arguments.
@@ -266,6 +268,7 @@ def build(
             var_freeze_step=freeze_step,
             local_step_scaler=local_step_scaler,
             total_steps=steps,
+            **({} if var_update_scaler is None else {"var_update_scaler": var_update_scaler}),
             **common,
         )
     else:
