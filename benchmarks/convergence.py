@@ -12,7 +12,7 @@ RUNS/seed-S``; extra rows may sit in ``RUNS/seed-S-extra``) and writes
   samples;
 * the bytes a rank sent over the whole run, how many steps ran in each stage (the first
   seed's), and the step each seed froze at;
-* the whole run's speedup over AdamW + DDP at each link rate of the ``--network`` results
+* the whole run's time and speedup over AdamW + DDP at each link rate of the ``--network`` results
   (``benchmarks/network.py``): each stage's measured step time there, weighted by the number of
   steps the row really ran in that stage, averaged over the seeds. 0/1 Adam's fp32 variance
   steps count as fp32 steps, its local steps as compute alone and its syncs as 1-bit steps;
@@ -93,25 +93,27 @@ def rate_label(bits: float) -> str:
     return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
 
 
-def whole_run_speedup(summary: dict[str, Any], stages: dict[str, int], times: dict[str, float]):
-    """AdamW + DDP's time for the run's steps over this row's, or ``None`` if a stage's method
-    was not measured."""
+def whole_run_time(summary: dict[str, Any], stages: dict[str, int], times: dict[str, float]):
+    """The run's time in seconds on the network of ``times``: each stage's measured step time
+    by the steps the run spent in it; ``None`` if a stage's method was not measured."""
     methods = dict(STAGE_METHODS[summary["optimizer"]])
     bits = summary.get("warmup_compression", "fp32")
     if summary["optimizer"] in ("onebit-adam", "onebit-lamb") and bits != "fp32":
         methods["warmup"] = f"{methods['warmup']}-{bits}"
     try:
-        ours = sum(n * times[methods[stage]] for stage, n in stages.items())
-        return sum(stages.values()) * times["adamw"] / ours
+        return sum(n * times[methods[stage]] for stage, n in stages.items())
     except KeyError:
         return None
 
 
-def _mean_speedup(summary, per_seed: list[dict[str, int]], times: dict[str, float]):
-    """:func:`whole_run_speedup` averaged over the seeds, whose stages differ where the freeze
-    step is chosen while training."""
-    speedups = [whole_run_speedup(summary, stages, times) for stages in per_seed]
-    return None if None in speedups else statistics.fmean(speedups)
+def whole_run(summary, per_seed: list[dict[str, int]], times: dict[str, float]):
+    """``(seconds, speedup over AdamW + DDP)`` of the run, averaged over the seeds (whose
+    stages differ where the freeze step is chosen while training), or ``None``."""
+    seconds = [whole_run_time(summary, stages, times) for stages in per_seed]
+    if None in seconds or "adamw" not in times:
+        return None
+    speedups = [sum(stages.values()) * times["adamw"] / t for stages, t in zip(per_seed, seconds)]
+    return statistics.fmean(seconds), statistics.fmean(speedups)
 
 
 def frozen_denominators(folder: Path) -> torch.Tensor:
@@ -175,7 +177,7 @@ def summarize(runs, times) -> list[dict[str, Any]]:
             "compression": first["compression"],
             "stages": stages,
             "freeze_steps": [s["summary"]["freeze_step"] for s in seeds.values()],
-            "speedup": {rate: _mean_speedup(first, per_seed, t) for rate, t in times.items()},
+            "whole_run": {rate: whole_run(first, per_seed, t) for rate, t in times.items()},
         }
         rows.append(row)
     order = list(STAGE_METHODS)
@@ -188,7 +190,7 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
     head = (
         "| run | seeds | final val loss | vs reference (per seed) | bytes per rank | fewer bytes "
         "| steps per stage | freeze step, per seed | "
-        + " | ".join(f"whole run vs AdamW+DDP, {r}" for r in rates)
+        + " | ".join(f"whole run at {r} (vs AdamW+DDP)" for r in rates)
         + " |"
     )
     lines = [
@@ -207,13 +209,20 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
             vs = f"{gap:+.2f}% ± {gap_sd:.2f} vs {r['reference']}"
         stages = ", ".join(f"{n} {stage}" for stage, n in r["stages"].items())
         freezes = ", ".join(str(f) for f in r["freeze_steps"] if f is not None)
-        speed = [f"{r['speedup'][rate]:.2f}x" if r["speedup"].get(rate) else "" for rate in rates]
+        speed = [_time_and_speedup(r["whole_run"].get(rate)) for rate in rates]
         lines.append(
             f"| {r['label']} | {len(r['seeds'])} | {loss:.4f} ± {sd:.4f} | {vs} | "
             f"{report.human_bytes(r['bytes_sent'])} | {r['compression']:.1f}x | {stages} | "
             f"{freezes} |" + "".join(f" {x} |" for x in speed)
         )
     return "\n".join(lines) + "\n"
+
+
+def _time_and_speedup(measured: tuple[float, float] | None) -> str:
+    if measured is None:
+        return ""
+    seconds, speedup = measured
+    return f"{seconds / 60:.0f} min ({speedup:.2f}x)"
 
 
 def plot(runs, rows, path: Path, title: str) -> None:
