@@ -13,7 +13,7 @@ from reference import RefBucketedAllreduce
 import onebit
 from onebit.base import HEADER_NUMEL
 from onebit.comm import allreduce_bytes
-from onebit.zero_one_adam import PAPER_LOCAL_STEPS, local_step_schedule
+from onebit.zero_one_adam import PAPER_SCHEDULE, run_schedule
 
 CASE = CASES["zero_one"]
 PROBLEM = CASE.problem
@@ -263,17 +263,24 @@ def test_state_names_follow_the_phase():
     assert set(fresh.state[fresh.layout.params[0]]) == {"exp_avg", "frozen_denom", "sync_params"}
 
 
-def test_local_steps_are_sized_to_the_run_when_told_its_length():
-    """``total_steps`` scales ``local_step_scaler`` and ``local_step_clipper``
-    (:func:`local_step_schedule`); explicit knobs win; without it, the paper's."""
-    assert local_step_schedule(600, 120) == (240, 2)  # intervals 1, then 2
-    assert local_step_schedule(118_000, 23_000) == (19_000, 16)  # the paper's BERT-Base run
-    assert local_step_schedule(300, 60) == (240, 1)  # too short for local steps
-    assert local_step_schedule(5_000, 1_000) == (800, 16)
+def test_the_schedule_is_sized_to_the_run_when_told_its_length():
+    """``total_steps`` scales ``var_update_scaler``, ``local_step_scaler`` and
+    ``local_step_clipper`` (:func:`run_schedule`); explicit knobs win; without it, the paper's."""
+    assert run_schedule(600, 120) == (60, 240, 2)  # local intervals 1, then 2
+    assert run_schedule(118_000, 23_000) == (64, 19_000, 16)  # the paper's BERT-Base run
+    assert run_schedule(300, 60) == (30, 240, 1)  # too short for local steps
+    assert run_schedule(5_000, 1_000) == (64, 800, 16)
+    assert run_schedule(100, 10).var_update_scaler == 16
     params = [torch.nn.Parameter(torch.zeros(8))]
     told = onebit.ZeroOneAdam(params, var_freeze_step=120, total_steps=600)
-    assert (told.local_step_scaler, told.local_step_clipper) == (240, 2)
-    mixed = onebit.ZeroOneAdam(params, var_freeze_step=120, total_steps=600, local_step_clipper=8)
-    assert (mixed.local_step_scaler, mixed.local_step_clipper) == (240, 8)
+    knobs = (told.var_update_scaler, told.local_step_scaler, told.local_step_clipper)
+    assert knobs == (60, 240, 2)
+    mixed = onebit.ZeroOneAdam(
+        params, var_freeze_step=120, total_steps=600, local_step_clipper=8, var_update_scaler=4
+    )
+    assert (mixed.var_update_scaler, mixed.local_step_scaler, mixed.local_step_clipper) == (
+        4, 240, 8,
+    )  # fmt: skip
     paper = onebit.ZeroOneAdam(params, var_freeze_step=120)
-    assert (paper.local_step_scaler, paper.local_step_clipper) == PAPER_LOCAL_STEPS
+    knobs = (paper.var_update_scaler, paper.local_step_scaler, paper.local_step_clipper)
+    assert knobs == PAPER_SCHEDULE

@@ -167,8 +167,9 @@ class VarianceMonitor:
         self.last_change = math.inf
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` measures: a window ends there, or it is the last warmup step."""
-        return step % self.config.window_at(step) == 0 or step == self.config.last_step
+        """Whether step ``step`` measures: a window ends there, or the warmup's cap is reached."""
+        last = self.config.last_step
+        return step % self.config.window_at(step) == 0 or (last is not None and step >= last)
 
     def observe(self, step: int, denominators: list[Tensor]) -> bool:
         """Measure at the end of warmup step ``step``; return whether to freeze now.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,26 +29,44 @@ from .functional import (
     momentum_from_grads_,
 )
 
-PAPER_LOCAL_STEPS = (32768, 16)
-"""``(local_step_scaler, local_step_clipper)`` of the paper, for runs of 100k steps and more."""
+
+class Schedule(NamedTuple):
+    """0/1 Adam's schedule knobs (:class:`ZeroOneAdam` documents each)."""
+
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
 
 
-def local_step_schedule(total_steps: int, var_freeze_step: int) -> tuple[int, int]:
-    """0/1 Adam's ``(local_step_scaler, local_step_clipper)`` sized for a run of ``total_steps``.
+PAPER_SCHEDULE = Schedule(16, 32768, 16)
+"""The paper's knobs, for runs of 100k steps and more: 0/1 Adam's defaults without
+``total_steps``."""
 
-    The rule: over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval
-    may grow to the largest power of two at most ``P / 200`` (at least 1, at most the paper's
-    16); and it doubles evenly through phase B, reaching that cap for the last of its
-    ``log2(cap) + 1`` equal parts. A run of 600 steps that freezes at 120 gets ``(240, 2)``:
-    intervals 1, then 2. The paper's BERT-Base run (118k steps, 23k of them phase A) gets
-    ``(19000, 16)``, close to its 32768.
 
-    Long intervals let the replicas drift apart; on short runs the drift of an interval of 16
-    cost 0/1 Adam several percent of loss (``BENCHMARKS.md``).
+def run_schedule(total_steps: int, var_freeze_step: int) -> Schedule:
+    """0/1 Adam's schedule sized for a run of ``total_steps`` that freezes at
+    ``var_freeze_step``, the defaults of :class:`ZeroOneAdam` told ``total_steps``.
+
+    The rules:
+
+    * phase A starts with ``var_update_scaler`` full-precision steps before its 1-bit ones:
+      half of phase A, between the paper's 16 and 64. Short runs learn much of what they will
+      in their first steps; 1-bit gradients from step 17 on cost 2-20% of final loss on runs of
+      600 steps (``BENCHMARKS.md``), while on the paper's 23k-step phase A 64 steps are
+      negligible;
+    * over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval may
+      grow to the largest power of two at most ``P / 200`` (at least 1, at most the paper's 16),
+      doubling evenly through phase B and reaching that cap for the last of its
+      ``log2(cap) + 1`` equal parts. Long intervals let the replicas drift apart: on short runs
+      an interval of 16 cost several percent of loss.
+
+    A run of 600 steps that freezes at 120 gets ``(60, 240, 2)``: local intervals 1, then 2. The
+    paper's BERT-Base run (118k steps, 23k of them phase A) gets ``(64, 19000, 16)``.
     """
     phase_b = max(1, total_steps - var_freeze_step)
     clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
-    return max(1, phase_b // (clipper.bit_length())), clipper
+    var_update_scaler = min(64, max(PAPER_SCHEDULE.var_update_scaler, var_freeze_step // 2))
+    return Schedule(var_update_scaler, max(1, phase_b // clipper.bit_length()), clipper)
 
 
 class ZeroOneAdam(CompressedOptimizer):
@@ -86,18 +104,21 @@ class ZeroOneAdam(CompressedOptimizer):
         var_freeze_step: last step of phase A. Like 1-bit Adam's ``freeze_step`` but much less
             critical, since phase A already compresses most steps; the paper freezes after
             10-20% of training (e.g. 23k of 118k steps for BERT-Base).
-        var_update_scaler: variance updates between two doublings of ``var_interval``
-            (default 16). Larger keeps ``v`` fresher at the cost of more fp32 allreduces.
+        var_update_scaler: variance updates between two doublings of ``var_interval``, and so
+            the full-precision steps phase A starts with. Larger keeps ``v`` fresher at the cost
+            of more fp32 allreduces. Default: scaled to ``total_steps`` by
+            :func:`run_schedule`, or the paper's 16 without it.
         local_step_scaler: phase-B steps between two doublings of ``local_step_interval``.
             Lower it to skip rounds sooner when gradients are not very noisy. Default: scaled
-            to ``total_steps`` by :func:`local_step_schedule`, or the paper's 32768 without it
+            to ``total_steps`` by :func:`run_schedule`, or the paper's 32768 without it
             (a run shorter than that then syncs every step).
         local_step_clipper: the largest ``local_step_interval``. At most one step in this many
             communicates; larger intervals save more rounds but let replicas drift further
-            apart. Default: scaled to ``total_steps`` by :func:`local_step_schedule`, or the
+            apart. Default: scaled to ``total_steps`` by :func:`run_schedule`, or the
             paper's 16 without it.
-        total_steps: the run's length in optimizer steps, when known. It sizes the local-step
-            schedule's defaults to the run; knobs given explicitly win.
+        total_steps: the run's length in optimizer steps, when known. It sizes the three
+            schedule knobs' defaults to the run (:func:`run_schedule`); knobs given explicitly
+            win.
         bias_correction: Adam's bias correction. The variance's correction counts variance
             updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
         process_group: the data-parallel group; ``None`` is the default group, or a single
@@ -157,7 +178,7 @@ class ZeroOneAdam(CompressedOptimizer):
         weight_decay: float = 0.0,
         *,
         var_freeze_step: int,
-        var_update_scaler: int = 16,
+        var_update_scaler: int | None = None,
         local_step_scaler: int | None = None,
         local_step_clipper: int | None = None,
         total_steps: int | None = None,
@@ -175,15 +196,13 @@ class ZeroOneAdam(CompressedOptimizer):
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
             freeze = FreezeSchedule(self.var_freeze_step)
-            self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler)
-            scaler, clipper = PAPER_LOCAL_STEPS
+            schedule = PAPER_SCHEDULE
             if total_steps is not None:
                 check_step_count("total_steps", total_steps)
-                scaler, clipper = local_step_schedule(total_steps, self.var_freeze_step)
-            scaler = scaler if local_step_scaler is None else local_step_scaler
-            clipper = clipper if local_step_clipper is None else local_step_clipper
-            self.local_step_scaler = check_step_count("local_step_scaler", scaler)
-            self.local_step_clipper = check_step_count("local_step_clipper", clipper)
+                schedule = run_schedule(total_steps, self.var_freeze_step)
+            given = (var_update_scaler, local_step_scaler, local_step_clipper)
+            for name, value, default in zip(Schedule._fields, given, schedule):
+                setattr(self, name, check_step_count(name, default if value is None else value))
 
         problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

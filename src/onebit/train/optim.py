@@ -230,9 +230,8 @@ def build(
 
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
-    ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` is 0/1 Adam's (``None``:
-    :func:`onebit.zero_one_adam.local_step_schedule` of the run), and so is
-    ``var_update_scaler`` (``None``: the library's 16). ``max_grad_norm``
+    ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
+    0/1 Adam's (``None``: :func:`onebit.zero_one_adam.run_schedule` of the run). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
     ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB. ``mesh`` is :func:`shard`'s
     if it sharded the model. Every rank must call this with the same arguments.
@@ -267,8 +266,8 @@ def build(
             param_groups,
             var_freeze_step=freeze_step,
             local_step_scaler=local_step_scaler,
+            var_update_scaler=var_update_scaler,
             total_steps=steps,
-            **({} if var_update_scaler is None else {"var_update_scaler": var_update_scaler}),
             **common,
         )
     else:
