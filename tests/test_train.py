@@ -14,7 +14,7 @@ from train_cli import TINY, clean_env, onebit_train, read_metrics, without_timin
 
 from onebit.train import cli, optim
 from onebit.train.data import prepare, source_files, stdlib_path, windows
-from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer
+from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer, build_model
 
 COMPARE = list(optim.OPTIMIZERS)
 WARMUP_FP32 = "onebit-adam:warmup=fp32:freeze=5"  # its row: onebit-adam-warmup-fp32-freeze-5
@@ -176,6 +176,27 @@ def test_bert_masks_and_gpt_shifts() -> None:
     model = Transformer(ModelConfig("bert", block_size=64, n_layer=1, n_head=2, n_embd=32))
     logits, loss = model(x[:4], y[:4])
     assert logits.shape == (4, 64, 257) and 5.0 < loss.item() < 6.0
+
+
+def test_cnn_is_causal_and_learns_the_next_byte() -> None:
+    """The convolutional model: no logit sees a later byte, and a few steps fit a batch."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig("cnn", block_size=32, n_layer=3, n_embd=32))
+    x = torch.randint(256, (2, 32))
+    changed = x.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    with torch.no_grad():
+        assert torch.equal(model(x)[0][:, :20], model(changed)[0][:, :20])
+        assert not torch.equal(model(x)[0][:, 20:], model(changed)[0][:, 20:])
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
+    first = None
+    for _ in range(30):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first / 2
 
 
 def test_auto_freeze_is_scaled_to_the_run() -> None:
