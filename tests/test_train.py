@@ -79,15 +79,15 @@ def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
     summary = json.loads((row / "summary.json").read_text())
     assert summary["warmup_compression"] == "fp32" and summary["freeze_step"] == 5
     default = json.loads((compared / "onebit-adam" / "summary.json").read_text())
-    assert default["warmup_compression"] == "int8" and default["freeze_step"] == 2
-    int8, fp32 = read_metrics(compared / "onebit-adam")[0], read_metrics(row)[0]
-    assert int8["comm/stage"] == fp32["comm/stage"] == "warmup"
-    assert 3 * int8["comm/bytes"] < fp32["comm/bytes"]  # 4x fewer, less scales and headers
+    assert default["warmup_compression"] == "int4" and default["freeze_step"] == 2
+    int4, fp32 = read_metrics(compared / "onebit-adam")[0], read_metrics(row)[0]
+    assert int4["comm/stage"] == fp32["comm/stage"] == "warmup"
+    assert 6 * int4["comm/bytes"] < fp32["comm/bytes"]  # 8x fewer, less scales and headers
 
 
 def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path) -> None:
     """Without --freeze-step and --warmup-compression, 1-bit Adam and 1-bit LAMB warm up with
-    int8 and freeze by ``"auto"``; 0/1 Adam freezes at 20%; the uncompressed ones stay fp32."""
+    int4 and freeze by ``"auto"``; 0/1 Adam freezes at 20%; the uncompressed ones stay fp32."""
     (tmp_path / "text.txt").write_text("some text to train on. " * 4000)
     args = cli.build_parser().parse_args(
         ["--compare", ",".join(COMPARE), "--data", str(tmp_path / "text.txt"),
@@ -97,10 +97,10 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
     settings = {c.optimizer: (c.warmup_compression, c.freeze_step) for c in plan.configs}
     assert settings == {
         "adamw": ("fp32", None),
-        "onebit-adam": ("int8", "auto"),
+        "onebit-adam": ("int4", "auto"),
         "zero-one-adam": ("fp32", None),
         "lamb": ("fp32", None),
-        "onebit-lamb": ("int8", "auto"),
+        "onebit-lamb": ("int4", "auto"),
     }
     assert [c.label for c in plan.configs] == COMPARE  # the defaults need no suffix
     (row,) = cli._parse_compare("zero-one-adam:varscale=64:local=9")

@@ -46,10 +46,12 @@ WARMUP_COMPRESSION = onebit.base.WARMUP_COMPRESSION
 WARMUP_COMPRESSED = ("onebit-adam", "onebit-lamb")
 """The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
 
-DEFAULT_WARMUP_COMPRESSION = "int8"
-"""``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: 4x fewer bytes than fp32
-in the warmup, within 1% of the fp32 warmup's loss on both convergence tasks (``BENCHMARKS.md``).
-The library's own default stays ``"fp32"``: exactly AdamW + DDP until the freeze."""
+DEFAULT_WARMUP_COMPRESSION = "int4"
+"""``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: 7.8x fewer bytes than
+fp32 in the warmup. With ``"auto"`` it is what took whole runs past 10x AdamW + DDP at 100 Mbit/s
+within 1% of AdamW's and LAMB's loss on both convergence tasks, where int8 reached 8.5-10x
+(``BENCHMARKS.md``). The library's own default stays ``"fp32"``: exactly AdamW + DDP until the
+freeze."""
 
 DEFAULT_FREEZE_STEP = "auto"
 """``onebit train``'s warmup length for :data:`WARMUP_COMPRESSED`: ``freeze_step="auto"``, told
