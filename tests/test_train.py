@@ -303,14 +303,15 @@ def test_shard_trains_hsdp_and_onebit_side_by_side(tmp_path: Path, data_cache: P
     as HSDP), then in 1 bit."""
     result = onebit_train(
         "--compare", "adamw,onebit-adam", *TINY, "--workers", "4", "--shard", "2",
-        "--out", tmp_path, "--cache-dir", data_cache,
+        "--warmup-compression", "fp32", "--out", tmp_path, "--cache-dir", data_cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    hsdp, ours = (read_metrics(tmp_path / label) for label in ("adamw", "onebit-adam"))
+    hsdp, ours = (read_metrics(tmp_path / label) for label in ("adamw", "onebit-adam-warmup-fp32"))
     for a, b in zip(hsdp[:3], ours[:3]):  # steps 1-3: two fp32 warmup updates
         assert b["loss/train"] == pytest.approx(a["loss/train"], rel=1e-5)
     assert [r["comm/stage"] for r in ours] == ["warmup"] * 2 + ["compression"] * 4
     assert ours[0]["comm/bytes"] == pytest.approx(hsdp[0]["comm/bytes"], rel=0.01)
     assert ours[-1]["comm/bytes"] < hsdp[-1]["comm/bytes"] / 16
-    summary = json.loads((tmp_path / "onebit-adam" / "summary.json").read_text())
-    assert summary["workers"] == 4 and (tmp_path / "onebit-adam" / "model.pt").exists()
+    row = tmp_path / "onebit-adam-warmup-fp32"
+    summary = json.loads((row / "summary.json").read_text())
+    assert summary["workers"] == 4 and (row / "model.pt").exists()
