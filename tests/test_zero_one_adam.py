@@ -279,8 +279,12 @@ def test_the_schedule_is_sized_to_the_run_when_told_its_length():
         params, var_freeze_step=120, total_steps=600, local_step_clipper=8, var_update_scaler=4
     )
     assert (mixed.var_update_scaler, mixed.local_step_scaler, mixed.local_step_clipper) == (
-        4, 240, 8,
+        4, 120, 8,
     )  # fmt: skip
+    # A scaler given asks for local steps: the clipper stays the paper's, not the run's 1.
+    asked = onebit.ZeroOneAdam(params, var_freeze_step=2, total_steps=6, local_step_scaler=1)
+    assert (asked.local_step_scaler, asked.local_step_clipper) == (1, 16)
+    assert onebit.ZeroOneAdam(params, var_freeze_step=2, total_steps=6).local_step_clipper == 1
     paper = onebit.ZeroOneAdam(params, var_freeze_step=120)
     knobs = (paper.var_update_scaler, paper.local_step_scaler, paper.local_step_clipper)
     assert knobs == PAPER_SCHEDULE

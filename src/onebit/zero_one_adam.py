@@ -43,7 +43,9 @@ PAPER_SCHEDULE = Schedule(16, 32768, 16)
 ``total_steps``."""
 
 
-def run_schedule(total_steps: int, var_freeze_step: int) -> Schedule:
+def run_schedule(
+    total_steps: int, var_freeze_step: int, local_step_clipper: int | None = None
+) -> Schedule:
     """0/1 Adam's schedule sized for a run of ``total_steps`` that freezes at
     ``var_freeze_step``, the defaults of :class:`ZeroOneAdam` told ``total_steps``.
 
@@ -61,10 +63,13 @@ def run_schedule(total_steps: int, var_freeze_step: int) -> Schedule:
       an interval of 16 cost several percent of loss.
 
     A run of 600 steps that freezes at 120 gets ``(60, 240, 2)``: local intervals 1, then 2. The
-    paper's BERT-Base run (118k steps, 23k of them phase A) gets ``(64, 19000, 16)``.
+    paper's BERT-Base run (118k steps, 23k of them phase A) gets ``(64, 19000, 16)``. Given
+    ``local_step_clipper``, the doubling is sized to reach it instead.
     """
     phase_b = max(1, total_steps - var_freeze_step)
-    clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
+    clipper = local_step_clipper
+    if clipper is None:
+        clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
     var_update_scaler = min(64, max(PAPER_SCHEDULE.var_update_scaler, var_freeze_step // 2))
     return Schedule(var_update_scaler, max(1, phase_b // clipper.bit_length()), clipper)
 
@@ -118,7 +123,9 @@ class ZeroOneAdam(CompressedOptimizer):
             paper's 16 without it.
         total_steps: the run's length in optimizer steps, when known. It sizes the three
             schedule knobs' defaults to the run (:func:`run_schedule`); knobs given explicitly
-            win.
+            win. A ``local_step_scaler`` given without a ``local_step_clipper`` keeps the
+            paper's 16, so that the local steps it asks for happen; a ``local_step_clipper``
+            given sizes the default ``local_step_scaler`` to reach it.
         bias_correction: Adam's bias correction. The variance's correction counts variance
             updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
         process_group: the data-parallel group; ``None`` is the default group, or a single
@@ -199,7 +206,12 @@ class ZeroOneAdam(CompressedOptimizer):
             schedule = PAPER_SCHEDULE
             if total_steps is not None:
                 check_step_count("total_steps", total_steps)
-                schedule = run_schedule(total_steps, self.var_freeze_step)
+                clipper = local_step_clipper
+                if clipper is None and local_step_scaler is not None:
+                    clipper = PAPER_SCHEDULE.local_step_clipper  # a scaler asks for local steps
+                if clipper is not None:
+                    check_step_count("local_step_clipper", clipper)
+                schedule = run_schedule(total_steps, self.var_freeze_step, clipper)
             given = (var_update_scaler, local_step_scaler, local_step_clipper)
             for name, value, default in zip(Schedule._fields, given, schedule):
                 setattr(self, name, check_step_count(name, default if value is None else value))
