@@ -203,18 +203,19 @@ class ZeroOneAdam(CompressedOptimizer):
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
             freeze = FreezeSchedule(self.var_freeze_step)
+            given = Schedule(var_update_scaler, local_step_scaler, local_step_clipper)
+            for name, value in zip(Schedule._fields, given):
+                if value is not None:
+                    check_step_count(name, value)
             schedule = PAPER_SCHEDULE
             if total_steps is not None:
                 check_step_count("total_steps", total_steps)
-                clipper = local_step_clipper
-                if clipper is None and local_step_scaler is not None:
+                clipper = given.local_step_clipper
+                if clipper is None and given.local_step_scaler is not None:
                     clipper = PAPER_SCHEDULE.local_step_clipper  # a scaler asks for local steps
-                if clipper is not None:
-                    check_step_count("local_step_clipper", clipper)
                 schedule = run_schedule(total_steps, self.var_freeze_step, clipper)
-            given = (var_update_scaler, local_step_scaler, local_step_clipper)
             for name, value, default in zip(Schedule._fields, given, schedule):
-                setattr(self, name, check_step_count(name, default if value is None else value))
+                setattr(self, name, default if value is None else value)
 
         problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
