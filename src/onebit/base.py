@@ -67,6 +67,10 @@ HEADER_NUMEL = 5
 """Per-rank header of every step's messages: call number, hyperparameter digest, status, the
 squared norm of the bucket's local gradient, backward passes so far."""
 
+_REPLACED_IN_BACKWARD = (
+    "backward sent the gradients of the parameters the optimizer was laid out on "
+    "(overlap_backward), not of those in param_groups: replace them between steps"
+)
 _COUNTER = 1 << 24  # integers below this are exact in fp32
 _STATUS = {
     1: "a sparse gradient (not supported)",
@@ -75,6 +79,8 @@ _STATUS = {
     3: "parameters on more than one device (move the whole model: model.to(device))",
     4: "gradients that FSDP2 did not reduce (set_requires_gradient_sync(False) is on: turn it "
     "back on before the last backward of a step)",
+    5: "parameters in param_groups that replaced those the optimizer was laid out on, and it "
+    "could not follow them",
 }
 
 
@@ -148,7 +154,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     The state follows the parameters: if they have moved when a step (or :meth:`load_state_dict`)
     starts, as when HF Trainer or Accelerate move the model to the GPU after the optimizer was
-    built, it is made anew on their device first (:meth:`_follow_parameters`).
+    built, it is made anew on their device first (:meth:`_follow_parameters`). Like
+    ``torch.optim``'s optimizers it steps the parameters ``param_groups`` holds at each step: if
+    they were replaced (a copy of the model; FSDP2's shards, put there by Accelerate or HF
+    Trainer), it lays its state out anew on them, or every rank raises where it cannot
+    (:meth:`_follow_param_groups`).
 
     It follows torch's protocol for optimizers that handle loss scaling themselves
     (``_step_supports_amp_scaling``): under ``torch.amp.GradScaler`` each step reads
@@ -206,42 +216,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
-        sharded = has_dtensors([p for g in self.param_groups for p in g["params"]])
-        self.shards = Replicated([])  # _lay_out's, once the parameters are checked
+        params = [p for g in self.param_groups for p in g["params"]]
+        sharded = has_dtensors(params)
+        self.shards = Replicated([])  # _adopt's, once the parameters are checked
         try:
             if problem is not None:  # the subclass's own argument checks failed
                 raise ValueError(problem)
             assert freeze is not None, "a subclass whose checks passed has its FreezeSchedule"
             self.freeze = freeze
-            self._lay_out(bucket_size, max_grad_norm, exp_avg_mask)
+            self._check_arguments(bucket_size, max_grad_norm)
+            self._adopt(*self._laid_out(params, bucket_size, masked=bool(exp_avg_mask)))
+            self._masks = _check_masks(exp_avg_mask or {}, self.layout)
         except ValueError as err:
             if self.world_size == 1 and not sharded:
                 raise
             problem = str(err)  # raised on every rank below, not here alone
-        settings = self._settings() if problem is None else problem
-        if sharded:  # every rank of the mesh: the shards must agree with each other too
-            per_shard = ("shapes", "dtypes", "shard")
-            check_ranks_agree(settings, None, self.shards.rank, per_shard)
-        elif self.world_size > 1:
-            check_ranks_agree(settings, process_group)
-        if self.world_size > 1:
-            broadcast_from_first_rank(self.layout.params, process_group)
+        self._agree(self._settings() if problem is None else problem, sharded)
         self._build_on_device()
         self._step_open = False
-        self.bucketer = Bucketer(
-            self.layout,
-            self.comms,
-            self.warmup_comms,
-            process_group,
-            HEADER_NUMEL,
-            clip=self.max_grad_norm is not None,
-            overlap=self.overlap_backward,
-            open_step=self._begin_step,
-            close_step=self._close_step,
-            header=self._header_for,
-            prepare=prepare,
-            next_kind=next_kind,
-        )
+        self._replace_problem: str | None = None
+        self._prepare, self._next_kind = prepare, next_kind
+        self.bucketer = self._new_bucketer()
         self.comm_stats = CommStats()
         self.comm_stats.freeze_step = self.freeze.freeze_step
         self.skipped_steps = 0
@@ -319,13 +314,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._allocate_state()
         self.load_state_dict(saved)
 
-    def _lay_out(
-        self,
-        bucket_size: int,
-        max_grad_norm: float | None,
-        exp_avg_mask: Mapping[Tensor, Tensor] | None,
-    ) -> None:
-        """Check this rank's parameters and settings; lay out the flat buffers and masks."""
+    def _check_arguments(self, bucket_size: int, max_grad_norm: float | None) -> None:
+        """Check the settings that do not depend on the parameters."""
         check_step_count("bucket_size", bucket_size)
         if self.scale_per not in SCALE_PER:
             raise ValueError(f"scale_per must be one of {SCALE_PER}, got {self.scale_per!r}")
@@ -343,27 +333,159 @@ class CompressedOptimizer(torch.optim.Optimizer):
             values = {repr(g[key]) for g in self.param_groups}
             if len(values) > 1:
                 raise ValueError(f"{key} must be the same in every param group, got {values}")
-        params = [p for g in self.param_groups for p in g["params"]]
+
+    def _laid_out(
+        self, params: list[Tensor], bucket_size: int, masked: bool
+    ) -> tuple[Replicated, FlatLayout]:
+        """Check this rank's ``params`` (the param groups' parameters, in order); return their
+        shards and the flat layout of the tensors the optimizer steps. Changes nothing."""
         if not params:
             raise ValueError(f"{type(self).__name__} got no parameters")
-        self.shards = shards_of(params, self.process_group)
-        local = self.shards.locals()
+        shards = shards_of(params, self.process_group)
+        local = shards.locals()
         _check_parameters(local)
-        if self.shards.sharded:
+        if shards.sharded:
             if self.overlap_backward:
                 raise ValueError(
                     "overlap_backward with FSDP2: FSDP2 sends the gradients during backward "
                     "itself, and onebit averages them across replicas in step()"
                 )
-            if exp_avg_mask:
+            if masked:
                 raise ValueError("exp_avg_mask is not supported with FSDP2-sharded parameters")
-            if self.freeze.monitor is not None:  # "auto" decides on the whole model
-                self.freeze.monitor.numels = self.shards.numels()
-                self.freeze.monitor.layer_norms = self.shards.layer_norms
-        self.device = local[0].device
-        kernels.for_device(self.device)  # a bad ONEBIT_BACKEND raises here, on every rank
-        self.layout = FlatLayout(local, bucket_size, self.world_size, keys=params)
-        self._masks = _check_masks(exp_avg_mask or {}, self.layout)
+        kernels.for_device(local[0].device)  # a bad ONEBIT_BACKEND raises here, on every rank
+        return shards, FlatLayout(local, bucket_size, self.world_size, keys=params)
+
+    def _adopt(self, shards: Replicated, layout: FlatLayout) -> None:
+        """Step the tensors of ``layout`` from now on (the flat buffers are made apart)."""
+        self.shards, self.layout, self.device = shards, layout, layout.params[0].device
+        if self.freeze.monitor is not None:  # "auto" decides on whole layers, across shards
+            self.freeze.monitor.numels = shards.numels()
+            self.freeze.monitor.layer_norms = shards.layer_norms
+
+    def _agree(self, settings: dict[str, Any] | str, sharded: bool) -> None:
+        """Raise the same ``ValueError`` on every rank unless every rank laid out the same
+        optimizer (``settings`` is a string where this rank's own checks failed), then give
+        every rank rank 0's parameters. A collective."""
+        if sharded:  # every rank of the mesh: the shards must agree with each other too
+            per_shard = ("shapes", "dtypes", "shard")
+            check_ranks_agree(settings, None, self.shards.rank, per_shard)
+        elif self.world_size > 1:
+            check_ranks_agree(settings, self.process_group)
+        if self.world_size > 1:
+            broadcast_from_first_rank(self.layout.params, self.process_group)
+
+    def _new_bucketer(self, backward_passes: int = 0) -> Bucketer:
+        bucketer = Bucketer(
+            self.layout,
+            self.comms,
+            self.warmup_comms,
+            self.process_group,
+            HEADER_NUMEL,
+            clip=self.max_grad_norm is not None,
+            overlap=self.overlap_backward,
+            open_step=functools.partial(self._begin_step, follow=False),
+            close_step=self._close_step,
+            header=self._header_for,
+            prepare=self._prepare,
+            next_kind=self._next_kind,
+        )
+        bucketer.backward_passes = backward_passes
+        return bucketer
+
+    # Following param_groups: frameworks replace the parameters after the optimizer was built.
+
+    def _on_param_groups(self) -> bool:
+        """Whether the state is laid out on the parameters ``param_groups`` holds now."""
+        keys, i = self.layout.keys, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if i >= len(keys) or p is not keys[i]:
+                    return False
+                i += 1
+        return i == len(keys)
+
+    def _follow_param_groups(self) -> str | None:
+        """Lay the state out anew on the parameters in ``param_groups`` if they are no longer
+        those it was laid out on; return why it could not, else ``None``.
+
+        ``torch.optim`` optimizers step whatever ``param_groups`` holds, and frameworks rely on
+        it: Accelerate and HF Trainer put FSDP2's sharded parameters there, and a user may
+        point them at a copy of the model. Replacements of the same shapes (a copy, or the same
+        model on another device) keep the state, each parameter's going to the one in its place,
+        and need no collective. Replacements laid out differently (sharded by FSDP2 after the
+        optimizer was built) get a new state, checked across ranks as at construction; they
+        can only come before the first step, when there is no state to lose. Where this fails,
+        nothing changes, and the step raises on every rank (status 5).
+        """
+        self._replace_problem = None
+        if self._on_param_groups():
+            return None
+        try:
+            self._lay_out_anew([p for g in self.param_groups for p in g["params"]])
+        except ValueError as err:
+            self._replace_problem = str(err)
+        return self._replace_problem
+
+    def _follow_param_groups_or_raise(self) -> None:
+        """:meth:`_follow_param_groups`, raising ``ValueError`` where it cannot."""
+        problem = self._follow_param_groups()
+        if problem is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot lay its state out on the parameters that "
+                f"replaced those in param_groups: {problem}"
+            )
+
+    def _lay_out_anew(self, params: list[Tensor]) -> None:
+        """Move the state onto ``params``, which replaced the parameters in ``param_groups``."""
+        old_shards, old_layout = self.shards, self.layout
+        if len(params) != len(old_layout.keys):
+            raise ValueError(
+                f"param_groups hold {len(params)} parameters where the optimizer was built on "
+                f"{len(old_layout.keys)}: build a new optimizer for another model"
+            )
+        shards, layout = self._laid_out(params, old_layout.bucket_size, bool(self._masks))
+        same = shards.settings() == old_shards.settings() and [p.shape for p in layout.params] == [
+            p.shape for p in old_layout.params
+        ]
+        if not same and self._calls:
+            raise ValueError(
+                f"after {self._calls} steps the parameters were replaced by tensors of other "
+                "shapes or sharding (as when FSDP2 shards the model after the first step): the "
+                "optimizer's state cannot follow them. Shard the model before the first step, "
+                "or build the optimizer on the sharded model and load a checkpoint"
+            )
+        if not same and self._masks:
+            raise ValueError("exp_avg_mask belongs to parameters of other shapes")
+        saved = self._state_dict_of(old_layout.keys) if same else None
+        self._adopt(shards, layout)
+        if not same:
+            try:
+                self._agree(self._settings(), shards.sharded)
+            except BaseException:
+                self._adopt(old_shards, old_layout)
+                raise
+        self.state.clear()
+        self._fused = None
+        self._gathered = None
+        self._build_on_device()
+        self.bucketer.close()
+        self.bucketer = self._new_bucketer(self.bucketer.backward_passes)
+        self._allocate_state()
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    def _state_dict_of(self, params: list[Tensor]) -> dict[str, Any]:
+        """:meth:`state_dict` with ``params``, the parameters the state is laid out on, in
+        place of those in ``param_groups``."""
+        current = [g["params"] for g in self.param_groups]
+        given = iter(params)
+        for group in self.param_groups:
+            group["params"] = [next(given) for _ in group["params"]]
+        try:
+            return self.state_dict()
+        finally:
+            for group, ps in zip(self.param_groups, current):
+                group["params"] = ps
 
     def _settings(self) -> dict[str, Any]:
         """What every rank must agree on; subclasses add their own knobs."""
@@ -424,15 +546,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # Each step: the hyperparameters and loss scale it runs with, and the header it sends.
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, follow: bool = True) -> None:
         """Read this step's hyperparameters and loss scale; idempotent until :meth:`_end_step`.
 
-        Runs at the first bucket launched (during backward with ``overlap_backward``) or at the
-        start of ``step()``. ``betas`` and ``eps`` come from the param groups; a group that
-        disagrees is reported through the header, so every rank raises together.
+        Runs at the first bucket launched (during backward with ``overlap_backward``, without
+        ``follow``) or at the start of ``step()``, where it first follows ``param_groups`` to
+        parameters that replaced the ones it was laid out on (:meth:`_follow_param_groups`).
+        ``betas`` and ``eps`` come from the param groups; a group that disagrees, or
+        parameters it could not follow, are reported through the header, so every rank raises
+        together.
         """
         if self._step_open:
             return
+        if follow:
+            replaced = self._follow_param_groups() is not None
+        else:
+            replaced = not self._on_param_groups()
         one_device = self._follow_parameters()
         self._step_open = True
         groups = self.param_groups
@@ -443,6 +572,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         if not self._status and not self.shards.syncing():
             self._status = 4
+        if not self._status and replaced:
+            self._status = 5
         self._inv_scale = None
         hyper = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
@@ -503,8 +634,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if self._status and not bad:  # found after the header left (overlap_backward)
                 bad = [(self.rank, self._status)]
             if bad:
-                problems = "; ".join(f"rank {r} has {_STATUS.get(s, s)}" for r, s in bad)
-                error = f"{type(self).__name__}.step(): {problems}"
+                ranks: dict[int, list[int]] = {}
+                for r, s in bad:
+                    ranks.setdefault(s, []).append(r)
+                problems = "; ".join(
+                    f"rank {rs[0]} has {_STATUS.get(s, s)}"
+                    if len(rs) == 1
+                    else f"ranks {', '.join(map(str, rs))} have {_STATUS.get(s, s)}"
+                    for s, rs in ranks.items()
+                )
+                error = f"{type(self).__name__}.step(): {problems}{self._status_detail()}"
         verdict = self.shards.worst(2 if error is not None else 0 if finite else 1)
         if verdict == 2:
             self._close_step()
@@ -514,6 +653,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "error (see theirs); this step was not applied"
             )
         return verdict == 0
+
+    def _status_detail(self) -> str:
+        """What this rank knows beyond its status code (why it could not follow
+        ``param_groups``), to end an error message with."""
+        if self._status != 5:
+            return ""
+        return f". On this rank: {self._replace_problem or _REPLACED_IN_BACKWARD}"
 
     # Communication: the bucketer launches the buckets, the headers are checked here.
 
@@ -840,6 +986,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
         this). ``torch.load(weights_only=True)`` loads it.
         """
+        self._follow_param_groups_or_raise()
         if self._fused is not None and self._fused.packed is not None:
             self.flat.expose("exp_avg", self._fused.materialize())  # exactly: each is ±σ
             try:
@@ -926,6 +1073,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         A state of another optimizer raises ``ValueError`` and changes nothing.
         """
         name = type(self).__name__
+        self._follow_param_groups_or_raise()
         self._follow_parameters()
         saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if saved_onebit is None:

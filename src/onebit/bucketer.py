@@ -298,9 +298,17 @@ class Bucketer:
             if bucketer is not None:
                 bucketer._on_grad_accumulated(index)
 
-        for index, p in enumerate(self.layout.params):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, index=index: hook(index))
+            for index, p in enumerate(self.layout.params)
+            if p.requires_grad
+        ]
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters: the optimizer no longer steps them."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _on_grad_accumulated(self, index: int) -> None:
         if not self._in_backward:

@@ -344,7 +344,8 @@ class ZeroOneAdam(CompressedOptimizer):
         grads = [p.grad for p in params]
         if self._status:
             self._close_step()
-            raise RuntimeError(f"{type(self).__name__}.step(): {_STATUS[self._status]}")
+            problem = _STATUS[self._status] + self._status_detail()
+            raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
         if self.shards.all_(all_finite(grads)):
             momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
             self._apply_mask_(m)
