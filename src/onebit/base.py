@@ -18,7 +18,9 @@ of hanging or diverging.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -396,13 +398,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _on_param_groups(self) -> bool:
         """Whether the state is laid out on the parameters ``param_groups`` holds now."""
-        keys, i = self.layout.keys, 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if i >= len(keys) or p is not keys[i]:
-                    return False
-                i += 1
-        return i == len(keys)
+        keys, groups = self.layout.keys, [g["params"] for g in self.param_groups]
+        if sum(map(len, groups)) != len(keys):
+            return False
+        return all(map(operator.is_, itertools.chain.from_iterable(groups), keys))
 
     def _follow_param_groups(self) -> str | None:
         """Lay the state out anew on the parameters in ``param_groups`` if they are no longer
