@@ -114,6 +114,30 @@ def test_a_replacement_that_cannot_be_followed_raises_on_every_rank(how, why):
         assert why in error and unchanged
 
 
+def _replaced_on_one_rank(rank: int, world_size: int) -> str | None:
+    """Before the first step rank 0 alone replaces a parameter by one of another shape, which
+    needs a new layout and so the other ranks' agreement; the first step's error."""
+    case = CASES["adam"]
+    params = case.problem.params()
+    opt = case.optimizer(params)
+    if rank == 0:
+        opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(5, 7)), params[1]]
+    case.problem.set_grads(params, 1, rank)
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_new_layout_on_some_ranks_only_raises_on_every_rank_instead_of_hanging():
+    """The first step asks every rank whether any lays its state out anew, so the ranks whose
+    param_groups did not change take part in the agreement, which fails, on every rank."""
+    for error in run_ranks(_replaced_on_one_rank, 2, timeout=120):
+        assert error is not None and "ranks 0, 1 have parameters in param_groups" in error
+        assert "settings differ across ranks: shapes" in error
+
+
 def _replaced_but_trained_the_old(rank: int, world_size: int) -> str | None:
     """With ``overlap_backward``, backward sends the gradients of the parameters the state is
     laid out on; if ``param_groups`` holds others by then, the step cannot be applied to them."""

@@ -403,7 +403,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return False
         return all(map(operator.is_, itertools.chain.from_iterable(groups), keys))
 
-    def _follow_param_groups(self) -> str | None:
+    def _follow_param_groups(self, when: str = "step") -> str | None:
         """Lay the state out anew on the parameters in ``param_groups`` if they are no longer
         those it was laid out on; return why it could not, else ``None``.
 
@@ -415,32 +415,68 @@ class CompressedOptimizer(torch.optim.Optimizer):
         optimizer was built) get a new state, checked across ranks as at construction; they
         can only come before the first step, when there is no state to lose. Where this fails,
         nothing changes, and the step raises on every rank (status 5).
+
+        ``when`` says who calls: the first ``"step"`` is a collective on every rank (whether
+        any rank lays out anew), so that ranks whose ``param_groups`` did not change join the
+        agreement instead of waiting in the step; ``"load"`` (``load_state_dict``, called on
+        every rank) agrees only where this rank lays out anew; ``"save"`` (``state_dict``, on
+        one rank maybe) never communicates, and cannot follow a new layout.
         """
         self._replace_problem = None
-        if self._on_param_groups():
+        replaced = not self._on_param_groups()
+        first_step = when == "step" and self._calls == 0 and self._agreement_size() > 1
+        if not replaced and not first_step:
             return None
+        new, problem = None, None
+        if replaced:
+            try:
+                new = self._replacement([p for g in self.param_groups for p in g["params"]])
+            except ValueError as err:
+                problem = str(err)
+        anew = new is not None and not new[2]
+        if anew and when == "save":
+            self._replace_problem = (
+                "they are laid out differently (sharded, say): the state moves onto them at the "
+                "next step() or load_state_dict(), which every rank calls"
+            )
+            return self._replace_problem
+        if first_step:
+            anew = self._any_rank(anew)
         try:
-            self._lay_out_anew([p for g in self.param_groups for p in g["params"]])
+            if anew:
+                self._agree_anew(new, problem)
+            elif problem is not None:
+                raise ValueError(problem)
+            elif new is not None:
+                self._lay_out_anew(*new[:2], saved=self._state_dict_of(self.layout.keys))
         except ValueError as err:
             self._replace_problem = str(err)
         return self._replace_problem
 
-    def _follow_param_groups_or_raise(self) -> None:
+    def _follow_param_groups_or_raise(self, when: str) -> None:
         """:meth:`_follow_param_groups`, raising ``ValueError`` where it cannot."""
-        problem = self._follow_param_groups()
+        problem = self._follow_param_groups(when)
         if problem is not None:
             raise ValueError(
                 f"{type(self).__name__} cannot lay its state out on the parameters that "
                 f"replaced those in param_groups: {problem}"
             )
 
-    def _lay_out_anew(self, params: list[Tensor]) -> None:
-        """Move the state onto ``params``, which replaced the parameters in ``param_groups``."""
+    def _replacement(self, params: list[Tensor]) -> tuple[Replicated, FlatLayout, bool]:
+        """The shards and layout of ``params``, which replaced the parameters in
+        ``param_groups``, and whether they are laid out as the current ones. Changes nothing;
+        ``ValueError`` where the state cannot follow them."""
         old_shards, old_layout = self.shards, self.layout
         if len(params) != len(old_layout.keys):
             raise ValueError(
                 f"param_groups hold {len(params)} parameters where the optimizer was built on "
                 f"{len(old_layout.keys)}: build a new optimizer for another model"
+            )
+        if len(set(map(id, params))) != len(params):
+            raise ValueError(
+                "param_groups hold a parameter twice (Accelerate matches FSDP2's shards to the "
+                "parameters by memory address, which empty local shards share: use "
+                "onebit.integrations.accelerate.prepare)"
             )
         shards, layout = self._laid_out(params, old_layout.bucket_size, bool(self._masks))
         same = shards.settings() == old_shards.settings() and [p.shape for p in layout.params] == [
@@ -455,14 +491,51 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         if not same and self._masks:
             raise ValueError("exp_avg_mask belongs to parameters of other shapes")
-        saved = self._state_dict_of(old_layout.keys) if same else None
+        return shards, layout, same
+
+    def _agreement_size(self) -> int:
+        """How many ranks agree on a new layout: the world where the parameters are sharded or
+        the optimizer spans it, else the optimizer's process group."""
+        if not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self._agreement_group())
+
+    def _agreement_group(self) -> dist.ProcessGroup | None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        return None if self.shards.sharded or has_dtensors(params) else self.process_group
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the agreement group (a collective)."""
+        group = self._agreement_group()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, bool(flag), group=group)
+        return any(gathered)
+
+    def _agree_anew(
+        self, new: tuple[Replicated, FlatLayout, bool] | None, problem: str | None
+    ) -> None:
+        """Where some rank lays out anew: every rank of the agreement group checks, in one
+        collective, that all ranks will step the same optimizer (this rank on ``new``, or on
+        its current layout), then takes rank 0's parameters. Rolls back on ``ValueError``."""
+        old_shards, old_layout = self.shards, self.layout
+        saved = self._state_dict_of(old_layout.keys) if new is not None and new[2] else None
+        if new is not None:
+            self._adopt(*new[:2])
+        try:
+            world = self._agreement_group() is None
+            self._agree(self._settings() if problem is None else problem, world)
+        except BaseException:
+            self._adopt(old_shards, old_layout)
+            raise
+        if new is not None:
+            self._lay_out_anew(*new[:2], saved=saved)
+
+    def _lay_out_anew(
+        self, shards: Replicated, layout: FlatLayout, saved: dict[str, Any] | None
+    ) -> None:
+        """Make the state on ``layout`` as a new optimizer has it, then load ``saved`` (the
+        state of the parameters it replaces) if given."""
         self._adopt(shards, layout)
-        if not same:
-            try:
-                self._agree(self._settings(), shards.sharded)
-            except BaseException:
-                self._adopt(old_shards, old_layout)
-                raise
         self.state.clear()
         self._fused = None
         self._gathered = None
@@ -985,7 +1058,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
         this). ``torch.load(weights_only=True)`` loads it.
         """
-        self._follow_param_groups_or_raise()
+        self._follow_param_groups_or_raise("save")
         if self._fused is not None and self._fused.packed is not None:
             self.flat.expose("exp_avg", self._fused.materialize())  # exactly: each is ±σ
             try:
@@ -1072,7 +1145,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         A state of another optimizer raises ``ValueError`` and changes nothing.
         """
         name = type(self).__name__
-        self._follow_param_groups_or_raise()
+        self._follow_param_groups_or_raise("load")
         self._follow_parameters()
         saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if saved_onebit is None:
