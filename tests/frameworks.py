@@ -7,6 +7,7 @@ import difflib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from distributed import run_ranks
@@ -110,3 +111,21 @@ def check_an_inf_on_one_rank_skips_everywhere(run: Callable, out: str) -> None:
     rank must skip that step."""
     results = run_ranks(run, 2, out, FREEZE + 2, timeout=240)
     assert_skipped_on_every_rank(*zip(*results))
+
+
+def accelerate_hsdp_on_cpu(replicas: int, shards: int) -> Any:
+    """An ``Accelerator`` set up as ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+    fsdp_version=2), parallelism_config=ParallelismConfig(dp_replicate_size=replicas,
+    dp_shard_size=shards))`` is on GPUs. Accelerate refuses that configuration on the CPU, so
+    its FSDP2 path is taken by hand here."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True)
+    config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.build_device_mesh("cpu")
+    return accelerator

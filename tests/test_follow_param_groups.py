@@ -237,33 +237,17 @@ def test_fsdp2_sharding_after_the_optimizer_was_built_is_followed(name):
 
 
 def _accelerate_fsdp2(rank: int, world_size: int, hsdp: bool) -> tuple[str | None, bool]:
-    """The usual Accelerate order: the optimizer on the model, then ``prepare`` (Accelerate's, or
-    onebit's) shards both. Accelerate runs FSDP2 only on GPUs; its FSDP2 path is taken here on
-    the CPU."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from frameworks import launched_as, tiny_gpt2
+    """The usual Accelerate order: the optimizer on the model, then ``accelerator.prepare``
+    shards both. Accelerate runs FSDP2 only on GPUs; its FSDP2 path is taken here on the CPU."""
+    from frameworks import accelerate_hsdp_on_cpu, launched_as, tiny_gpt2
 
     import onebit
 
     launched_as(rank, world_size)
-    accelerator = Accelerator(cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    if hsdp:
-        from accelerate.parallelism_config import ParallelismConfig
-
-        config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
-        accelerator.state.parallelism_config = config
-        accelerator.state.device_mesh = config.build_device_mesh("cpu")
+    accelerator = accelerate_hsdp_on_cpu(2 if hsdp else 1, 2 if hsdp else 4)
     model = tiny_gpt2()
     opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3)
-    if hsdp:  # and through onebit's own prepare
-        from onebit.integrations.accelerate import prepare
-
-        model, opt = prepare(accelerator, model, opt)
-    else:
-        model, opt = accelerator.prepare(model, opt)
+    model, opt = accelerator.prepare(model, opt)
     before = [p.detach().to_local().clone() for p in model.parameters()]
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
     accelerator.backward(model(input_ids=x, labels=x).loss)

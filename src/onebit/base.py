@@ -1257,6 +1257,21 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
+def onebit_optimizer(optimizer: Any, where: str) -> CompressedOptimizer:
+    """The onebit optimizer that ``optimizer`` is or wraps (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``); ``TypeError`` naming ``where`` if there is none."""
+    inner = optimizer
+    for attribute in ("optimizer", "_optimizer"):  # Accelerate, Lightning
+        if not isinstance(inner, CompressedOptimizer) and hasattr(inner, attribute):
+            inner = getattr(inner, attribute)
+    if not isinstance(inner, CompressedOptimizer):
+        raise TypeError(
+            f"{where} needs a onebit optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb), "
+            f"got {type(optimizer).__name__}"
+        )
+    return inner
+
+
 def _check_parameters(params: list[Tensor]) -> None:
     """Raise ``ValueError`` for parameters the flat fp32 layout cannot hold."""
     devices = {p.device for p in params}

@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import CompressedOptimizer, to_cpu
+from .base import CompressedOptimizer, onebit_optimizer, to_cpu
 from .sharding import Sharded
 
 __all__ = ["attach", "load", "save"]
 
 
-def attach(model: nn.Module, optimizer: CompressedOptimizer) -> None:
-    """Tie a onebit ``optimizer`` to the FSDP2-sharded ``model`` whose parameters it steps.
+def attach(model: nn.Module, optimizer: Any) -> None:
+    """Tie a onebit ``optimizer`` (or a framework's wrapper of one) to the FSDP2-sharded
+    ``model`` whose parameters it steps.
 
     Checks that FSDP2 sharded the model on the 1-D mesh of the optimizer's parameters, so that
     FSDP2 averages inside the node and onebit, not FSDP2, across nodes; from then on a
@@ -49,7 +51,7 @@ def attach(model: nn.Module, optimizer: CompressedOptimizer) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    shards = getattr(optimizer, "shards", None)
+    shards = onebit_optimizer(optimizer, "onebit.fsdp.attach").shards
     if not isinstance(shards, Sharded):
         raise ValueError(
             "attach needs a onebit optimizer built on the parameters of a model sharded with "
@@ -85,19 +87,19 @@ def _own(rank: int) -> str:
     return f"onebit_rank_{rank}"
 
 
-def save(
-    model: nn.Module, optimizer: CompressedOptimizer, checkpoint_id: str | os.PathLike
-) -> None:
+def save(model: nn.Module, optimizer: Any, checkpoint_id: str | os.PathLike) -> None:
     """Save the sharded model and optimizer to the directory ``checkpoint_id`` with
     ``torch.distributed.checkpoint``.
 
-    A collective: call it on every rank. The parameters, the momentum and the variance are
+    A collective: call it on every rank. ``optimizer`` is a onebit optimizer or a framework's
+    wrapper of one (Accelerate's, Lightning's). The parameters, the momentum and the variance are
     DTensors, each rank writing its own shards. The rest of the optimizer's state (its error
     buffers, counters and schedules) is one object per rank, under the rank's own key.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    optimizer = onebit_optimizer(optimizer, "onebit.fsdp.save")
     state = optimizer.state_dict()
     rest = {
         "param_groups": state["param_groups"],
@@ -119,7 +121,7 @@ def save(
 
 def load(
     model: nn.Module,
-    optimizer: CompressedOptimizer,
+    optimizer: Any,
     checkpoint_id: str | os.PathLike,
     reshard: bool = False,
 ) -> None:
@@ -135,6 +137,7 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    optimizer = onebit_optimizer(optimizer, "onebit.fsdp.load")
     first = {"onebit_mesh": torch.zeros(2, dtype=torch.int64)}
     dcp.load(first, checkpoint_id=checkpoint_id)
     saved, here = first["onebit_mesh"].tolist(), _mesh(optimizer).tolist()

@@ -1,30 +1,13 @@
-"""What every framework adapter does: find the onebit optimizer inside the framework's wrapper,
-and hand the gradient communication of the framework's DDP model to it."""
+"""What every framework adapter does with a DDP model: hand its gradient communication to the
+onebit optimizer."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..base import CompressedOptimizer
 from ..ddp_hook import ddp_comm_hook
-
-
-def onebit_optimizer(optimizer: Any, where: str) -> CompressedOptimizer:
-    """The onebit optimizer that ``optimizer`` is or wraps (Accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``); ``TypeError`` naming ``where`` if there is none."""
-    inner = optimizer
-    for attribute in ("optimizer", "_optimizer"):  # Accelerate, Lightning
-        if not isinstance(inner, CompressedOptimizer) and hasattr(inner, attribute):
-            inner = getattr(inner, attribute)
-    if not isinstance(inner, CompressedOptimizer):
-        raise TypeError(
-            f"{where} needs a onebit optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb), "
-            f"got {type(optimizer).__name__}"
-        )
-    return inner
 
 
 def hand_gradients_to(model: torch.nn.Module, optimizer: CompressedOptimizer) -> None:

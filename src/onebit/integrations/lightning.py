@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from ._common import hand_gradients_to, onebit_optimizer
+from ..base import onebit_optimizer
+from ._common import hand_gradients_to
 
 
 class OnebitCallback(pl.Callback):

@@ -41,10 +41,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import get_parameter_names
 
 from ..adam import OnebitAdam
-from ..base import CompressedOptimizer
+from ..base import CompressedOptimizer, onebit_optimizer
 from ..freeze import AutoFreeze
 from ..zero_one_adam import ZeroOneAdam
-from ._common import hand_gradients_to, onebit_optimizer
+from ._common import hand_gradients_to
 
 # Trainer.get_decay_parameter_names: no weight decay on biases and norms.
 _NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]

@@ -1,0 +1,198 @@
+"""Accelerate with FSDP2 hybrid sharding and a onebit optimizer, on 4 gloo ranks as 2 replicas x
+2 shards: the README's recipe trains with 1-bit traffic between replicas, every rank reads its
+own batches, the ranks that hold the same shard stay bitwise equal, and a run resumed from
+``onebit.fsdp.save`` in the middle continues bit for bit through the freeze. What would go
+wrong raises on every rank, naming the fix.
+
+Accelerate runs FSDP2 only on GPUs; its FSDP2 path is taken on the CPU here
+(:func:`frameworks.accelerate_hsdp_on_cpu`), and is lost again by the time a first prepare
+returns, so a second prepare forces it anew."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+import torch  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from family import all_equal  # noqa: E402
+from frameworks import (  # noqa: E402
+    FREEZE,
+    accelerate_hsdp_on_cpu,
+    launched_as,
+    text_windows,
+    tiny_gpt2,
+)
+
+STEPS, SAVE_AT, BATCH = 8, 5, 2
+
+
+class Probe(torch.nn.Module):
+    """A tiny GPT-2 and two 1-row linear layers, whose local shards are empty on the second
+    shard of each replica (Accelerate matches shards to parameters by memory address, which
+    empty shards share)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(4)
+        return (
+            self.gpt(input_ids=input_ids, labels=labels).loss + (self.a(ones) * self.b(ones)).sum()
+        )
+
+
+def _recipe(out: str | None = None):
+    """The README's recipe: shard by hand on the shard dimension, build the optimizer on the
+    replica group, then onebit's ``prepare``."""
+    from torch.distributed.fsdp import fully_shard
+
+    import onebit
+    from onebit.integrations.accelerate import prepare
+
+    accelerator = accelerate_hsdp_on_cpu(2, 2)
+    mesh = accelerator.torch_device_mesh
+    model = Probe()
+    for block in model.gpt.transformer.h:
+        fully_shard(block, mesh=mesh["dp_shard_cp"])
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+    optimizer = onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+                                  max_grad_norm=1.0,
+                                  process_group=mesh["dp_replicate"].get_group())  # fmt: skip
+    loader = torch.utils.data.DataLoader(text_windows(64), batch_size=BATCH)
+    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+    return accelerator, mesh, model, optimizer, loader
+
+
+def _train(rank: int, world_size: int, out: str, resume: bool) -> dict:
+    import onebit
+
+    launched_as(rank, world_size)
+    accelerator, mesh, model, optimizer, loader = _recipe()
+    start = 0
+    if resume:
+        onebit.fsdp.load(model, optimizer, out)
+        start, loader = SAVE_AT, accelerator.skip_first_batches(loader, SAVE_AT)
+    first = [p.detach().to_local().clone() for p in model.parameters()]
+    batches = []
+    for step, batch in enumerate(loader, start=start + 1):
+        batches.append(batch["input_ids"].clone())
+        accelerator.backward(model(**batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == SAVE_AT and not resume:
+            onebit.fsdp.save(model, optimizer, out)
+        if step == STEPS:
+            break
+    inner = optimizer.optimizer
+    return {
+        "shard": mesh["dp_shard_cp"].get_local_rank(),
+        "first": first,
+        "params": [p.detach().to_local().clone() for p in model.parameters()],
+        "batches": batches,
+        "stats": inner.comm_stats,
+        "frozen": not inner.in_warmup,
+    }
+
+
+def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(tmp_path):
+    out = str(tmp_path / "checkpoint")
+    runs = run_ranks(_train, 4, out, False, timeout=300)
+    for run in runs:
+        assert run["frozen"] and not all_equal(run["first"], run["params"])
+        assert run["stats"].steps["compression"] == STEPS - FREEZE
+    # every rank its own batches
+    seen = [torch.cat(run["batches"]) for run in runs]
+    assert all(not torch.equal(seen[i], seen[j]) for i in range(4) for j in range(i))
+    # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1: the replicas stay one model
+    assert [run["shard"] for run in runs] == [0, 1, 0, 1]
+    assert all_equal(runs[0]["params"], runs[2]["params"])
+    assert all_equal(runs[1]["params"], runs[3]["params"])
+    assert any(p.numel() == 0 for p in runs[1]["params"])  # Probe's empty shards
+    resumed = run_ranks(_train, 4, out, True, timeout=300)
+    for run, again in zip(runs, resumed):
+        assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][SAVE_AT:]))
+        assert all_equal(run["params"], again["params"])
+
+
+def _refusals(rank: int, world_size: int, out: str) -> dict:
+    """What a user may try that would go wrong; each call's error."""
+    import onebit
+    from onebit.integrations.accelerate import prepare
+
+    launched_as(rank, world_size)
+    errors = {}
+    accelerator, mesh, model, optimizer, loader = _recipe()
+    batch = next(iter(loader))
+    accelerator.backward(model(**batch))
+    for name, call in [
+        ("clip", lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0)),
+        ("save_state", lambda: accelerator.save_state(out)),
+        ("load_state", lambda: accelerator.load_state(out)),
+    ]:
+        try:
+            call()
+        except ValueError as err:
+            errors[name] = str(err)
+    optimizer.step()  # and the optimizer's own clipping went on
+    errors["clipped"] = optimizer.optimizer.grad_norm is not None
+
+    from accelerate.utils import DistributedType
+
+    model = Probe()
+    accelerator.state.distributed_type = DistributedType.FSDP  # forced again: see the docstring
+    try:
+        prepare(accelerator, model, onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE))
+    except ValueError as err:
+        errors["unsharded"] = str(err)
+    return errors
+
+
+def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
+    for errors in run_ranks(_refusals, 4, str(tmp_path / "state"), timeout=300):
+        assert "build the optimizer with max_grad_norm=1.0" in errors["clip"]
+        assert "onebit.fsdp.save(model, optimizer, path)" in errors["save_state"]
+        assert "onebit.fsdp.load(model, optimizer, path)" in errors["load_state"]
+        assert errors["clipped"], errors
+        assert 'mesh["dp_shard_cp"]' in errors["unsharded"]
+
+
+def _accelerate_own_prepare(rank: int, world_size: int) -> tuple[int, str | None]:
+    """Accelerate's own ``prepare`` of the sharded model: it re-matches the parameters by
+    address, which the empty shards share."""
+    from torch.distributed.fsdp import fully_shard
+
+    import onebit
+
+    launched_as(rank, world_size)
+    accelerator = accelerate_hsdp_on_cpu(2, 2)
+    mesh = accelerator.torch_device_mesh
+    model = Probe()
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+    replicas = mesh["dp_replicate"].get_group()
+    optimizer = onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE, process_group=replicas)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randint(0, 256, (2, 8))
+    accelerator.backward(model(input_ids=x, labels=x))
+    shard = mesh["dp_shard_cp"].get_local_rank()
+    try:
+        optimizer.step()
+    except RuntimeError as err:
+        return shard, str(err)
+    return shard, None
+
+
+def test_accelerate_own_prepare_of_empty_shards_raises_on_every_rank_instead_of_hanging():
+    """The ranks with the empty shards name the fix; the others point to them."""
+    for shard, error in run_ranks(_accelerate_own_prepare, 4, timeout=300):
+        assert error is not None
+        if shard == 1:
+            assert "a parameter twice" in error
+            assert "onebit.integrations.accelerate.prepare" in error
+        else:
+            assert "the ranks that hold another shard raised an error" in error
