@@ -113,19 +113,22 @@ def check_an_inf_on_one_rank_skips_everywhere(run: Callable, out: str) -> None:
     assert_skipped_on_every_rank(*zip(*results))
 
 
-def accelerate_hsdp_on_cpu(replicas: int, shards: int) -> Any:
+def accelerate_hsdp_on_cpu(replicas: int, shards: int, state_dict_type: str | None = None) -> Any:
     """An ``Accelerator`` set up as ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
     fsdp_version=2), parallelism_config=ParallelismConfig(dp_replicate_size=replicas,
-    dp_shard_size=shards))`` is on GPUs. Accelerate refuses that configuration on the CPU, so
+    dp_shard_size=shards))`` is on GPUs (``state_dict_type``: the plugin's, which Accelerate's
+    checkpoints follow). Accelerate refuses that configuration on the CPU, so
     its FSDP2 path is taken by hand here."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     accelerator = Accelerator(cpu=True)
     config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    for state in (PartialState(), accelerator.state):  # AcceleratorState() copies PartialState's
+        state.distributed_type = DistributedType.FSDP
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+    accelerator.state.fsdp_plugin = plugin
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.build_device_mesh("cpu")
     return accelerator

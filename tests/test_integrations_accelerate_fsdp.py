@@ -5,10 +5,11 @@ own batches, the ranks that hold the same shard stay bitwise equal, and a run re
 wrong raises on every rank, naming the fix.
 
 Accelerate runs FSDP2 only on GPUs; its FSDP2 path is taken on the CPU here
-(:func:`frameworks.accelerate_hsdp_on_cpu`), and is lost again by the time a first prepare
-returns, so a second prepare forces it anew."""
+(:func:`frameworks.accelerate_hsdp_on_cpu`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +48,7 @@ class Probe(torch.nn.Module):
         )
 
 
-def _recipe(out: str | None = None):
+def _recipe(state_dict_type: str | None = None):
     """The README's recipe: shard by hand on the shard dimension, build the optimizer on the
     replica group, then onebit's ``prepare``."""
     from torch.distributed.fsdp import fully_shard
@@ -55,7 +56,7 @@ def _recipe(out: str | None = None):
     import onebit
     from onebit.integrations.accelerate import prepare
 
-    accelerator = accelerate_hsdp_on_cpu(2, 2)
+    accelerator = accelerate_hsdp_on_cpu(2, 2, state_dict_type)
     mesh = accelerator.torch_device_mesh
     model = Probe()
     for block in model.gpt.transformer.h:
@@ -69,14 +70,19 @@ def _recipe(out: str | None = None):
     return accelerator, mesh, model, optimizer, loader
 
 
-def _train(rank: int, world_size: int, out: str, resume: bool) -> dict:
+def _train(rank: int, world_size: int, out: str, how: str, resume: bool) -> dict:
+    """Train, saving at step SAVE_AT (``how``: with onebit.fsdp, or with Accelerate's
+    ``save_state`` and the plugin's ``state_dict_type``); or resume from there."""
     import onebit
 
     launched_as(rank, world_size)
-    accelerator, mesh, model, optimizer, loader = _recipe()
+    accelerator, mesh, model, optimizer, loader = _recipe(None if how == "onebit.fsdp" else how)
     start = 0
     if resume:
-        onebit.fsdp.load(model, optimizer, out)
+        if how == "onebit.fsdp":
+            onebit.fsdp.load(model, optimizer, out)
+        else:
+            accelerator.load_state(out)
         start, loader = SAVE_AT, accelerator.skip_first_batches(loader, SAVE_AT)
     first = [p.detach().to_local().clone() for p in model.parameters()]
     batches = []
@@ -86,7 +92,10 @@ def _train(rank: int, world_size: int, out: str, resume: bool) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         if step == SAVE_AT and not resume:
-            onebit.fsdp.save(model, optimizer, out)
+            if how == "onebit.fsdp":
+                onebit.fsdp.save(model, optimizer, out)
+            else:
+                accelerator.save_state(out)
         if step == STEPS:
             break
     inner = optimizer.optimizer
@@ -100,9 +109,12 @@ def _train(rank: int, world_size: int, out: str, resume: bool) -> dict:
     }
 
 
-def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("how", ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "onebit.fsdp"])
+def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(how, tmp_path):
+    """Saved after the freeze, by Accelerate's ``save_state`` (either state dict type) or
+    ``onebit.fsdp.save``, the run resumes bit for bit."""
     out = str(tmp_path / "checkpoint")
-    runs = run_ranks(_train, 4, out, False, timeout=300)
+    runs = run_ranks(_train, 4, out, how, False, timeout=300)
     for run in runs:
         assert run["frozen"] and not all_equal(run["first"], run["params"])
         assert run["stats"].steps["compression"] == STEPS - FREEZE
@@ -114,7 +126,14 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
     assert all_equal(runs[0]["params"], runs[2]["params"])
     assert all_equal(runs[1]["params"], runs[3]["params"])
     assert any(p.numel() == 0 for p in runs[1]["params"])  # Probe's empty shards
-    resumed = run_ranks(_train, 4, out, True, timeout=300)
+    if how != "onebit.fsdp":  # Accelerate's FSDP2 checkpoint, with each rank's part beside it
+        saved = {path.name for path in Path(out).iterdir()}
+        optimizer = "optimizer_0" if how == "SHARDED_STATE_DICT" else "optimizer.bin"
+        assert {optimizer, "onebit"} <= saved
+        assert sorted(path.name for path in (Path(out) / "onebit").iterdir()) == [
+            f"rank_{rank}.pt" for rank in range(4)
+        ]
+    resumed = run_ranks(_train, 4, out, how, True, timeout=300)
     for run, again in zip(runs, resumed):
         assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][SAVE_AT:]))
         assert all_equal(run["params"], again["params"])
@@ -130,10 +149,10 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
     accelerator, mesh, model, optimizer, loader = _recipe()
     batch = next(iter(loader))
     accelerator.backward(model(**batch))
+    (Path(out) / "empty").mkdir(parents=True, exist_ok=True)
     for name, call in [
         ("clip", lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0)),
-        ("save_state", lambda: accelerator.save_state(out)),
-        ("load_state", lambda: accelerator.load_state(out)),
+        ("load_state", lambda: accelerator.load_state(str(Path(out) / "empty"))),
     ]:
         try:
             call()
@@ -142,10 +161,7 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
     optimizer.step()  # and the optimizer's own clipping went on
     errors["clipped"] = optimizer.optimizer.grad_norm is not None
 
-    from accelerate.utils import DistributedType
-
     model = Probe()
-    accelerator.state.distributed_type = DistributedType.FSDP  # forced again: see the docstring
     try:
         prepare(accelerator, model, onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE))
     except ValueError as err:
@@ -154,11 +170,11 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
 
 
 def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
-    for errors in run_ranks(_refusals, 4, str(tmp_path / "state"), timeout=300):
+    results = run_ranks(_refusals, 4, str(tmp_path / "state"), timeout=300)
+    for rank, errors in enumerate(results):
         assert "build the optimizer with max_grad_norm=1.0" in errors["clip"]
-        assert "onebit.fsdp.save(model, optimizer, path)" in errors["save_state"]
-        assert "onebit.fsdp.load(model, optimizer, path)" in errors["load_state"]
-        assert errors["clipped"], errors
+        assert f"onebit/rank_{rank}.pt is missing" in errors["load_state"]
+        assert errors["clipped"]
         assert 'mesh["dp_shard_cp"]' in errors["unsharded"]
 
 

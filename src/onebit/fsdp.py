@@ -78,6 +78,46 @@ def attach(model: nn.Module, optimizer: Any) -> None:
     shards.fsdp_groups = groups
 
 
+def rank_state(
+    optimizer: CompressedOptimizer, state: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the optimizer state dict of ``torch.distributed.checkpoint`` leaves out: this
+    rank's error buffers, counters and schedule (``"onebit"``), the param groups, and the names
+    of each parameter's state, which change at the freeze. ``state`` is
+    ``optimizer.state_dict()`` if already taken."""
+    state = optimizer.state_dict() if state is None else state
+    return {
+        "param_groups": state["param_groups"],
+        "onebit": state["onebit"],
+        "state_keys": {i: list(s) for i, s in state["state"].items()},
+        "mesh": _mesh(optimizer).tolist(),
+    }
+
+
+def state_template(
+    optimizer: CompressedOptimizer, rest: dict[str, Any], wrap: bool = False
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Per-parameter state shaped and named as :func:`rank_state` ``rest`` says it was saved,
+    to load into (as DTensors with ``wrap``, for ``torch.distributed.checkpoint``)."""
+    shards = optimizer.shards
+    return {
+        i: {key: torch.zeros_like(local) for key in keys} if not wrap else
+        {key: shards.wrap(i, torch.empty_like(local)) for key in keys}
+        for (i, keys), local in zip(rest["state_keys"].items(), shards.locals())
+    }  # fmt: skip
+
+
+def check_mesh(optimizer: CompressedOptimizer, saved: list[int], fix: str) -> None:
+    """``ValueError`` unless the optimizer's ``[replicas, shards]`` are ``saved``."""
+    here = _mesh(optimizer).tolist()
+    if saved != here:
+        raise ValueError(
+            f"checkpoint saved on a mesh of {saved[0]} replicas x {saved[1]} shards, this run "
+            f"has {here[0]} x {here[1]}: each rank's error-feedback buffers cannot be resharded. "
+            f"Resume on the same mesh, or {fix}"
+        )
+
+
 def _mesh(optimizer: CompressedOptimizer) -> torch.Tensor:
     """``[replicas, shards]`` of the optimizer's mesh."""
     return torch.tensor([optimizer.world_size, optimizer.shards.size])
@@ -101,11 +141,7 @@ def save(model: nn.Module, optimizer: Any, checkpoint_id: str | os.PathLike) -> 
 
     optimizer = onebit_optimizer(optimizer, "onebit.fsdp.save")
     state = optimizer.state_dict()
-    rest = {
-        "param_groups": state["param_groups"],
-        "onebit": state["onebit"],
-        "state_keys": {i: list(s) for i, s in state["state"].items()},
-    }
+    rest = rank_state(optimizer, state)
     buffer = io.BytesIO()
     torch.save(to_cpu(rest), buffer)
     dcp.save(
@@ -141,23 +177,15 @@ def load(
     first = {"onebit_mesh": torch.zeros(2, dtype=torch.int64)}
     dcp.load(first, checkpoint_id=checkpoint_id)
     saved, here = first["onebit_mesh"].tolist(), _mesh(optimizer).tolist()
-    if saved != here and not reshard:
-        raise ValueError(
-            f"checkpoint saved on a mesh of {saved[0]} replicas x {saved[1]} shards, this run "
-            f"has {here[0]} x {here[1]}: each rank's error-feedback buffers cannot be resharded. "
-            "Resume on the same mesh, or pass reshard=True to restart them at zero"
-        )
+    if not reshard:
+        check_mesh(optimizer, saved, "pass reshard=True to restart them at zero")
     own = _own(dist.get_rank() if saved == here else 0)
     first = {own: b""}
     dcp.load(first, checkpoint_id=checkpoint_id)
     rest = torch.load(io.BytesIO(first[own]), weights_only=True)
     if saved != here:
         rest["onebit"]["ranks"] = {}  # load_state_dict warns, and restarts them at zero
-    shards = optimizer.shards
-    template = {  # shaped as the state was saved (its names change at the freeze)
-        i: {key: shards.wrap(i, torch.empty_like(local)) for key in keys}
-        for (i, keys), local in zip(rest["state_keys"].items(), shards.locals())
-    }
+    template = state_template(optimizer, rest, wrap=True)
     state = {"model": get_model_state_dict(model), "optimizer": template}
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_model_state_dict(model, state["model"])

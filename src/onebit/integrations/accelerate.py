@@ -41,9 +41,10 @@ averages across nodes in fp32::
 
 :func:`prepare` then keeps the optimizer on the sharded parameters (Accelerate re-matches them
 by memory address, which empty local shards share) and calls :func:`onebit.fsdp.attach`. Each
-rank reads its own batches. Checkpoint with :func:`onebit.fsdp.save` and :func:`onebit.fsdp.load`:
-Accelerate's ``save_state`` and ``load_state`` keep only the optimizer's per-parameter state,
-not each rank's error buffers and schedule, so they raise on every rank.
+rank reads its own batches. ``accelerator.save_state`` also writes each rank's error buffers,
+counters and schedule (``onebit/rank_<rank>.pt``), which Accelerate's FSDP2 optimizer state
+leaves out, and ``accelerator.load_state`` resumes every rank exactly from them, on the same
+mesh.
 
 What the user still does: build the optimizer after ``Accelerator()`` (which sets up
 ``torch.distributed``) and on the model's parameters; and, to resume mid-epoch, skip the
@@ -55,14 +56,16 @@ gathered state.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..base import CompressedOptimizer, onebit_optimizer
-from ..fsdp import attach
+from ..base import CompressedOptimizer, onebit_optimizer, to_cpu
+from ..fsdp import attach, check_mesh, rank_state, state_template
 from ._common import hand_gradients_to
 
 _SHARD_BY_HAND = (
@@ -111,8 +114,7 @@ def prepare(accelerator: Accelerator, model: Any, optimizer: Any, *others: Any) 
         for group, kept in zip(inner.param_groups, params):
             group["params"] = kept
         attach(prepared[0], inner)
-        accelerator.register_save_state_pre_hook(_refuse_to_save)
-        accelerator.register_load_state_pre_hook(_refuse_to_load)
+        _ShardedCheckpoints(accelerator, inner, prepared[1])
     else:
         hand_gradients_to(prepared[0], inner)
         accelerator.register_save_state_pre_hook(
@@ -122,21 +124,68 @@ def prepare(accelerator: Accelerator, model: Any, optimizer: Any, *others: Any) 
     return prepared
 
 
-def _refuse_to_save(models: list, weights: list, output_dir: str) -> None:
-    raise ValueError(
-        "accelerator.save_state keeps only the per-parameter state of an FSDP2-sharded "
-        "optimizer, not each rank's error buffers and schedule: save with "
-        "onebit.fsdp.save(model, optimizer, path) on every rank, and resume with "
-        "onebit.fsdp.load(model, optimizer, path)"
-    )
+class _ShardedCheckpoints:
+    """``save_state`` and ``load_state`` of an FSDP2-sharded onebit optimizer.
+
+    Accelerate saves and loads the per-parameter state (momentum, variance) through
+    ``torch.distributed.checkpoint``'s optimizer state dict. That drops the rest of onebit's
+    state (each rank's error buffers, counters and schedule), and when loading it takes the
+    state's names from the optimizer as it is, while they change at the freeze. So each rank
+    writes the rest to ``onebit/rank_<rank>.pt`` in the checkpoint; ``load_state`` first gives
+    the optimizer the names and the rest it was saved with, then hands the rest back with the
+    state dict Accelerate loads into the optimizer.
+    """
+
+    def __init__(self, accelerator: Accelerator, optimizer: CompressedOptimizer, wrapper: Any):
+        self.accelerator, self.optimizer = accelerator, optimizer
+        self.pending: dict[str, Any] | None = None
+        self._load_state, self._load_state_dict = accelerator.load_state, wrapper.load_state_dict
+        accelerator.register_save_state_pre_hook(self.save)
+        accelerator.load_state = self.load_state
+        wrapper.load_state_dict = self.load_state_dict
+
+    def _file(self, directory: str) -> str:
+        return os.path.join(directory, "onebit", f"rank_{dist.get_rank()}.pt")
+
+    def save(self, models: list, weights: list, output_dir: str) -> None:
+        path = self._file(output_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(to_cpu(rank_state(self.optimizer)), path)
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
+        path = self._file(_checkpoint(self.accelerator, input_dir))
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{path} is missing: load_state needs a checkpoint that accelerator.save_state "
+                "wrote after onebit's prepare, on as many ranks"
+            )
+        rest = torch.load(path, weights_only=True)
+        check_mesh(self.optimizer, rest["mesh"], "save with onebit.fsdp.save and load with "
+                   "onebit.fsdp.load(..., reshard=True)")  # fmt: skip
+        template = state_template(self.optimizer, rest)
+        self.optimizer.load_state_dict(
+            {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
+        )
+        self.pending = rest
+        try:
+            return self._load_state(input_dir, **kwargs)
+        finally:
+            self.pending = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.pending is not None and "onebit" not in state_dict:
+            state_dict = {**state_dict, "onebit": self.pending["onebit"]}
+        self._load_state_dict(state_dict)
 
 
-def _refuse_to_load(models: list, input_dir: str) -> None:
-    raise ValueError(
-        "accelerator.load_state cannot restore an FSDP2-sharded onebit optimizer: save with "
-        "onebit.fsdp.save(model, optimizer, path) and resume with "
-        "onebit.fsdp.load(model, optimizer, path), on every rank"
-    )
+def _checkpoint(accelerator: Accelerator, input_dir: str | None) -> str:
+    """The directory ``accelerator.load_state(input_dir)`` loads."""
+    if input_dir is not None:
+        return os.path.expanduser(input_dir)
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    root = os.path.join(accelerator.project_dir, "checkpoints")
+    return os.path.join(root, max(os.listdir(root), key=lambda name: int(name.split("_")[-1])))
 
 
 def _hand_clipping_to(accelerator: Accelerator, optimizer: CompressedOptimizer) -> None:
