@@ -125,3 +125,26 @@ def report(optimizer, final_loss):
         compressed_step = (stats.bytes_total - stats.total_bytes["warmup"]) / (steps - warmup)
         line += f" ({fp32_step / compressed_step:.0f}x fewer per step after warmup)"
     print(f"{line} | optimizer state on {optimizer.device}")
+
+
+def accelerator_with_hsdp(replicas, shards):
+    """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+    parallelism_config=ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards))``.
+
+    Accelerate runs FSDP2 only on GPUs. Without a GPU per rank this builds a CPU ``Accelerator``
+    and sets it on Accelerate's FSDP2 path by hand, so that the example runs anywhere."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards)
+    if gpu_per_rank():
+        return Accelerator(fsdp_plugin=plugin, parallelism_config=config)
+    accelerator = Accelerator(cpu=True)
+    for state in (PartialState(), accelerator.state):
+        state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.build_device_mesh("cpu")
+    return accelerator
