@@ -95,16 +95,15 @@ def rank_state(
 
 
 def state_template(
-    optimizer: CompressedOptimizer, rest: dict[str, Any], wrap: bool = False
+    optimizer: CompressedOptimizer, rest: dict[str, Any]
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """Per-parameter state shaped and named as :func:`rank_state` ``rest`` says it was saved,
-    to load into (as DTensors with ``wrap``, for ``torch.distributed.checkpoint``)."""
+    """Per-parameter state shaped and named as :func:`rank_state` ``rest`` says it was saved (the
+    names change at the freeze), as DTensors, to load into."""
     shards = optimizer.shards
     return {
-        i: {key: torch.zeros_like(local) for key in keys} if not wrap else
-        {key: shards.wrap(i, torch.empty_like(local)) for key in keys}
+        i: {key: shards.wrap(i, torch.zeros_like(local)) for key in keys}
         for (i, keys), local in zip(rest["state_keys"].items(), shards.locals())
-    }  # fmt: skip
+    }
 
 
 def check_mesh(optimizer: CompressedOptimizer, saved: list[int], fix: str) -> None:
@@ -185,7 +184,7 @@ def load(
     rest = torch.load(io.BytesIO(first[own]), weights_only=True)
     if saved != here:
         rest["onebit"]["ranks"] = {}  # load_state_dict warns, and restarts them at zero
-    template = state_template(optimizer, rest, wrap=True)
+    template = state_template(optimizer, rest)
     state = {"model": get_model_state_dict(model), "optimizer": template}
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_model_state_dict(model, state["model"])

@@ -180,12 +180,12 @@ class _ShardedCheckpoints:
 
 def _checkpoint(accelerator: Accelerator, input_dir: str | None) -> str:
     """The directory ``accelerator.load_state(input_dir)`` loads."""
-    if input_dir is not None:
-        return os.path.expanduser(input_dir)
-    if not accelerator.project_configuration.automatic_checkpoint_naming:
-        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-    root = os.path.join(accelerator.project_dir, "checkpoints")
-    return os.path.join(root, max(os.listdir(root), key=lambda name: int(name.split("_")[-1])))
+    if input_dir is None:
+        raise ValueError(
+            "load_state of an FSDP2-sharded onebit optimizer needs the checkpoint's directory: "
+            "pass it as input_dir"
+        )
+    return os.path.expanduser(input_dir)
 
 
 def _hand_clipping_to(accelerator: Accelerator, optimizer: CompressedOptimizer) -> None:
