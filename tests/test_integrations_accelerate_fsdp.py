@@ -1,8 +1,8 @@
 """Accelerate with FSDP2 hybrid sharding and a onebit optimizer, on 4 gloo ranks as 2 replicas x
 2 shards: the README's recipe trains with 1-bit traffic between replicas, every rank reads its
 own batches, the ranks that hold the same shard stay bitwise equal, and a run resumed from
-``onebit.fsdp.save`` in the middle continues bit for bit through the freeze. What would go
-wrong raises on every rank, naming the fix.
+``accelerator.save_state`` or ``onebit.fsdp.save`` in the middle continues bit for bit through
+the freeze. What would go wrong raises on every rank, naming the fix.
 
 Accelerate runs FSDP2 only on GPUs; its FSDP2 path is taken on the CPU here
 (:func:`frameworks.accelerate_hsdp_on_cpu`)."""
