@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import statistics
 import time
 
@@ -56,7 +57,7 @@ def _gpt_shapes(layers: int, d: int, vocab: int, context: int) -> list[tuple[int
 LAYOUTS = {
     "large": "16.8M parameters in 4 tensors (2 Linear layers)",
     "many": "0.6M parameters in 300 tensors (150 Linear(64, 64))",
-    "16-tensors": "269M parameters in 16 tensors (8 Linear(4096, 8192))",
+    "16-tensors": "269M parameters in 16 tensors (8 Linear layers, 4096 <-> 8192)",
     "gpt-medium": "355M parameters in 292 tensors (GPT-2 medium)",
     "gpt-tiny": "0.1M parameters in 28 tensors (a 2-layer GPT, d=64: a smoke test)",
 }
@@ -71,7 +72,8 @@ def _model(kind: str, device: torch.device) -> torch.nn.Module:
     elif kind == "many":
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(150)])
     elif kind == "16-tensors":
-        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 8192) for _ in range(8)])
+        widths = [4096, 8192] * 4 + [4096]
+        model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
     else:
         layers, d, vocab = (24, 1024, 50257) if kind == "gpt-medium" else (2, 64, 256)
         shapes = _gpt_shapes(layers, d, vocab, 1024 if kind == "gpt-medium" else 64)
@@ -148,7 +150,6 @@ def main() -> None:
     for kind in models:
         print(f"{kind}: {LAYOUTS[kind]}")
         base = _model(kind, device)
-        rows = {}  # name: (median ms, ratio to AdamW timed in turns with it, memory)
         adamw_model = copy.deepcopy(base)
         _set_grads(adamw_model)
         before = _megabytes(device)
@@ -166,15 +167,15 @@ def main() -> None:
             peak = _peak_mb(opt.step, device)
             used = f" | {_megabytes(device) - before:8.0f} | {peak:12.0f}" if cuda else ""
             reference, ms = _alternated_ms([adamw.step, opt.step], args.repeats, device)
-            rows[name] = ms, f"{ms / reference:13.2f}", used
+            print(f"{kind:6} | {name:29} | {ms:9.2f} | {ms / reference:13.2f}{used}", flush=True)
             adamw_ms.append(reference)
             del model, opt
+            gc.collect()  # the next row's state is measured from what is allocated then
         adamw_row = f"{'AdamW(fused=True) step':29} | {statistics.median(adamw_ms):9.2f} | "
         print(f"{kind:6} | {adamw_row}{1:13.2f}{adamw_memory if cuda else ''}")
         if isinstance(base, torch.nn.Sequential):
-            rows.update(_backward_rows(base, args.repeats, device))
-        for name, (ms, ratio, used) in rows.items():
-            print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}{used}")
+            for name, (ms, ratio) in _backward_rows(base, args.repeats, device).items():
+                print(f"{kind:6} | {name:29} | {ms:9.2f} | {ratio}")
         del base, adamw_model, adamw
 
 
@@ -191,8 +192,8 @@ def _backward_rows(base: torch.nn.Sequential, repeats: int, device: torch.device
     passes = [functools.partial(backward, plain), functools.partial(backward, hooked)]
     without, with_hooks = _alternated_ms(passes, repeats, device)
     ratio = f"{with_hooks / without:13.3f} (with / without hooks)"
-    return {"forward+backward, no hooks": (without, "", ""),
-            "forward+backward, onebit hooks": (with_hooks, ratio, "")}  # fmt: skip
+    return {"forward+backward, no hooks": (without, ""),
+            "forward+backward, onebit hooks": (with_hooks, ratio)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -362,6 +362,30 @@ def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):
     assert kernels.for_tensors(torch.zeros(8)).name == "numpy"
 
 
+def test_triton_binds_every_launched_kernels_arguments_as_passed(monkeypatch):
+    """On a GPU, Triton binds a launch's arguments in generated code whose own names (such as
+    ``params``) shadow a kernel's arguments of the same name; the interpreter binds none, so
+    only a GPU would fail. Each argument must reach Triton's specialization as it was passed."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    from onebit.kernels import triton_kernels, triton_quantized
+
+    seen = []
+    monkeypatch.setattr(jit, "native_specialize_impl", lambda _, arg, *a: seen.append(arg) or (0,))
+    launched = [
+        k for m in (triton_kernels, triton_quantized) for k in vars(m).values()
+        if isinstance(k, triton_kernels._Launched)
+    ]  # fmt: skip
+    assert len(launched) >= 4
+    for kernel in launched:
+        fn = jit.JITFunction(kernel.kernel.fn)
+        binder = jit.create_function_from_signature(fn.signature, fn.params, None)
+        args = [object() for _ in fn.params]
+        seen.clear()
+        bound, _, _ = binder(*args)
+        assert list(bound.values()) == args, fn.__name__
+        assert seen == [a for a, p in zip(args, fn.params) if not p.is_constexpr], fn.__name__
+
+
 @pytest.mark.cuda
 def test_cuda_takes_triton_and_its_bits_are_the_references(monkeypatch):
     """On a GPU, every op of a bucket with segments, on CUDA tensors (Triton), against the torch

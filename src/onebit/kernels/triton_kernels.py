@@ -217,7 +217,7 @@ def _momentum_pass(
 @launched
 @triton.jit
 def _momentum_update(
-    params, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
+    bases, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
@@ -231,7 +231,7 @@ def _momentum_update(
     column = tl.load(run_columns + run, mask=valid, other=-1)
     present = valid & (column >= 0)
     param = tl.load(run_params + run, mask=present, other=0)
-    base = tl.load(params + param, mask=present, other=0)
+    base = tl.load(bases + param, mask=present, other=0)
     present = present & (base != 0)
     start = base + tl.load(run_offsets + run, mask=present, other=0)
     at = start.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
