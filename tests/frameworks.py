@@ -47,6 +47,23 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
+class Probe(torch.nn.Module):
+    """A tiny GPT-2 and two 1-row linear layers, whose local shards are empty on the second
+    shard of each replica (Accelerate matches shards to parameters by memory address, which
+    empty shards share)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(4)
+        return (
+            self.gpt(input_ids=input_ids, labels=labels).loss + (self.a(ones) * self.b(ones)).sum()
+        )
+
+
 def text_windows(count: int) -> list[dict[str, torch.Tensor]]:
     """``count`` consecutive ``BLOCK``-byte windows of ``difflib.py``, as causal-LM examples."""
     data = torch.tensor(list(Path(difflib.__file__).read_bytes()[: count * BLOCK]))

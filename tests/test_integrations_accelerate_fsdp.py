@@ -22,30 +22,13 @@ from distributed import run_ranks  # noqa: E402
 from family import all_equal  # noqa: E402
 from frameworks import (  # noqa: E402
     FREEZE,
+    Probe,
     accelerate_hsdp_on_cpu,
     launched_as,
     text_windows,
-    tiny_gpt2,
 )
 
 STEPS, SAVE_AT, BATCH = 8, 5, 2
-
-
-class Probe(torch.nn.Module):
-    """A tiny GPT-2 and two 1-row linear layers, whose local shards are empty on the second
-    shard of each replica (Accelerate matches shards to parameters by memory address, which
-    empty shards share)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gpt = tiny_gpt2()
-        self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ones = torch.ones(4)
-        return (
-            self.gpt(input_ids=input_ids, labels=labels).loss + (self.a(ones) * self.b(ones)).sum()
-        )
 
 
 def _recipe(state_dict_type: str | None = None):

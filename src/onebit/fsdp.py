@@ -22,8 +22,10 @@ buffers included, through ``torch.distributed.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,6 +106,58 @@ def state_template(
         i: {key: shards.wrap(i, torch.zeros_like(local)) for key in keys}
         for (i, keys), local in zip(rest["state_keys"].items(), shards.locals())
     }
+
+
+def write_rank_state(optimizer: CompressedOptimizer, directory: str | os.PathLike) -> None:
+    """Write this rank's :func:`rank_state` to ``<directory>/onebit/rank_<rank>.pt``, beside a
+    framework's checkpoint of the sharded optimizer, which leaves it out."""
+    path = _rank_file(directory)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(to_cpu(rank_state(optimizer)), path)
+
+
+@contextlib.contextmanager
+def resuming(
+    optimizer: CompressedOptimizer, directory: str | os.PathLike, saver: str, fix: str
+) -> Iterator[None]:
+    """Within the block, a framework loads its checkpoint in ``directory`` into the sharded
+    ``optimizer``, and the state :func:`write_rank_state` saved there comes with it.
+
+    Frameworks load the per-parameter state with ``torch.distributed.checkpoint`` into a
+    template taken from the optimizer as it is, whose state names change at the freeze, then
+    hand the optimizer a state dict without onebit's part. So first the optimizer takes the
+    names and the part it was saved with; within the block, a ``load_state_dict`` given no
+    ``"onebit"`` part takes the saved one.
+
+    Raises:
+        ValueError: if this rank's file is missing (``saver`` says what writes it), or the
+            checkpoint was saved on another mesh (``fix`` says what to do instead).
+    """
+    path = _rank_file(directory)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path} is missing: resuming needs a checkpoint written by {saver}, on as many ranks"
+        )
+    rest = torch.load(path, weights_only=True)
+    check_mesh(optimizer, rest["mesh"], fix)
+    template = state_template(optimizer, rest)
+    optimizer.load_state_dict(
+        {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
+    )
+    load = optimizer.load_state_dict
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        load(state_dict if "onebit" in state_dict else {**state_dict, "onebit": rest["onebit"]})
+
+    optimizer.load_state_dict = load_state_dict
+    try:
+        yield
+    finally:
+        del optimizer.load_state_dict
+
+
+def _rank_file(directory: str | os.PathLike) -> str:
+    return os.path.join(os.path.expanduser(directory), "onebit", f"rank_{dist.get_rank()}.pt")
 
 
 def check_mesh(optimizer: CompressedOptimizer, saved: list[int], fix: str) -> None:

@@ -56,16 +56,14 @@ gathered state.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..base import CompressedOptimizer, onebit_optimizer, to_cpu
-from ..fsdp import attach, check_mesh, rank_state, state_template
+from ..base import CompressedOptimizer, onebit_optimizer
+from ..fsdp import attach, resuming, write_rank_state
 from ._common import hand_gradients_to
 
 _SHARD_BY_HAND = (
@@ -114,7 +112,7 @@ def prepare(accelerator: Accelerator, model: Any, optimizer: Any, *others: Any) 
         for group, kept in zip(inner.param_groups, params):
             group["params"] = kept
         attach(prepared[0], inner)
-        _ShardedCheckpoints(accelerator, inner, prepared[1])
+        _ShardedCheckpoints(accelerator, inner)
     else:
         hand_gradients_to(prepared[0], inner)
         accelerator.register_save_state_pre_hook(
@@ -128,64 +126,30 @@ class _ShardedCheckpoints:
     """``save_state`` and ``load_state`` of an FSDP2-sharded onebit optimizer.
 
     Accelerate saves and loads the per-parameter state (momentum, variance) through
-    ``torch.distributed.checkpoint``'s optimizer state dict. That drops the rest of onebit's
-    state (each rank's error buffers, counters and schedule), and when loading it takes the
-    state's names from the optimizer as it is, while they change at the freeze. So each rank
-    writes the rest to ``onebit/rank_<rank>.pt`` in the checkpoint; ``load_state`` first gives
-    the optimizer the names and the rest it was saved with, then hands the rest back with the
-    state dict Accelerate loads into the optimizer.
+    ``torch.distributed.checkpoint``'s optimizer state dict, which leaves out the rest of
+    onebit's state (each rank's error buffers, counters and schedule). Each rank writes the rest
+    to ``onebit/rank_<rank>.pt`` in the checkpoint, and ``load_state`` loads Accelerate's
+    checkpoint within :func:`onebit.fsdp.resuming`.
     """
 
-    def __init__(self, accelerator: Accelerator, optimizer: CompressedOptimizer, wrapper: Any):
+    def __init__(self, accelerator: Accelerator, optimizer: CompressedOptimizer):
         self.accelerator, self.optimizer = accelerator, optimizer
-        self.pending: dict[str, Any] | None = None
-        self._load_state, self._load_state_dict = accelerator.load_state, wrapper.load_state_dict
-        accelerator.register_save_state_pre_hook(self.save)
+        self._load_state = accelerator.load_state
+        accelerator.register_save_state_pre_hook(
+            lambda models, weights, output_dir: write_rank_state(optimizer, output_dir)
+        )
         accelerator.load_state = self.load_state
-        wrapper.load_state_dict = self.load_state_dict
-
-    def _file(self, directory: str) -> str:
-        return os.path.join(directory, "onebit", f"rank_{dist.get_rank()}.pt")
-
-    def save(self, models: list, weights: list, output_dir: str) -> None:
-        path = self._file(output_dir)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(to_cpu(rank_state(self.optimizer)), path)
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
-        path = self._file(_checkpoint(self.accelerator, input_dir))
-        if not os.path.isfile(path):
+        if input_dir is None:
             raise ValueError(
-                f"{path} is missing: load_state needs a checkpoint that accelerator.save_state "
-                "wrote after onebit's prepare, on as many ranks"
+                "load_state of an FSDP2-sharded onebit optimizer needs the checkpoint's "
+                "directory: pass it as input_dir"
             )
-        rest = torch.load(path, weights_only=True)
-        check_mesh(self.optimizer, rest["mesh"], "save with onebit.fsdp.save and load with "
-                   "onebit.fsdp.load(..., reshard=True)")  # fmt: skip
-        template = state_template(self.optimizer, rest)
-        self.optimizer.load_state_dict(
-            {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
-        )
-        self.pending = rest
-        try:
+        saver = "accelerator.save_state after onebit's prepare"
+        fix = "save with onebit.fsdp.save and load with onebit.fsdp.load(..., reshard=True)"
+        with resuming(self.optimizer, input_dir, saver, fix):
             return self._load_state(input_dir, **kwargs)
-        finally:
-            self.pending = None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.pending is not None and "onebit" not in state_dict:
-            state_dict = {**state_dict, "onebit": self.pending["onebit"]}
-        self._load_state_dict(state_dict)
-
-
-def _checkpoint(accelerator: Accelerator, input_dir: str | None) -> str:
-    """The directory ``accelerator.load_state(input_dir)`` loads."""
-    if input_dir is None:
-        raise ValueError(
-            "load_state of an FSDP2-sharded onebit optimizer needs the checkpoint's directory: "
-            "pass it as input_dir"
-        )
-    return os.path.expanduser(input_dir)
 
 
 def _hand_clipping_to(accelerator: Accelerator, optimizer: CompressedOptimizer) -> None:

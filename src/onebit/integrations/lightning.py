@@ -26,19 +26,59 @@ rank before rank 0 writes, so ``trainer.fit(..., ckpt_path=...)`` resumes every 
 Precision plugins (``"16-mixed"``, ``"bf16-mixed"``) and ``accumulate_grad_batches`` work
 unchanged. Exact resume from a mid-epoch checkpoint also needs a dataloader that Lightning can
 restore to its position; with a plain ``DataLoader``, checkpoint at epoch ends.
+
+With FSDP2 (hybrid sharding: FSDP2 inside a node, 1-bit Adam across nodes), use
+``ModelParallelStrategy``: its ``"tensor_parallel"`` dimension is the shard dimension, on which
+``configure_model`` shards the model, and its ``"data_parallel"`` dimension the one onebit
+averages over::
+
+    class Model(L.LightningModule):
+        def configure_model(self):
+            shard = self.device_mesh["tensor_parallel"]
+            for block in self.gpt.transformer.h:
+                fully_shard(block, mesh=shard)
+            fully_shard(self.gpt, mesh=shard)
+
+        def configure_optimizers(self):
+            return onebit.OnebitAdam(self.parameters(), lr=3e-4, max_grad_norm=1.0,
+                                     process_group=self.device_mesh["data_parallel"].get_group())
+
+    strategy = ModelParallelStrategy(data_parallel_size=nodes, tensor_parallel_size=gpus)
+    trainer = L.Trainer(strategy=strategy, callbacks=[OnebitCallback()], ...)
+
+There :class:`OnebitCallback` calls :func:`onebit.fsdp.attach`; gives every rank its own batches
+(the strategy's sampler would split the data over the ``"data_parallel"`` dimension only, so
+the shards of one replica would read the same batches); and makes ``trainer.save_checkpoint``
+(``ModelCheckpoint`` too) write each rank's error buffers, counters and schedule beside the
+strategy's distributed checkpoint (``onebit/rank_<rank>.pt``), which ``ckpt_path=`` resumes
+exactly from, on the same mesh. ``save_distributed_checkpoint=False`` is refused, as is
+``FSDPStrategy`` (FSDP1 flattens the parameters the optimizer steps).
 """
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from pathlib import Path
+from typing import Any
 
-from ..base import onebit_optimizer
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from ..base import CompressedOptimizer, onebit_optimizer
+from ..fsdp import attach, resuming, write_rank_state
 from ._common import hand_gradients_to
+
+_RECIPE = (
+    "shard the model in configure_model with fully_shard(module, mesh=self.device_mesh["
+    '"tensor_parallel"]) for each block and the model, and build the optimizer in '
+    'configure_optimizers with process_group=self.device_mesh["data_parallel"].get_group(): '
+    "see onebit.integrations.lightning"
+)
 
 
 class OnebitCallback(pl.Callback):
-    """Hands a Lightning ``Trainer``'s DDP gradient communication and clipping to its onebit
-    optimizer; see the module docstring."""
+    """Hands a Lightning ``Trainer``'s gradient communication, clipping and, with
+    ``ModelParallelStrategy``, its sharded checkpoints to its onebit optimizer; see the module
+    docstring."""
 
     def __init__(self) -> None:
         self._clip: float | None = None  # Lightning's gradient_clip_val, while it is handed over
@@ -50,6 +90,11 @@ class OnebitCallback(pl.Callback):
                 "DDP model has one communication hook, given to one onebit optimizer"
             )
         optimizer = onebit_optimizer(trainer.optimizers[0], "OnebitCallback")
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                "onebit works with FSDP2 only, which Lightning runs as ModelParallelStrategy: "
+                "FSDPStrategy's FSDP1 flattens the parameters the optimizer steps; " + _RECIPE
+            )
         clip = trainer.gradient_clip_val
         if clip:
             by_norm = trainer.gradient_clip_algorithm in (None, "norm")
@@ -61,8 +106,83 @@ class OnebitCallback(pl.Callback):
                     f"(the optimizer has max_grad_norm={optimizer.max_grad_norm})"
                 )
             self._clip, trainer.gradient_clip_val = clip, None
-        hand_gradients_to(trainer.strategy.model, optimizer)
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            _hybrid_shard(trainer.strategy, optimizer)
+        else:
+            hand_gradients_to(trainer.strategy.model, optimizer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._clip is not None:
             trainer.gradient_clip_val, self._clip = self._clip, None
+
+
+def _hybrid_shard(strategy: ModelParallelStrategy, optimizer: CompressedOptimizer) -> None:
+    """Attach the optimizer to the model sharded on the strategy's ``"tensor_parallel"``
+    dimension, give every rank its own batches, and keep onebit's state in checkpoints."""
+    if not strategy._save_distributed_checkpoint:
+        raise ValueError(
+            "ModelParallelStrategy(save_distributed_checkpoint=False) would gather the optimizer "
+            "state on rank 0, without each rank's error buffers: keep the default, True"
+        )
+    try:
+        attach(strategy.model, optimizer)
+    except ValueError as err:
+        raise ValueError(f"{err}; with ModelParallelStrategy, {_RECIPE}") from None
+    mesh = strategy.device_mesh
+    if (
+        optimizer.shards.mesh != mesh["tensor_parallel"]
+        or optimizer.world_size * (optimizer.shards.size) != strategy.world_size
+    ):
+        raise ValueError(
+            "the optimizer averages over another group than the strategy's data_parallel "
+            f"dimension: {_RECIPE}"
+        )
+    if type(strategy) is ModelParallelStrategy:
+        strategy.__class__ = _EveryRankItsOwnBatches
+    elif strategy.distributed_sampler_kwargs != _own_batches(strategy):
+        raise ValueError(
+            f"{type(strategy).__name__}.distributed_sampler_kwargs splits the data over the "
+            "data_parallel dimension only, so the shards of one replica would read the same "
+            f"batches: return {_own_batches(strategy)} (every rank its own batches)"
+        )
+    checkpoints = getattr(strategy.load_checkpoint, "__self__", None)
+    if isinstance(checkpoints, _ShardedCheckpoints):
+        checkpoints.optimizer = optimizer  # a later fit, with the optimizer it built anew
+    else:
+        _ShardedCheckpoints(strategy, optimizer)
+
+
+def _own_batches(strategy: ModelParallelStrategy) -> dict[str, int]:
+    return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
+
+
+class _EveryRankItsOwnBatches(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose sampler gives every rank its own batches, as FSDP2 on the
+    ``"tensor_parallel"`` dimension needs (tensor parallelism, which the strategy is built for,
+    needs the same batches on that dimension)."""
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return _own_batches(self)
+
+
+class _ShardedCheckpoints:
+    """``save_checkpoint`` and ``load_checkpoint`` of the strategy, with each rank's part of the
+    onebit optimizer's state (error buffers, counters, schedule) beside its distributed
+    checkpoint, which leaves it out (see :func:`onebit.fsdp.resuming`)."""
+
+    def __init__(self, strategy: ModelParallelStrategy, optimizer: CompressedOptimizer) -> None:
+        self.strategy, self.optimizer = strategy, optimizer
+        self._save, self._load = strategy.save_checkpoint, strategy.load_checkpoint
+        strategy.save_checkpoint, strategy.load_checkpoint = self.save, self.load
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._save(checkpoint, filepath, storage_options)
+        write_rank_state(self.optimizer, Path(self.strategy.broadcast(filepath)))
+
+    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.strategy.broadcast(checkpoint_path))
+        saver = "trainer.save_checkpoint with OnebitCallback and ModelParallelStrategy"
+        fix = "resume on as many ranks, in the same data_parallel x tensor_parallel mesh"
+        with resuming(self.optimizer, path, saver, fix):
+            return self._load(checkpoint_path, weights_only)
