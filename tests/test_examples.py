@@ -108,6 +108,24 @@ def test_accelerate_hsdp_example_shards_inside_nodes_and_saves_every_rank(tmp_pa
     assert sorted(p.name for p in (out / "onebit").iterdir()) == [f"rank_{r}.pt" for r in range(4)]
 
 
+def test_lightning_hsdp_example_shards_inside_nodes_and_saves_every_rank(tmp_path):
+    """``examples/lightning_hsdp.py`` on 4 ranks, 2 emulated nodes of 2, with
+    ``ModelParallelStrategy``: trains, sends 1 bit per element between nodes after the warmup,
+    and ``trainer.save_checkpoint`` writes each rank's part of the optimizer."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    out = tmp_path / "checkpoint"
+    output = torchrun(
+        EXAMPLES / "lightning_hsdp.py", "--out", str(out), log=tmp_path / "output.txt", ranks=4
+    )
+    report = REPORT.search(output)
+    assert report, output[-4000:]
+    loss = float(report["loss"])
+    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
+    assert int(report["per_step"]) >= 20
+    assert sorted(p.name for p in (out / "onebit").iterdir()) == [f"rank_{r}.pt" for r in range(4)]
+
+
 ONE_GPU = [
     ("torchrun_ddp", []),
     ("hf_trainer", []),
