@@ -1150,8 +1150,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if saved_onebit is None:
             raise ValueError(
-                f"not a onebit state dict: {name} can only load what a {name} saved (a "
-                "torch.optim state, say from AdamW, has no error buffers or freeze schedule)"
+                f"not a onebit state dict: {name} can only load what a {name} saved, with its "
+                "'onebit' part (error buffers, counters, freeze schedule). A torch.optim state, "
+                "say from AdamW, has none, and loaders that keep only 'state' and "
+                "'param_groups' drop it (torch.distributed.checkpoint's "
+                "set_optimizer_state_dict, a framework's FSDP checkpoint): save and load with "
+                "onebit.fsdp.save and load, or through onebit.integrations"
             )
         if saved_onebit.get("optimizer", name) != name:
             raise ValueError(f"state dict of {saved_onebit['optimizer']} loaded into {name}")

@@ -30,19 +30,43 @@ What the user still does: pick ``freeze_step`` (or ``"auto"``, which ``max_steps
 pass ``optimizers=(optimizer, None)`` and add the callback. Trainer's schedulers,
 ``bf16``/``fp16``, gradient accumulation and logging work unchanged. ``save_on_each_node`` is
 refused: only global rank 0 holds the gathered state.
+
+With FSDP2 (hybrid sharding: FSDP2 inside a node, 1-bit Adam across nodes), :func:`shard_hsdp`
+shards the model and returns the process group the optimizer averages over; leave ``fsdp`` out
+of ``TrainingArguments`` (Trainer's FSDP would shard again, and average across nodes itself)::
+
+    replicas = shard_hsdp(model, model.transformer.h, args)
+    optimizer = create_optimizer(model, args, onebit.OnebitAdam, freeze_step=1000,
+                                 process_group=replicas)
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
+    trainer.add_callback(OnebitCallback(trainer))
+
+Given a sharded optimizer, :class:`OnebitCallback` calls :func:`onebit.fsdp.attach` and tells
+Trainer the model places and averages itself (no DDP around it; every rank still reads its own
+batches). Each checkpoint then holds the gathered model (``model.safetensors``, as usual) and
+``onebit/``, the sharded model and optimizer with every rank's error buffers, written by
+:func:`onebit.fsdp.save`; ``resume_from_checkpoint`` loads that with :func:`onebit.fsdp.load`,
+bit for bit on the same mesh. ``load_best_model_at_end`` is refused.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import get_parameter_names
 
 from ..adam import OnebitAdam
 from ..base import CompressedOptimizer, onebit_optimizer
 from ..freeze import AutoFreeze
+from ..fsdp import attach, load, save
+from ..sharding import Sharded
 from ..zero_one_adam import ZeroOneAdam
 from ._common import hand_gradients_to
 
@@ -89,6 +113,43 @@ def create_optimizer(
     return optimizer_class([g for g in groups if g["params"]], **{**settings, **kwargs})
 
 
+def shard_hsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    args: TrainingArguments,
+    shards: int | None = None,
+    **fully_shard_kwargs: Any,
+) -> dist.ProcessGroup:
+    """Shard ``model`` with FSDP2 over the ``shards`` ranks of each node, each of ``blocks``
+    and then the model, and return the process group across nodes (the ranks that hold the
+    same shard) to build the onebit optimizer with.
+
+    ``shards`` defaults to the ranks per node (``LOCAL_WORLD_SIZE``, as torchrun sets it);
+    ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``...) go to every
+    ``fully_shard``. It sets up ``torch.distributed`` first, as Trainer would.
+
+    Raises:
+        ValueError: outside ``torch.distributed``, or if ``shards`` does not divide the world.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = args.device  # initialises the process group under torchrun
+    if not dist.is_initialized():
+        raise ValueError("shard_hsdp needs torch.distributed: launch with torchrun")
+    world = dist.get_world_size()
+    shards = shards or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if shards < 1 or world % shards:
+        raise ValueError(f"shards={shards} ranks per node does not divide the {world} ranks")
+    mesh = init_device_mesh(
+        device.type, (world // shards, shards), mesh_dim_names=("replicate", "shard")
+    )
+    for block in blocks:
+        fully_shard(block, mesh=mesh["shard"], **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh["shard"], **fully_shard_kwargs)
+    return mesh["replicate"].get_group()
+
+
 class OnebitCallback(TrainerCallback):
     """Hands a ``Trainer``'s gradient communication, clipping and checkpoints to its onebit
     optimizer; see the module docstring for what it configures."""
@@ -96,6 +157,11 @@ class OnebitCallback(TrainerCallback):
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self._max_grad_norm: float | None = None
+        self._sharded = trainer.optimizer is not None and isinstance(
+            self._optimizer(trainer.optimizer).shards, Sharded
+        )
+        if self._sharded:
+            _ShardedTrainer(trainer, self._optimizer(trainer.optimizer))
 
     def _optimizer(self, optimizer: Any) -> CompressedOptimizer:
         return onebit_optimizer(optimizer, "OnebitCallback (Trainer(optimizers=(opt, None)))")
@@ -124,7 +190,7 @@ class OnebitCallback(TrainerCallback):
     def _before_save(
         self, args: TrainingArguments, control: TrainerControl, optimizer: Any
     ) -> None:
-        if control.should_save and not args.save_only_model:
+        if control.should_save and not args.save_only_model and not self._sharded:
             self._optimizer(optimizer).consolidate_state_dict(to=0)
 
     def on_step_end(
@@ -142,3 +208,77 @@ class OnebitCallback(TrainerCallback):
     ) -> None:
         if self._max_grad_norm is not None:
             args.max_grad_norm, self._max_grad_norm = self._max_grad_norm, None
+
+
+class _ShardedTrainer:
+    """Trainer's model placement and checkpoints for a model :func:`shard_hsdp` sharded.
+
+    Trainer's flag for models sharded when loaded (``is_distributed_loading_by_transformers``)
+    keeps Accelerate from wrapping the model in DDP or sharding it again. Trainer would save
+    the optimizer's state from rank 0 alone, which holds one shard and one rank's error buffers;
+    so each checkpoint's ``onebit/`` holds what :func:`onebit.fsdp.save` writes, and resuming
+    loads the model and the optimizer from there."""
+
+    def __init__(self, trainer: Trainer, optimizer: CompressedOptimizer) -> None:
+        if trainer.is_fsdp_enabled:
+            raise ValueError(
+                "a model sharded by shard_hsdp needs no FSDP in TrainingArguments (or "
+                "Accelerate's config): Trainer's FSDP would shard it again, on a mesh where "
+                "FSDP2 averages across nodes in fp32"
+            )
+        if trainer.args.load_best_model_at_end:
+            raise ValueError(
+                "load_best_model_at_end=True is not supported with a model sharded by "
+                "shard_hsdp: load the best checkpoint with onebit.fsdp.load"
+            )
+        if not hasattr(trainer, "is_distributed_loading_by_transformers"):
+            raise ValueError(
+                "this transformers has no Trainer.is_distributed_loading_by_transformers, "
+                "which shard_hsdp needs: install transformers>=5.23"
+            )
+        attach(trainer.model, optimizer)
+        self.trainer, self.optimizer = trainer, optimizer
+        trainer.is_distributed_loading_by_transformers = True
+        self._save = trainer._save
+        trainer._save = self.save_model
+        trainer._save_optimizer_and_scheduler = self.save_optimizer_and_scheduler
+        trainer._load_from_checkpoint = self.load_model
+        trainer._load_optimizer_and_scheduler = self.load_optimizer_and_scheduler
+
+    def save_model(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if state_dict is None:  # a collective: every rank is here
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(self.trainer.model, options=options)
+        self._save(output_dir, state_dict)
+
+    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save(self.trainer.model, self.optimizer, os.path.join(output_dir, "onebit"))
+        if self.trainer.args.should_save and self.trainer.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the scheduler's warning about saving it
+                torch.save(self.trainer.lr_scheduler.state_dict(), _scheduler(output_dir))
+
+    def load_model(self, checkpoint: str, model: nn.Module | None = None) -> None:
+        """Nothing: the model is loaded with the optimizer, from ``onebit/``."""
+
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, "onebit")
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"{folder} is missing: resume_from_checkpoint needs a checkpoint saved by Trainer "
+                "with OnebitCallback and a model sharded by shard_hsdp"
+            )
+        load(self.trainer.model, self.optimizer, folder)
+        if self.trainer.lr_scheduler is not None and os.path.isfile(_scheduler(checkpoint)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                state = torch.load(_scheduler(checkpoint), weights_only=True)
+            self.trainer.lr_scheduler.load_state_dict(state)
+
+
+def _scheduler(folder: str) -> str:
+    return os.path.join(folder, "scheduler.pt")
