@@ -126,6 +126,23 @@ def test_lightning_hsdp_example_shards_inside_nodes_and_saves_every_rank(tmp_pat
     assert sorted(p.name for p in (out / "onebit").iterdir()) == [f"rank_{r}.pt" for r in range(4)]
 
 
+def test_hf_trainer_hsdp_example_shards_inside_nodes_and_checkpoints_every_rank(tmp_path):
+    """``examples/hf_trainer_hsdp.py`` on 4 ranks, 2 emulated nodes of 2: trains, sends 1 bit
+    per element between nodes after the warmup, and Trainer's checkpoint holds every rank's
+    state."""
+    pytest.importorskip("transformers")
+    output = torchrun(
+        EXAMPLES / "hf_trainer_hsdp.py", "--out", str(tmp_path), log=tmp_path / "output.txt",
+        ranks=4,
+    )  # fmt: skip
+    report = REPORT.search(output)
+    assert report, output[-4000:]
+    loss = float(report["loss"])
+    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
+    assert int(report["per_step"]) >= 20
+    assert (tmp_path / "checkpoint-100" / "onebit" / ".metadata").is_file()
+
+
 ONE_GPU = [
     ("torchrun_ddp", []),
     ("hf_trainer", []),
