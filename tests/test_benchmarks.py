@@ -45,3 +45,39 @@ def test_gpu_model_finds_where_onebit_stops_paying_off():
     out = _run("gpu_model.py", backend="torch")
     assert out.count("AdamW + DDP is faster above") == 4
     assert "| 8 | 10 |" in out and "| 64 | 100 |" in out
+
+
+def test_step_benchmark_layouts_run_forward():
+    """``step.py`` times forward + backward of each layout built of layers, on the meta device
+    here (the GPU layouts hold 269M parameters)."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import step
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    meta = torch.device("meta")
+    for kind in step.LAYOUTS:
+        with meta:
+            model = step._model(kind, meta)
+        if isinstance(model, torch.nn.Sequential):
+            assert model(torch.empty(2, model[0].in_features, device=meta)).shape[0] == 2, kind
+
+
+def test_gpu_check_reports_a_failed_part_and_writes_its_summary(tmp_path):
+    """Each part runs in its own process: one that fails (here, without a GPU, the versions
+    part) is reported in the summary, not raised."""
+    import torch
+
+    summary = tmp_path / "summary.md"
+    done = subprocess.run(
+        [sys.executable, "gpu_check.py", "--only", "versions", "--out", str(summary)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = "ok" if torch.cuda.is_available() else "failed (exit 1)"
+    assert f"| versions | {status} |" in summary.read_text()
+    refused = subprocess.run([sys.executable, "gpu_check.py", "--only", "nope"], cwd=BENCHMARKS,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "unknown part(s) nope" in refused.stderr
