@@ -226,6 +226,39 @@ def test_checkpoint_on_another_mesh_is_an_error_or_reshards(tmp_path):
         assert r["steps"] == 8 and any("error-feedback buffers reset" in w for w in r["warnings"])
 
 
+def _generic_load(rank: int, world_size: int, name: str, directory: str) -> str:
+    """Save after the freeze as torch.distributed.checkpoint's docs do, then load into a fresh
+    optimizer the same way: a template from it, ``dcp.load``, ``set_optimizer_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh = _mesh(2, 2)
+    model, opt = _onebit(mesh, name, _wide(), bucket_size=1024)
+    _train(model, opt, range(5))
+    assert not opt.in_warmup
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+    model, opt = _onebit(mesh, name, _wide(seed=1), bucket_size=1024)
+    template = {"optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(template, checkpoint_id=directory)
+    try:
+        set_optimizer_state_dict(model, opt, template["optimizer"])
+    except ValueError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_state_loaded_without_its_onebit_part_is_a_onebit_error(name, tmp_path):
+    """torch.distributed.checkpoint's optimizer state dict keeps the per-parameter state only;
+    loaded into a fresh optimizer (whose state names are the warmup's), it reaches onebit, which
+    names what is missing and the fix, instead of failing in the reader on a name."""
+    for error in run_ranks(_generic_load, 4, name, str(tmp_path)):
+        assert "not a onebit state dict" in error and "onebit.fsdp.save" in error, error
+
+
 def _errors(rank: int, world_size: int) -> dict[str, str | None]:
     """What each case of ``ERRORS`` raises on this rank (``None``: nothing), one after another."""
     return {case: _error(rank, case, _mesh(2, 2)) for case in ERRORS}

@@ -1056,7 +1056,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         What differs between ranks (the error buffers above all) sits under
         ``["onebit"]["ranks"][rank]``: save one file per rank, or gather every rank's part into
         one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
-        this). ``torch.load(weights_only=True)`` loads it.
+        this). ``torch.load(weights_only=True)`` loads it. A sharded optimizer's per-parameter
+        state is DTensors, for ``torch.distributed.checkpoint``, and keeps the warmup's names
+        through the freeze (``exp_avg_sq`` then holds ``frozen_denom``).
         """
         self._follow_param_groups_or_raise("save")
         if self._fused is not None and self._fused.packed is not None:
@@ -1076,7 +1078,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state = super().state_dict()
         if self.shards.sharded:  # DTensors, for torch.distributed.checkpoint
             state["state"] = {
-                i: {k: self.shards.wrap(i, v) if torch.is_tensor(v) else v for k, v in s.items()}
+                i: {
+                    _SHARDED_NAMES.get(k, k): self.shards.wrap(i, v) if torch.is_tensor(v) else v
+                    for k, v in s.items()
+                }
                 for i, s in state["state"].items()
             }
         state["onebit"] = {
@@ -1174,8 +1179,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         try:
             for i, saved in state_dict["state"].items():
                 for key, buffer in self.state[index[i]].items():
-                    if key not in saved or buffer.shape != local_tensor(saved[key]).shape:
-                        got = tuple(saved[key].shape) if key in saved else "nothing"
+                    name = _saved_name(saved, key)
+                    if name not in saved or buffer.shape != local_tensor(saved[name]).shape:
+                        got = tuple(saved[name].shape) if name in saved else "nothing"
                         raise ValueError(
                             f"state {key!r} of parameter {i}: saved {got}, "
                             f"expected {tuple(buffer.shape)}"
@@ -1185,7 +1191,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise
         for i, saved in state_dict["state"].items():
             for key, buffer in self.state[index[i]].items():
-                buffer.copy_(local_tensor(saved[key]))
+                buffer.copy_(local_tensor(saved[_saved_name(saved, key)]))
         for saved, g in zip(groups, self.param_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         extra = dict(saved_onebit)
@@ -1223,6 +1229,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
             extra.pop(key, None)
         self._load_extra_state(extra)
+
+
+_SHARDED_NAMES = {"frozen_denom": "exp_avg_sq"}
+"""The state a sharded optimizer's :meth:`~CompressedOptimizer.state_dict` names as in the
+warmup. Loaders of ``torch.distributed.checkpoint`` take the names to load from the optimizer
+as it is, often fresh; with the same names on both sides of the freeze, what they load reaches
+:meth:`~CompressedOptimizer.load_state_dict`, which says what is missing, instead of failing
+in the checkpoint's reader on a name."""
+
+
+def _saved_name(saved: dict[str, Any], key: str) -> str:
+    """The name the state ``key`` has in ``saved``, a parameter's state in a state dict."""
+    return key if key in saved else _SHARDED_NAMES.get(key, key)
 
 
 def _parts(numels: list[int], limit: int) -> Iterator[slice]:

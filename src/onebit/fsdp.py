@@ -124,10 +124,10 @@ def resuming(
     ``optimizer``, and the state :func:`write_rank_state` saved there comes with it.
 
     Frameworks load the per-parameter state with ``torch.distributed.checkpoint`` into a
-    template taken from the optimizer as it is, whose state names change at the freeze, then
-    hand the optimizer a state dict without onebit's part. So first the optimizer takes the
-    names and the part it was saved with; within the block, a ``load_state_dict`` given no
-    ``"onebit"`` part takes the saved one.
+    template taken from the optimizer as it is (before the freeze it lacks state that some
+    optimizers add at the freeze), then hand the optimizer a state dict without onebit's part.
+    So first the optimizer takes the state and the part it was saved with; within the block, a
+    ``load_state_dict`` given no ``"onebit"`` part takes the saved one.
 
     Raises:
         ValueError: if this rank's file is missing (``saver`` says what writes it), or the

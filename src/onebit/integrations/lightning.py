@@ -129,10 +129,8 @@ def _hybrid_shard(strategy: ModelParallelStrategy, optimizer: CompressedOptimize
     except ValueError as err:
         raise ValueError(f"{err}; with ModelParallelStrategy, {_RECIPE}") from None
     mesh = strategy.device_mesh
-    if (
-        optimizer.shards.mesh != mesh["tensor_parallel"]
-        or optimizer.world_size * (optimizer.shards.size) != strategy.world_size
-    ):
+    replicas = optimizer.world_size
+    if optimizer.shards.mesh != mesh["tensor_parallel"] or replicas != mesh["data_parallel"].size():
         raise ValueError(
             "the optimizer averages over another group than the strategy's data_parallel "
             f"dimension: {_RECIPE}"
@@ -183,6 +181,6 @@ class _ShardedCheckpoints:
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.strategy.broadcast(checkpoint_path))
         saver = "trainer.save_checkpoint with OnebitCallback and ModelParallelStrategy"
-        fix = "resume on as many ranks, in the same data_parallel x tensor_parallel mesh"
+        fix = "save with onebit.fsdp.save and load with onebit.fsdp.load(..., reshard=True)"
         with resuming(self.optimizer, path, saver, fix):
             return self._load(checkpoint_path, weights_only)
