@@ -99,6 +99,7 @@ def _refusals(rank: int, world_size: int, out: str) -> dict[str, str]:
     errors = {}
     for name, kwargs in [
         ("clip", {"clip": False}),
+        ("fsdp", {"fsdp": True, "fsdp_config": {"version": 2}}),
         ("best", {"load_best_model_at_end": True, "eval_strategy": "steps"}),
         ("resume", {"resume": out}),
     ]:
@@ -115,4 +116,5 @@ def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
     for errors in run_ranks(_refusals, 4, str(out), timeout=400):
         assert "pass max_grad_norm=1.0 to it" in errors["clip"]
         assert "load_best_model_at_end=True is not supported" in errors["best"]
+        assert "leave fsdp out, shard_hsdp shards the model" in errors["fsdp"]
         assert "onebit is missing: resume_from_checkpoint needs" in errors["resume"]

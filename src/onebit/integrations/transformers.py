@@ -129,11 +129,18 @@ def shard_hsdp(
     ``fully_shard``. It sets up ``torch.distributed`` first, as Trainer would.
 
     Raises:
-        ValueError: outside ``torch.distributed``, or if ``shards`` does not divide the world.
+        ValueError: with ``fsdp`` in ``args``, outside ``torch.distributed``, or if ``shards``
+            does not divide the world.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if args.fsdp:
+        raise ValueError(
+            f"TrainingArguments(fsdp={args.fsdp!r}) would make Trainer shard the model again, "
+            "on a mesh where FSDP2 averages across nodes in fp32: leave fsdp out, shard_hsdp "
+            "shards the model"
+        )
     device = args.device  # initialises the process group under torchrun
     if not dist.is_initialized():
         raise ValueError("shard_hsdp needs torch.distributed: launch with torchrun")
