@@ -130,6 +130,24 @@ def check_an_inf_on_one_rank_skips_everywhere(run: Callable, out: str) -> None:
     assert_skipped_on_every_rank(*zip(*results))
 
 
+def assert_hybrid_shards_trained(runs: list[dict]) -> None:
+    """4 ranks as 2 replicas x 2 shards (ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1):
+    every rank read its own batches, and each shard's replicas stayed bitwise one model."""
+    seen = [torch.cat(run["batches"]) for run in runs]
+    assert all(not torch.equal(seen[i], seen[j]) for i in range(4) for j in range(i))
+    assert [run["shard"] for run in runs] == [0, 1, 0, 1]
+    assert all_equal(runs[0]["params"], runs[2]["params"])
+    assert all_equal(runs[1]["params"], runs[3]["params"])
+
+
+def assert_resumed_from(runs: list[dict], resumed: list[dict], saved_at: int) -> None:
+    """Each rank's run resumed after step ``saved_at`` read the batches the whole run read from
+    there and ended bitwise where it ended."""
+    for run, again in zip(runs, resumed):
+        assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][saved_at:]))
+        assert all_equal(run["params"], again["params"])
+
+
 def accelerate_hsdp_on_cpu(replicas: int, shards: int, state_dict_type: str | None = None) -> Any:
     """An ``Accelerator`` set up as ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
     fsdp_version=2), parallelism_config=ParallelismConfig(dp_replicate_size=replicas,

@@ -75,18 +75,22 @@ def test_example_trains_on_two_ranks_and_sends_fewer_bytes(name, framework, tmp_
     assert f"optimizer state on {'cuda:0' if gpus >= 2 else 'cpu'}" in output
 
 
-def test_fsdp_example_shards_inside_nodes_and_sends_one_bit_between(tmp_path):
-    """``examples/fsdp_hsdp.py`` on 4 ranks, 2 emulated nodes of 2: trains, sends 1 bit per
-    element between nodes after the warmup, and checkpoints through torch.distributed.checkpoint."""
-    pytest.importorskip("transformers")
-    output = torchrun(
-        EXAMPLES / "fsdp_hsdp.py", "--out", str(tmp_path), log=tmp_path / "output.txt", ranks=4
-    )
+def _trains_hsdp_on_four_ranks(script: str, out: Path, tmp_path: Path) -> None:
+    """Run an FSDP2 hybrid-sharding example on 4 ranks (2 emulated nodes of 2) with ``--out``:
+    it learns, and sends 1 bit per element between nodes after the warmup."""
+    output = torchrun(EXAMPLES / script, "--out", str(out), log=tmp_path / "output.txt", ranks=4)
     report = REPORT.search(output)
     assert report, output[-4000:]
     loss = float(report["loss"])
     assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
     assert int(report["per_step"]) >= 20
+
+
+def test_fsdp_example_shards_inside_nodes_and_sends_one_bit_between(tmp_path):
+    """``examples/fsdp_hsdp.py`` on 4 ranks, 2 emulated nodes of 2: trains, sends 1 bit per
+    element between nodes after the warmup, and checkpoints through torch.distributed.checkpoint."""
+    pytest.importorskip("transformers")
+    _trains_hsdp_on_four_ranks("fsdp_hsdp.py", tmp_path, tmp_path)
     assert (tmp_path / "step-100" / ".metadata").is_file()
 
 
@@ -97,14 +101,7 @@ def test_accelerate_hsdp_example_shards_inside_nodes_and_saves_every_rank(tmp_pa
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     out = tmp_path / "checkpoint"
-    output = torchrun(
-        EXAMPLES / "accelerate_hsdp.py", "--out", str(out), log=tmp_path / "output.txt", ranks=4
-    )
-    report = REPORT.search(output)
-    assert report, output[-4000:]
-    loss = float(report["loss"])
-    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
-    assert int(report["per_step"]) >= 20
+    _trains_hsdp_on_four_ranks("accelerate_hsdp.py", out, tmp_path)
     assert sorted(p.name for p in (out / "onebit").iterdir()) == [f"rank_{r}.pt" for r in range(4)]
 
 
@@ -115,14 +112,7 @@ def test_lightning_hsdp_example_shards_inside_nodes_and_saves_every_rank(tmp_pat
     pytest.importorskip("transformers")
     pytest.importorskip("lightning")
     out = tmp_path / "checkpoint"
-    output = torchrun(
-        EXAMPLES / "lightning_hsdp.py", "--out", str(out), log=tmp_path / "output.txt", ranks=4
-    )
-    report = REPORT.search(output)
-    assert report, output[-4000:]
-    loss = float(report["loss"])
-    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
-    assert int(report["per_step"]) >= 20
+    _trains_hsdp_on_four_ranks("lightning_hsdp.py", out, tmp_path)
     assert sorted(p.name for p in (out / "onebit").iterdir()) == [f"rank_{r}.pt" for r in range(4)]
 
 
@@ -131,15 +121,7 @@ def test_hf_trainer_hsdp_example_shards_inside_nodes_and_checkpoints_every_rank(
     per element between nodes after the warmup, and Trainer's checkpoint holds every rank's
     state."""
     pytest.importorskip("transformers")
-    output = torchrun(
-        EXAMPLES / "hf_trainer_hsdp.py", "--out", str(tmp_path), log=tmp_path / "output.txt",
-        ranks=4,
-    )  # fmt: skip
-    report = REPORT.search(output)
-    assert report, output[-4000:]
-    loss = float(report["loss"])
-    assert math.isfinite(loss) and loss < math.log(256) - 1.5, output[-4000:]
-    assert int(report["per_step"]) >= 20
+    _trains_hsdp_on_four_ranks("hf_trainer_hsdp.py", tmp_path, tmp_path)
     assert (tmp_path / "checkpoint-100" / "onebit" / ".metadata").is_file()
 
 

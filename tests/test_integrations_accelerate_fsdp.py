@@ -24,6 +24,8 @@ from frameworks import (  # noqa: E402
     FREEZE,
     Probe,
     accelerate_hsdp_on_cpu,
+    assert_hybrid_shards_trained,
+    assert_resumed_from,
     launched_as,
     text_windows,
 )
@@ -101,13 +103,7 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
     for run in runs:
         assert run["frozen"] and not all_equal(run["first"], run["params"])
         assert run["stats"].steps["compression"] == STEPS - FREEZE
-    # every rank its own batches
-    seen = [torch.cat(run["batches"]) for run in runs]
-    assert all(not torch.equal(seen[i], seen[j]) for i in range(4) for j in range(i))
-    # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1: the replicas stay one model
-    assert [run["shard"] for run in runs] == [0, 1, 0, 1]
-    assert all_equal(runs[0]["params"], runs[2]["params"])
-    assert all_equal(runs[1]["params"], runs[3]["params"])
+    assert_hybrid_shards_trained(runs)
     assert any(p.numel() == 0 for p in runs[1]["params"])  # Probe's empty shards
     if how != "onebit.fsdp":  # Accelerate's FSDP2 checkpoint, with each rank's part beside it
         saved = {path.name for path in Path(out).iterdir()}
@@ -117,9 +113,7 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
             f"rank_{rank}.pt" for rank in range(4)
         ]
     resumed = run_ranks(_train, 4, out, how, True, timeout=300)
-    for run, again in zip(runs, resumed):
-        assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][SAVE_AT:]))
-        assert all_equal(run["params"], again["params"])
+    assert_resumed_from(runs, resumed, SAVE_AT)
 
 
 def _refusals(rank: int, world_size: int, out: str) -> dict:

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402
-from family import all_equal  # noqa: E402
-from frameworks import FREEZE, Probe, launched_as, text_windows  # noqa: E402
+from frameworks import (  # noqa: E402
+    FREEZE,
+    Probe,
+    assert_hybrid_shards_trained,
+    assert_resumed_from,
+    launched_as,
+    text_windows,
+)
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 2  # 32 windows over 4 ranks
 
@@ -92,20 +98,13 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
     for run in runs:
         assert run["frozen"] and len(run["batches"]) == steps
         assert run["stats"].steps["compression"] == steps - FREEZE
-    seen = [torch.cat(run["batches"]) for run in runs]
-    assert all(not torch.equal(seen[i], seen[j]) for i in range(4) for j in range(i))
-    # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1: the replicas stay one model
-    assert [run["shard"] for run in runs] == [0, 1, 0, 1]
-    assert all_equal(runs[0]["params"], runs[2]["params"])
-    assert all_equal(runs[1]["params"], runs[3]["params"])
+    assert_hybrid_shards_trained(runs)
     assert any(p.numel() == 0 for p in runs[1]["params"])  # Probe's empty shards
     saved = Path(out) / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
     assert sorted(p.name for p in (saved / "onebit").iterdir()) == [
         f"rank_{rank}.pt" for rank in range(4)
     ]
-    for run, again in zip(runs, resumed):
-        assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][STEPS_PER_EPOCH:]))
-        assert all_equal(run["params"], again["params"])
+    assert_resumed_from(runs, resumed, STEPS_PER_EPOCH)
 
 
 def _refusals(rank: int, world_size: int, out: str) -> dict[str, str]:

@@ -16,7 +16,14 @@ pytestmark = pytest.mark.slow
 import torch  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 from family import all_equal  # noqa: E402
-from frameworks import FREEZE, launched_as, text_windows, tiny_gpt2  # noqa: E402
+from frameworks import (  # noqa: E402
+    FREEZE,
+    assert_hybrid_shards_trained,
+    assert_resumed_from,
+    launched_as,
+    text_windows,
+    tiny_gpt2,
+)
 
 STEPS, SAVE_AT, BATCH = 8, 5, 2  # 64 windows over 4 ranks: one epoch
 
@@ -74,19 +81,12 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
     for run in runs:
         assert run["frozen"] and len(run["batches"]) == STEPS
         assert run["stats"].steps["compression"] == STEPS - FREEZE
-    seen = [torch.cat(run["batches"]) for run in runs]
-    assert all(not torch.equal(seen[i], seen[j]) for i in range(4) for j in range(i))
-    # ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1: the replicas stay one model
-    assert [run["shard"] for run in runs] == [0, 1, 0, 1]
-    assert all_equal(runs[0]["params"], runs[2]["params"])
-    assert all_equal(runs[1]["params"], runs[3]["params"])
+    assert_hybrid_shards_trained(runs)
     assert not all_equal(runs[0]["params"], runs[1]["params"])
     saved = Path(out) / f"checkpoint-{SAVE_AT}"
     assert {"model.safetensors", "onebit", "scheduler.pt"} <= {p.name for p in saved.iterdir()}
     assert (saved / "onebit" / ".metadata").is_file()
-    for run, again in zip(runs, resumed):
-        assert torch.equal(torch.cat(again["batches"]), torch.cat(run["batches"][SAVE_AT:]))
-        assert all_equal(run["params"], again["params"])
+    assert_resumed_from(runs, resumed, SAVE_AT)
 
 
 def _refusals(rank: int, world_size: int, out: str) -> dict[str, str]:
