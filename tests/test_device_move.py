@@ -124,6 +124,7 @@ def _train_on_cuda(name: str, settings: dict, build_first: bool, cpu_step: int =
     opt.zero_grad()
     opt.step()  # the state follows the parameters at every step
     on_cuda = all(t.is_cuda for s in opt.state.values() for t in s.values())
+    on_cuda = on_cuda and opt.backend == "triton"
     return trace, opt.state_dict()["state"], on_cuda
 
 

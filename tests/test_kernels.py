@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -349,6 +350,29 @@ def test_triton_that_cannot_be_imported_leaves_the_cpu_as_it_was(monkeypatch):
     assert kernels.for_tensors(torch.zeros(8, device="meta")).name == "torch"
 
 
+@pytest.mark.parametrize("why", ["not importable", "interpreted"])
+def test_auto_on_cuda_says_once_why_triton_cannot_run(monkeypatch, why):
+    """Where Triton cannot run on CUDA, ``auto`` takes the torch reference, far slower, and
+    warns once with the reason instead of doing it silently."""
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setenv(kernels.ENV, "auto")
+    if why == "not importable":
+        monkeypatch.setattr(kernels, "_TRITON", None)
+        monkeypatch.setitem(sys.modules, "onebit.kernels.triton_kernels", None)
+        reason = "Triton cannot be imported"
+    else:
+        triton_kernels = pytest.importorskip("onebit.kernels.triton_kernels")
+        monkeypatch.setattr(triton_kernels, "INTERPRETED", True)
+        monkeypatch.setattr(kernels, "_TRITON", triton_kernels.TritonKernels())
+        reason = "TRITON_INTERPRET=1 is set"
+    cuda, said = torch.device("cuda"), f"the triton kernels cannot run on cuda here .{reason}"
+    with pytest.warns(RuntimeWarning, match=said):
+        assert kernels.for_device(cuda).name == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.for_device(cuda).name == "torch"
+
+
 def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):
     from onebit import _native
 
@@ -359,7 +383,9 @@ def test_a_backend_that_is_not_built_names_onebit_backend(monkeypatch):
     with pytest.raises(ValueError, match="ONEBIT_BACKEND=c cannot run here: the C kernels"):
         compress.compress_(torch.zeros(8), torch.zeros(8))
     monkeypatch.setenv(kernels.ENV, "auto")
-    assert kernels.for_tensors(torch.zeros(8)).name == "numpy"
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="the c kernels cannot run on cpu here .the C kernels"):
+        assert kernels.for_tensors(torch.zeros(8)).name == "numpy"
 
 
 def test_triton_binds_every_launched_kernels_arguments_as_passed(monkeypatch):

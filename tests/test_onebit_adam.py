@@ -232,3 +232,12 @@ def test_no_process_group_needed():
     PROBLEM.set_grads(params, 2, 0)
     opt.step()
     assert opt.stage == "compression"
+
+
+def test_backend_names_the_kernels_its_steps_run(monkeypatch):
+    """``backend`` is the backend of the parameters' device, as ``ONEBIT_BACKEND`` sets it."""
+    cpu = onebit.kernels.for_device(torch.device("cpu")).name
+    assert onebit.OnebitAdam(PROBLEM.params(), freeze_step=1).backend == cpu
+    monkeypatch.setenv(onebit.kernels.ENV, "torch")
+    opt = onebit.OnebitAdam(PROBLEM.params(), freeze_step=1)
+    assert opt.backend == "torch" and opt._packed_stage() is None  # the reference packs nothing

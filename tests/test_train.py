@@ -12,6 +12,7 @@ import pytest
 import torch
 from train_cli import TINY, clean_env, onebit_train, read_metrics, without_timing
 
+import onebit
 from onebit.train import cli, optim
 from onebit.train.data import prepare, source_files, stdlib_path, windows
 from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer, build_model
@@ -31,6 +32,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path
         "--out", out, "--cache-dir", data_cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    (out / "stdout.txt").write_text(result.stdout)
     return out
 
 
@@ -72,6 +74,19 @@ def test_zero_one_adam_checkpoint_holds_diverged_replicas(compared: Path) -> Non
     assert not torch.equal(models[0]["wte.weight"], models[1]["wte.weight"]), (
         "step 5 is a local step: the replicas differ, so resuming must restore each one"
     )
+
+
+def test_a_run_says_which_kernels_its_optimizer_runs(compared: Path) -> None:
+    printed = (compared / "stdout.txt").read_text()
+    cpu = onebit.kernels.for_device(torch.device("cpu")).name
+    for label in COMPARE:
+        backend = json.loads((compared / label / "summary.json").read_text())["kernels"]
+        if label == "adamw":  # torch's own
+            assert backend is None
+        else:
+            assert backend == cpu, label
+            assert f"{label}: Onebit" in printed or f"{label}: ZeroOne" in printed, label
+    assert f"on cpu, {cpu} kernels" in printed
 
 
 def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
@@ -292,7 +307,8 @@ def test_trains_on_cuda(tmp_path: Path, data_cache: Path, amp: str | None) -> No
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["device"] == "cuda:0"
+    assert summary["device"] == "cuda:0" and summary["kernels"] == "triton"
+    assert "OnebitAdam on cuda, triton kernels" in result.stdout
     assert all(torch.isfinite(torch.tensor(r["loss/train"])) for r in read_metrics(run))
 
 

@@ -174,6 +174,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     then AdamW's or LAMB's update).
 
     Attributes:
+        backend: the kernels its steps run on the parameters' device (``"triton"`` on CUDA,
+            ``"c"`` on the CPU; ``"numpy"`` or ``"torch"`` where those cannot run, with a
+            warning; see :mod:`onebit.kernels`).
         bucketer: the :class:`~onebit.bucketer.Bucketer` of the gradient buckets.
         flat: the :class:`~onebit.flat_state.FlatState` that shows the flat buffers per
             parameter in ``state``.
@@ -254,6 +257,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Make the communicators, the flat state and the masks on :attr:`device` (the
         subclass's buffers are :meth:`_allocate_state`'s)."""
         device, group = self.device, self.process_group
+        self.backend = kernels.for_device(device).name
         buckets = list(enumerate(self.layout.buckets))
         self.comms = [
             CompressedAllreduce(

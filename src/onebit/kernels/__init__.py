@@ -14,8 +14,11 @@ Backends (``ONEBIT_BACKEND`` names them):
   first use only: a CPU install needs no Triton.
 
 :func:`for_tensors` decides which runs, for a set of tensors: the C kernels on the CPU (else
-numpy, else torch), Triton on CUDA (else torch), the torch reference elsewhere.
-``ONEBIT_BACKEND=auto|torch|c|numpy|triton`` forces one; an unknown value, or a backend that
+numpy, else torch), Triton on CUDA (else torch), the torch reference elsewhere. Where ``auto``
+cannot take the fast backend of a device (Triton not installed, or ``TRITON_INTERPRET=1`` left
+set, on CUDA; the C kernels not built, on the CPU), it warns once with the reason and takes
+the next: a slower path is never taken silently. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton``
+forces one; an unknown value, or a backend that
 cannot run on the tensors' device or on this machine, raises a ``ValueError`` that names
 ``ONEBIT_BACKEND`` (the optimizers check it when they are built and when their state moves, so
 that every rank raises it together).
@@ -30,6 +33,7 @@ kernel by device: callers use the backend it returns and do not know which one i
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -91,14 +95,44 @@ def for_device(device: torch.device) -> TorchKernels:
     name = requested()
     if name == "auto":
         faster = (_C, _NUMPY) if device == _CPU else (_triton(),) if device.type == "cuda" else ()
-        return next((k for k in faster if k.unavailable() is None and k.runs_on(device)), _TORCH)
+        for kernels in faster:
+            problem = _problem(kernels, device)
+            if problem is None:
+                return kernels
+            _warn_once(kernels.name, device.type, problem)
+        return _TORCH
     kernels = _by_name(name)
-    problem = kernels.unavailable()
-    if problem is None and not kernels.runs_on(device):
-        problem = f"it does not take tensors on {device}"
+    problem = _problem(kernels, device)
     if problem is not None:
         raise ValueError(f"{ENV}={name} cannot run here: {problem}")
     return kernels
+
+
+def _problem(kernels: TorchKernels, device: torch.device) -> str | None:
+    """Why ``kernels`` cannot run on tensors on ``device``, or ``None``."""
+    problem = kernels.unavailable()
+    if problem is None and not kernels.runs_on(device):
+        problem = f"it does not take tensors on {device}"
+        if kernels.name == "triton" and device.type == "cuda":
+            problem = "TRITON_INTERPRET=1 is set, which runs Triton's kernels on the CPU only"
+    return problem
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(name: str, device_type: str, problem: str) -> None:
+    """Say, once per process, that ``auto`` passed over backend ``name`` on ``device_type``."""
+    if (name, device_type) in _WARNED:
+        return
+    _WARNED.add((name, device_type))
+    warnings.warn(
+        f"onebit: the {name} kernels cannot run on {device_type} here ({problem}), so onebit "
+        f"takes a slower backend. Fix that, or set {ENV} to the backend you want to silence "
+        "this warning",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def for_tensors(*tensors: Tensor) -> TorchKernels:

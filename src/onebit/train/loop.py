@@ -200,6 +200,9 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         mesh=mesh,
     )
     opt = trainer.optimizer
+    backend = getattr(opt, "backend", None)  # a onebit optimizer's kernels
+    if rank == 0 and backend is not None:
+        print(f"{config.label}: {type(opt).__name__} on {device.type}, {backend} kernels")
     kept: list[dict[str, Any]] = []
     if resume is not None:
         # After the optimizer's broadcast from rank 0: 0/1 Adam's replicas may differ.
@@ -406,6 +409,7 @@ def _summary(
         "warmup_compression": config.warmup_compression,
         "amp": config.amp,
         "grad_clip": config.grad_clip,
+        "kernels": getattr(trainer.optimizer, "backend", None),
         "skipped_steps": trainer.skipped_steps(),
         "final_val_loss": vals[-1],
         "best_val_loss": min(vals),
