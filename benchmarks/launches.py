@@ -21,6 +21,7 @@ import os
 import torch
 from step import VARIANTS, _gpt_shapes, _optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from onebit import kernels
 
@@ -30,17 +31,32 @@ _FREE = {"empty", "empty_strided", "empty_like", "alias", "detach", "lift_fresh"
 _IN_TRITON = [False]  # the interpreter's own torch ops (copies of the arguments) do not count
 
 
+_WRITE_ONLY = {"copy_", "fill_", "zero_"}
+
+
 class _Counting(TorchDispatchMode):
-    """Counts the torch ops that compute something (not views, not allocations)."""
+    """Counts the torch ops that compute something (not views, not allocations), and about the
+    bytes they move: each tensor argument read once, each output written once (an in-place op
+    reads and writes its first argument; ``copy_``, ``fill_`` and ``zero_`` only write it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (_IN_TRITON[0] or func.is_view or func.overloadpacket.__name__ in _FREE):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not (_IN_TRITON[0] or func.is_view or name in _FREE):
             self.ops += 1
-        return func(*args, **(kwargs or {}))
+            inputs = [t for t in tree_flatten((args, kwargs or {}))[0] if torch.is_tensor(t)]
+            outputs = [t for t in tree_flatten(out)[0] if torch.is_tensor(t)]
+            written = {id(t) for t in outputs}
+            read = [t for t in inputs if id(t) not in written]
+            if name.endswith("_") and name not in _WRITE_ONLY:
+                read += [t for t in inputs if id(t) in written]
+            self.bytes += sum(t.numel() * t.element_size() for t in read + outputs)
+        return out
 
 
 @contextlib.contextmanager

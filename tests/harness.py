@@ -179,6 +179,7 @@ COMMON_BAD_ARGUMENTS = (
     (dict(eps=-1e-8), "epsilon"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(bucket_size=0), "bucket_size"),
+    (dict(bucket_size=2**30 + 1), "bucket_size must be at most 2..30"),
 )
 
 # Stages in which a rank drops its own non-finite gradient instead of every rank skipping.

@@ -81,3 +81,28 @@ def test_gpu_check_reports_a_failed_part_and_writes_its_summary(tmp_path):
     refused = subprocess.run([sys.executable, "gpu_check.py", "--only", "nope"], cwd=BENCHMARKS,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "unknown part(s) nope" in refused.stderr
+
+
+def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkeypatch):
+    """Each Triton kernel variant the steps of ``step.py`` launch, compiled for sm_90 (Triton's
+    wheel ships ``ptxas``: no GPU is needed), uses at most 128 registers a thread and spills
+    nothing; and a step compiles the same variants at 1 bucket as at many (sizes that vary by
+    bucket do not specialize kernels)."""
+    if "triton" not in kernels.available():
+        pytest.skip("Triton cannot run here")
+    monkeypatch.setenv(kernels.ENV, "triton")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import registers
+
+    shapes = [(64, 96)] * 3 + [(96,)] * 3 + [(44,)]
+    results = [registers.record(size, shapes) for size in (1 << 22, 2056)]
+    variants, _ = registers.compile_recorded(results, sys.executable)
+    over = [v for v in variants.values() if v["registers"] > 128 or v["spill_stores"]]
+    assert not over and all(not v["spill_loads"] for v in variants.values()), over
+    one, many = (
+        {row["step"]: {launch["key"] for launch in row["first"] + row["measured"]}
+         for row in r["rows"]}
+        for r in results
+    )  # fmt: skip
+    assert len(results[1]["rows"][2]["measured"]) > len(results[0]["rows"][2]["measured"])
+    assert many == one

@@ -467,3 +467,9 @@ def test_cuda_takes_triton_and_its_bits_are_the_references(monkeypatch):
         ]
     )
     assert_same_bits(out, want_out)
+
+
+def test_triton_refuses_a_buffer_its_32_bit_offsets_cannot_index():
+    triton_kernels = pytest.importorskip("onebit.kernels.triton_kernels")
+    with pytest.raises(ValueError, match="fewer than 2..31 elements, got 2147483648"):
+        triton_kernels.Tiling(torch.tensor([0, 2**31]), torch.arange(1), 2**31, torch.device("cpu"))

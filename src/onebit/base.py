@@ -57,6 +57,9 @@ DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
 send fewer messages."""
 
+MAX_BUCKET_SIZE = 2**30
+"""The largest ``bucket_size`` (4 GiB of fp32): the GPU kernels index a bucket with 32 bits."""
+
 WARMUP_COMPRESSION = ("fp32", "bf16", "int8", "int4")
 """How the warmup averages gradients: ``"fp32"`` (default) is an fp32 allreduce, exactly DDP;
 the others go through :class:`~onebit.quantized.QuantizedAllreduce` with error feedback."""
@@ -323,6 +326,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _check_arguments(self, bucket_size: int, max_grad_norm: float | None) -> None:
         """Check the settings that do not depend on the parameters."""
         check_step_count("bucket_size", bucket_size)
+        if bucket_size > MAX_BUCKET_SIZE:
+            raise ValueError(f"bucket_size must be at most 2**30, got {bucket_size}")
         if self.scale_per not in SCALE_PER:
             raise ValueError(f"scale_per must be one of {SCALE_PER}, got {self.scale_per!r}")
         if self.warmup_compression not in WARMUP_COMPRESSION:

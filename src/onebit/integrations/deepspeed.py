@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..adam import OnebitAdam
-from ..base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
+from ..base import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE, CompressedOptimizer
 from ..comm import group_size_and_rank
 from ..lamb import OnebitLamb
 from ..zero_one_adam import ZeroOneAdam
@@ -536,8 +536,9 @@ def _param_groups(
 
 
 def _whole_model_bucket(groups: list[Any], process_group: dist.ProcessGroup | None) -> int:
-    """A ``bucket_size`` that holds every parameter in one bucket (DeepSpeed's 1-bit LAMB)."""
+    """A ``bucket_size`` that holds every parameter in one bucket (DeepSpeed's 1-bit LAMB), or
+    the largest there is (``MAX_BUCKET_SIZE``, 2**30 elements) for a model larger than that."""
     tensors = [p for g in groups for p in (g["params"] if isinstance(g, Mapping) else [g])]
     numel = sum(p.numel() for p in tensors if isinstance(p, torch.Tensor))
     quantum = 8 * group_size_and_rank(process_group)[0]
-    return max(DEFAULT_BUCKET_SIZE, math.ceil(numel / quantum) * quantum)
+    return min(MAX_BUCKET_SIZE, max(DEFAULT_BUCKET_SIZE, math.ceil(numel / quantum) * quantum))

@@ -45,34 +45,49 @@ reads it): the kernels then run on CPU tensors, in numpy."""
 
 class _Launched:
     """A Triton kernel that launches on its first tensor argument's device (Triton launches on
-    the current CUDA device, which need not be the tensors') and fuses no multiply-add into one
-    rounding, so that each op rounds as torch's kernels do."""
+    the current CUDA device, which need not be the tensors') with its :attr:`options`: its
+    number of warps, and no multiply-add fused into one rounding, so that each op rounds as
+    torch's kernels do."""
 
-    def __init__(self, kernel: triton.JITFunction) -> None:
+    def __init__(self, kernel: triton.JITFunction, num_warps: int) -> None:
         self.kernel = kernel
+        self.options = {"num_warps": num_warps, "enable_fp_fusion": False}
 
     def __getitem__(self, grid: tuple[int, ...]):
         def launch(*args, **kwargs):
             device = next(a.device for a in args if isinstance(a, Tensor))
             on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
             with on:
-                return self.kernel[grid](*args, **kwargs, enable_fp_fusion=False)
+                return self.kernel[grid](*args, **kwargs, **self.options)
 
         return launch
 
 
-def launched(kernel: triton.JITFunction) -> _Launched:
-    """Decorate a ``@triton.jit`` kernel launched from the host (see :class:`_Launched`)."""
-    return _Launched(kernel)
+def launched(num_warps: int = 4):
+    """Decorate a ``@triton.jit`` kernel launched from the host (see :class:`_Launched`), with
+    the warps that keep it within an H100's registers: at most 128 a thread and no spills, as
+    ``benchmarks/registers.py`` measures for sm_90. The threads of a block share its elements,
+    so more warps hold fewer elements each."""
+    return lambda kernel: _Launched(kernel, num_warps)
 
 
 @triton.jit
-def _piece_columns(offs, starts, ends, columns, p0, p1):
-    """Each element's scale column: that of the piece of ``[p0, p1)`` that holds it."""
-    column = tl.zeros(offs.shape, dtype=tl.int64)
+def _block(n, BLOCK: tl.constexpr):
+    """This program's block of ``[0, n)``: its first element (int64), its elements' offsets
+    from there (int32: a buffer holds fewer than 2**31 elements) and their validity."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    local = tl.arange(0, BLOCK)
+    return start, local, local < tl.minimum(n - start, BLOCK).to(tl.int32)
+
+
+@triton.jit
+def _piece_columns(local, start, starts, ends, columns, p0, p1):
+    """Each element's scale column (int32): that of the piece of ``[p0, p1)`` that holds it."""
+    column = tl.zeros(local.shape, dtype=tl.int32)
     for p in range(p0, p1):
-        inside = (offs >= tl.load(starts + p)) & (offs < tl.load(ends + p))
-        column = tl.where(inside, tl.load(columns + p), column)
+        lo = (tl.load(starts + p) - start).to(tl.int32)
+        hi = (tl.load(ends + p) - start).to(tl.int32)
+        column = tl.where((local >= lo) & (local < hi), tl.load(columns + p).to(tl.int32), column)
     return column
 
 
@@ -82,15 +97,20 @@ def _signed(bit, s):
 
 
 @triton.jit
-def _row_term(row, row_scales, offs, column, valid):
-    """``±scale`` of each element from one packed row and its scales (indexed by column)."""
-    byte = tl.load(row + offs // 8, mask=valid, other=0)
-    bit = ((byte >> (offs % 8).to(tl.uint8)) & 1) != 0
-    return _signed(bit, tl.load(row_scales + column, mask=valid, other=0.0))
+def _bit(byte, at):
+    """Bit ``at % 8`` of each ``byte``."""
+    return ((byte >> (at % 8).to(tl.uint8)) & 1) != 0
 
 
-@launched
 @triton.jit
+def _row_term(row, row_scales, start, local, column, valid):
+    """``±scale`` of each element from one packed row and its scales (indexed by column)."""
+    byte = tl.load(row + start // 8 + local // 8, mask=valid, other=0)
+    return _signed(_bit(byte, local), tl.load(row_scales + column, mask=valid, other=0.0))
+
+
+@launched(16)
+@triton.jit(do_not_specialize=["nx", "row_stride", "k", "scale_stride", "n"])
 def _y_pass(
     x, nx, error, y_out, rows, row_stride, k, row_scales, scale_stride, last,
     starts, ends, columns, first, signs, partials, scales, out, n,
@@ -102,76 +122,94 @@ def _y_pass(
     (the ``k`` packed ``rows`` with the pieces' scales), where ``e`` is the error or, with
     ``LAST``, the error ``e - ±last`` derived from a kept ``z``. Then, as asked: store ``y``,
     pack its signs, sum its squares (absolute values) per piece, or write ``y - ±scales``."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
+    start, local, valid = _block(n, BLOCK)
+    block = tl.program_id(0)
     p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    column = _piece_columns(offs, starts, ends, columns, p0, p1)
+    column = _piece_columns(local, start, starts, ends, columns, p0, p1)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_X:
-        y = tl.load(x + offs, mask=offs < nx, other=0.0).to(tl.float32)
+        in_x = local < tl.minimum(tl.maximum(nx - start, 0), BLOCK).to(tl.int32)
+        y = tl.load(x + start + local, mask=in_x, other=0.0).to(tl.float32)
     if AVERAGE:
-        y = _row_term(rows, row_scales, offs, column, valid)
+        y = _row_term(rows, row_scales, start, local, column, valid)
         for r in range(1, k):
-            y = y + _row_term(rows + r * row_stride, row_scales + r * scale_stride, offs, column,
-                              valid)  # fmt: skip
+            y = y + _row_term(rows + r * row_stride, row_scales + r * scale_stride, start, local,
+                              column, valid)  # fmt: skip
         if k != 1:
             y = tl.math.div_rn(y, tl.zeros_like(y) + k)
     if HAS_ERROR:
-        e = tl.load(error + offs, mask=valid, other=0.0)
+        e = tl.load(error + start + local, mask=valid, other=0.0)
         if LAST:
             e = e - _signed(e >= 0, tl.load(last + column, mask=valid, other=0.0))
         y = y + e
     if STORE_Y:
-        tl.store(y_out + offs, y, mask=valid)
-    _emit(y, offs, valid, block, p0, p1, starts, ends, column, signs, partials, scales, out, n,
+        tl.store(y_out + start + local, y, mask=valid)
+    _emit(y, start, local, valid, p0, p1, starts, ends, column, signs, partials, scales, out, n,
           BLOCK, SIGNS, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
 @triton.jit
 def _emit(
-    y, offs, valid, block, p0, p1, starts, ends, scale_index, signs, partials, scales, out, n,
+    y, start, local, valid, p0, p1, starts, ends, scale_index, signs, partials, scales, out, n,
     BLOCK: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr,
     COMMIT: tl.constexpr,
 ):  # fmt: skip
     """What a pass makes of its ``y``, as asked: the packed signs, the sums of squares (absolute
     values) per piece, and ``out = y - ±scales[scale_index]``."""
     if SIGNS:
-        weights = (tl.arange(0, BLOCK) % 8).to(tl.uint8)
+        weights = (local % 8).to(tl.uint8)
         bits = (y >= 0).to(tl.uint8) << weights
         packed = tl.sum(tl.reshape(bits, [BLOCK // 8, 8]), axis=1).to(tl.uint8)
-        bytes_ = block * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        tl.store(signs + bytes_, packed, mask=bytes_ < n // 8)
+        bytes_ = tl.arange(0, BLOCK // 8)
+        limit = tl.minimum(n // 8 - start // 8, BLOCK // 8).to(tl.int32)
+        tl.store(signs + start // 8 + bytes_, packed, mask=bytes_ < limit)
     if SUMS:
         term = tl.abs(y) if MEAN_ABS else y * y
         for p in range(p0, p1):
-            inside = (offs >= tl.load(starts + p)) & (offs < tl.load(ends + p))
-            tl.store(partials + p, tl.sum(tl.where(inside, term, 0.0)))
+            lo = (tl.load(starts + p) - start).to(tl.int32)
+            hi = (tl.load(ends + p) - start).to(tl.int32)
+            tl.store(partials + p, tl.sum(tl.where((local >= lo) & (local < hi), term, 0.0)))
     if COMMIT:
         s = tl.load(scales + scale_index, mask=valid, other=0.0)
-        tl.store(out + offs, y - _signed(y >= 0, s), mask=valid)
+        tl.store(out + start + local, y - _signed(y >= 0, s), mask=valid)
 
 
 @triton.jit
-def _packed_momentum(bits, stride, chunk, scales, column, offs, present):
-    """``±σ`` of each element from the packed momentum (rows of ``chunk`` elements)."""
-    row = offs // chunk
-    byte = tl.load(bits + row * stride + (offs - row * chunk) // 8, mask=present, other=0)
-    bit = ((byte >> (offs % 8).to(tl.uint8)) & 1) != 0
-    return _signed(bit, tl.load(scales + column, mask=present, other=0.0))
+def _rows(start, local, row_numel, BLOCK: tl.constexpr):
+    """Each element's row (int64) and place in it (int32), in rows of ``row_numel`` elements.
+    Where a row holds a block or more, a block spans at most two rows, found without a division
+    per element."""
+    row = start // row_numel
+    within = (start - row * row_numel).to(tl.int32) + local  # from the first row's start
+    if row_numel >= BLOCK:
+        wrap = within >= row_numel
+        return row + wrap.to(tl.int64), tl.where(wrap, within - row_numel.to(tl.int32), within)
+    step = within // row_numel.to(tl.int32)
+    return row + step.to(tl.int64), within - step * row_numel.to(tl.int32)
 
 
 @triton.jit
-def _read(bases, param, run_offsets, run_starts, run, offs, present):
-    """Each element of its run's tensor, at ``bases[param]`` (0: zeros) plus the run's offset."""
+def _packed_momentum(bits, stride, chunk, scales, column, start, local, present,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """``±σ`` of each element from the packed momentum (rows of ``chunk`` elements, a multiple
+    of 8)."""
+    row, at = _rows(start, local, chunk, BLOCK)
+    byte = tl.load(bits + row * stride + at // 8, mask=present, other=0)
+    return _signed(_bit(byte, local), tl.load(scales + column, mask=present, other=0.0))
+
+
+@triton.jit
+def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present):
+    """Each element's address in its run's tensor (``bases[param]`` plus the run's offset), and
+    whether it has one (a base of 0 is a tensor without data: zeros)."""
     base = tl.load(bases + param, mask=present, other=0)
-    start = base + tl.load(run_offsets + run, mask=present, other=0)
-    at = start.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
-    return tl.load(at, mask=present & (base != 0), other=0.0)
+    first = base + tl.load(run_offsets + run, mask=present, other=0)
+    into = (start - tl.load(run_starts + run, mask=present, other=0)).to(tl.int32) + local
+    return first.to(tl.pointer_type(tl.float32)) + into, present & (base != 0)
 
 
-@launched
-@triton.jit
+@launched(16)
+@triton.jit(do_not_specialize=["stride", "chunk", "n"])
 def _momentum_pass(
     grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
@@ -184,22 +222,24 @@ def _momentum_pass(
     ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
     ``w - 1`` where ``SMALL`` is false), then :func:`_emit`. Pieces are runs' parts: each run has
     its parameter (its gradient's address is ``grads[param]``, 0: zeros; its factor
-    ``post[param]``), momentum column (< 0: padding, ``y = e``) and segment."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
+    ``post[param]``), momentum column (< 0: padding, ``y = e``) and segment. A bucket's length
+    ``n`` is a multiple of 8."""
+    start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
+    block = tl.program_id(0)
     p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    run = _piece_columns(offs, starts, ends, columns, p0, p1)
-    column = tl.load(run_columns + run, mask=valid, other=-1)
+    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
     present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0)
-    g = _read(grads, param, run_offsets, run_starts, run, offs, present)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
+    g = tl.load(at, mask=readable, other=0.0)
     if USE_INV:
         g = g * inv
     if DENSE:
-        m = tl.load(dense + offs, mask=valid, other=0.0)
+        m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:
-        m = _packed_momentum(bits, stride, chunk, momentum_scales, column, offs, present)
+        m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
+                             BLOCK)  # fmt: skip
     if SMALL:
         y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
     else:
@@ -208,43 +248,41 @@ def _momentum_pass(
         y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
     if HAS_ERROR:
-        y = y + tl.load(error + offs, mask=valid, other=0.0)
-    segment = tl.load(run_segments + run, mask=valid, other=0)
-    _emit(y, offs, valid, block, p0, p1, starts, ends, segment, signs, partials, scales, out, n,
+        y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    segment = tl.load(run_segments + run, mask=valid, other=0).to(tl.int32)
+    _emit(y, start, local, valid, p0, p1, starts, ends, segment, signs, partials, scales, out, n,
           BLOCK, SIGNS, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
-@launched
-@triton.jit
+@launched(16)
+@triton.jit(do_not_specialize=["stride", "chunk", "n"])
 def _momentum_update(
     bases, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter, as ``torch._foreach_mul_`` and
-    ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1)."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    run = _piece_columns(offs, starts, ends, columns, tl.load(first + block),
+    ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1). A bucket's
+    length ``n`` is a multiple of 8."""
+    start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
+    block = tl.program_id(0)
+    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
                          tl.load(first + block + 1))  # fmt: skip
-    column = tl.load(run_columns + run, mask=valid, other=-1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
     present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0)
-    base = tl.load(bases + param, mask=present, other=0)
-    present = present & (base != 0)
-    start = base + tl.load(run_offsets + run, mask=present, other=0)
-    at = start.to(tl.pointer_type(tl.float32)) + (offs - tl.load(run_starts + run))
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
     p = tl.load(at, mask=present, other=0.0)
     d = tl.load(decay + param, mask=present, other=1.0)
     p = tl.where(d != 1.0, p * d, p)
-    m = _packed_momentum(bits, stride, chunk, momentum_scales, column, offs, present)
+    m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
+                         BLOCK)  # fmt: skip
     v = tl.load(value + param, mask=present, other=0.0)
-    u = tl.math.div_rn(v * m, tl.load(denominator + offs, mask=present, other=1.0))
+    u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
 
 
-@launched
+@launched()
 @triton.jit
 def _segment_scales(
     partials, first, lengths, scales, CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr
@@ -266,24 +304,22 @@ def _segment_scales(
     tl.store(scales + q, tl.where(length > 0, value, 0.0).to(tl.float32))
 
 
-@launched
-@triton.jit
+@launched(8)
+@triton.jit(do_not_specialize=["row_stride", "row_numel", "scale_stride", "n"])
 def _decompress(
     rows, row_stride, row_numel, row_scales, scale_stride, starts, ends, columns, first, out, n,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """``out[i] = ±scale`` of its row's piece, from packed rows of ``row_numel`` elements."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    column = _piece_columns(offs, starts, ends, columns, tl.load(first + block),
+    """``out[i] = ±scale`` of its row's piece, from packed rows of ``row_numel`` elements (a
+    multiple of 8)."""
+    start, local, valid = _block(n, BLOCK)
+    block = tl.program_id(0)
+    column = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
                             tl.load(first + block + 1))  # fmt: skip
-    row = offs // row_numel
-    at = offs - row * row_numel
+    row, at = _rows(start, local, row_numel, BLOCK)
     byte = tl.load(rows + row * row_stride + at // 8, mask=valid, other=0)
-    bit = ((byte >> (at % 8).to(tl.uint8)) & 1) != 0
     s = tl.load(row_scales + row * scale_stride + column, mask=valid, other=0.0)
-    tl.store(out + offs, _signed(bit, s), mask=valid)
+    tl.store(out + start + local, _signed(_bit(byte, local), s), mask=valid)
 
 
 class Tiling:
@@ -310,6 +346,11 @@ class Tiling:
         device: torch.device,
         segments: Tensor | None = None,
     ) -> None:
+        if numel >= 2**31:
+            raise ValueError(
+                f"the Triton kernels take buffers of fewer than 2**31 elements, got {numel}: "
+                "split it (an optimizer's bucket_size)"
+            )
         edges = edges.to(torch.int64).clamp(max=numel)
         self.blocks = -(-numel // BLOCK)
         cuts = torch.cat([edges, torch.arange(0, numel, BLOCK), torch.tensor([numel])]).unique()
@@ -321,7 +362,7 @@ class Tiling:
         self.count = int(segments.max()) + 1 if len(segments) else 0
         lengths = torch.zeros(self.count, dtype=torch.int64).index_add_(0, segments, edges.diff())
         piece_segments = segments[interval]
-        on = dict(device=device)
+        on = dict(device=device, copy=True)  # tables of their own, aligned as allocations are
         self.starts, self.ends = starts.to(**on), ends.to(**on)
         self.columns = columns.to(torch.int64)[interval].to(**on)
         self.first = torch.searchsorted(starts, torch.arange(self.blocks + 1) * BLOCK).to(**on)
@@ -364,10 +405,11 @@ class _RunTables:
         self.numel = int(edges[-1])
         self.tiling = Tiling(edges, torch.arange(len(table)), self.numel, device, table[:, 2])
         self.starts, self.segments, self.columns = (
-            table[:, i].contiguous().to(device) for i in (0, 2, 3)
+            table[:, i].to(device, copy=True, memory_format=torch.contiguous_format)
+            for i in (0, 2, 3)
         )
         self.params = runs.run_params.clamp(min=0).to(device)
-        self.offsets = runs.run_offsets.to(device)  # bytes
+        self.offsets = runs.run_offsets.to(device, copy=True)  # bytes
 
 
 def _whole(numel: int) -> Tensor:

@@ -109,8 +109,8 @@ def _elements(starts, ends, columns, first, piece_starts, piece_blocks, block_sc
     return offs, valid, j, local, tl.load(block_scales + g, mask=valid, other=0)
 
 
-@launched
-@triton.jit
+@launched()
+@triton.jit(do_not_specialize=["numel"])
 def _worker_blocks(
     source, numel, buffer, error, block_starts, block_lengths, block_rows, block_scales,
     absmax, f32, QMAX, SPAN: tl.constexpr, HAS_SOURCE: tl.constexpr, SCALES: tl.constexpr,
@@ -137,8 +137,8 @@ def _worker_blocks(
                  tl.math.div_rn(top_max, QMAX))  # fmt: skip
 
 
-@launched
-@triton.jit
+@launched(16)
+@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
 def _worker_quantize(
     buffer, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
     piece_blocks, block_scales, block_size, chunk, n, QMAX, BLOCK: tl.constexpr,
@@ -154,8 +154,8 @@ def _worker_quantize(
     _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK, BITS)
 
 
-@launched
-@triton.jit
+@launched(16)
+@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
 def _worker_errors(
     buffer, error, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
     piece_blocks, block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
@@ -169,8 +169,8 @@ def _worker_errors(
     tl.store(error + offs, y - sent, mask=valid)
 
 
-@launched
-@triton.jit
+@launched()
+@triton.jit(do_not_specialize=["row_bytes"])
 def _server_blocks(
     i8, u8, i16, f32, row_bytes, ranks, block_starts, block_lengths, block_scales, chunk_start,
     server_error, z, scales, absmax, out_f32, QMAX, SPAN: tl.constexpr, BITS: tl.constexpr,
@@ -204,8 +204,8 @@ def _server_blocks(
         tl.store(out_f32 + scale_at, s)
 
 
-@launched
-@triton.jit
+@launched(16)
+@triton.jit(do_not_specialize=["chunk", "chunk_start", "tile0"])
 def _server_quantize(
     z, server_error, result, i8, u8, i16, scales, starts, ends, columns, first, piece_starts,
     piece_blocks, block_scales, block_size, chunk, chunk_start, tile0, QMAX, BLOCK: tl.constexpr,
@@ -233,8 +233,8 @@ def _server_quantize(
         tl.store(result + local, deq, mask=valid)
 
 
-@launched
-@triton.jit
+@launched()
+@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
 def _results(
     out, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts, piece_blocks,
     block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
