@@ -14,6 +14,8 @@ not stop the rest; the summary gives each part's status, time and the end of its
 * ``step``: ``benchmarks/step.py --device cuda``, each step timed in turns with
   ``AdamW(fused=True)`` on both GPU layouts, with state and peak memory;
 * ``kernels``: ``benchmarks/kernels.py``, the kernels' GB/s against a copy;
+* ``launches``: ``benchmarks/launches.py --device cuda``, per step the CUDA kernels, the host
+  synchronisations, and the Triton variants the first steps compile, with their time;
 * ``frameworks``: the FSDP2 hybrid-sharding examples of Lightning, HF Trainer and (with two
   GPUs or more) Accelerate, through each framework's CUDA code path, a rank per GPU (one GPU
   holds one NCCL rank), each saving a checkpoint;
@@ -76,6 +78,7 @@ def parts(scratch: Path) -> dict[str, tuple[float, list[list[str]]]]:
                 ]
             ],
         ),  # fmt: skip
+        "launches": (120, [[PY, "benchmarks/launches.py", "--device", "cuda"]]),
         "frameworks": (180, _examples(scratch)),
         "train": (
             120,

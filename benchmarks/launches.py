@@ -6,6 +6,7 @@ compression step before the Triton kernels (the GPU issue: 5,665 kernels for 16 
 count is the same on any device, so this runs on the CPU, Triton under its interpreter:
 
     TRITON_INTERPRET=1 python benchmarks/launches.py
+    python benchmarks/launches.py --device cuda   # counted on a GPU: kernels, syncs, compiles
 
 ``torch`` is the reference backend, which CUDA ran before; ``triton`` the Triton kernels. The
 layouts are small (the counts do not depend on the tensors' sizes, only on their number and on
@@ -113,11 +114,74 @@ def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int]]:
     return rows
 
 
+def _variants() -> int:
+    """How many Triton kernel variants this process has compiled (for any device)."""
+    from onebit.kernels import triton_kernels, triton_quantized
+
+    kernels_ = [k.kernel for m in (triton_kernels, triton_quantized) for k in vars(m).values()
+                if isinstance(k, triton_kernels._Launched)]  # fmt: skip
+    return sum(len(cache[0]) for k in kernels_ for cache in k.device_caches.values())
+
+
+def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, float]]:
+    """Per step variant, on CUDA with the Triton kernels: (CUDA kernels of its third step, as
+    the profiler lists them; host synchronisations of that step, as
+    ``torch.cuda.set_sync_debug_mode`` warns of them; Triton variants its first two steps
+    compiled; their time less two steady steps', in seconds)."""
+    import time
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.pop(kernels.ENV, None)
+    cuda = torch.device("cuda")
+    rows = {}
+    for name, optimizer, stage, options in VARIANTS:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device=cuda) * 0.02) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        freeze = 10**9 if stage == "warmup" else 1
+        opt = _optimizer(optimizer, params, freeze, {**options, "bucket_size": bucket_size})
+        before, start = _variants(), time.perf_counter()
+        opt.step()
+        opt.step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        compiled = _variants() - before
+        start = time.perf_counter()
+        for _ in range(2):
+            opt.step()
+        torch.cuda.synchronize()
+        compile_s = first - (time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            opt.step()
+            torch.cuda.synchronize()
+        launched = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        rows[name] = launched, syncs, compiled, compile_s
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="torch,triton")
     parser.add_argument("--bucket-sizes", default=str(1 << 22) + ",16384")
+    parser.add_argument(
+        "--device", default="cpu", help="cuda: count kernels and synchronisations on the GPU"
+    )
     args = parser.parse_args()
+    if args.device == "cuda":
+        main_cuda(args)
+        return
     backends = args.backends.split(",")
     print(f"torch {torch.__version__}; per step: torch ops + Triton launches, by backend")
     head = " | ".join(f"{b}: ops + launches" for b in backends)
@@ -134,6 +198,27 @@ def main() -> None:
                     for b in backends
                 )
                 print(f"| {layout} | {buckets} | {name.strip()} | {cells} |")
+
+
+def main_cuda(args: argparse.Namespace) -> None:
+    """The counts on CUDA, with Triton compiling into a cache of its own (a first run)."""
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="onebit-triton-")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; per step on CUDA: "
+          "kernels (profiler), host synchronisations (sync debug mode), and the Triton "
+          "variants the first two steps compiled, with their time")  # fmt: skip
+    print("| layout | buckets | step | CUDA kernels | host syncs | variants | compile s |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for layout, shapes in LAYOUTS.items():
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        for bucket_size in map(int, args.bucket_sizes.split(",")):
+            buckets = -(-numel // bucket_size)
+            for name, (kernels_, syncs, variants, seconds) in count_cuda(
+                shapes, bucket_size
+            ).items():
+                print(f"| {layout} | {buckets} | {name.strip()} | {kernels_} | {syncs} "
+                      f"| {variants} | {seconds:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
