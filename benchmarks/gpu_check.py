@@ -8,9 +8,9 @@ Each part runs in its own process under its own time limit, so that one failure 
 not stop the rest; the summary gives each part's status, time and the end of its output:
 
 * ``versions``: Python, torch, Triton, CUDA, the GPU and its driver;
-* ``cuda-tests``: the tests marked ``cuda`` (Triton on CUDA against the CPU's bits, the
-  optimizers moved to the GPU, ``onebit train`` on CUDA with AMP, FSDP2 on NCCL, the DDP, HF
-  Trainer, Accelerate and Lightning examples with mixed precision);
+* ``cuda-tests``: the tests marked ``cuda`` (Triton on CUDA against the CPU's bits, two ranks
+  sharing the GPU over gloo, the optimizers moved to the GPU, ``onebit train`` on CUDA with AMP,
+  FSDP2 on NCCL, the DDP, HF Trainer, Accelerate and Lightning examples with mixed precision);
 * ``step``: ``benchmarks/step.py --device cuda``, each step timed in turns with
   ``AdamW(fused=True)`` on both GPU layouts, with state and peak memory;
 * ``kernels``: ``benchmarks/kernels.py``, the kernels' GB/s against a copy;

@@ -116,3 +116,36 @@ def test_triton_on_cuda_follows_the_torch_reference(name, monkeypatch):
     assert packed == (name != "zero_one")
     for t, (p, q) in enumerate(zip(got, want), start=1):
         assert float((p - q).abs().max()) <= ATOL, (name, t)
+
+
+def _ranks_sharing_cuda(rank: int, world_size: int, name: str) -> tuple:
+    """``name``'s case on ranks that share the one GPU, over gloo with CUDA tensors: the kernels
+    the optimizer ran, its stages, and the parameters after each step (on the CPU)."""
+    os.environ.pop(kernels.ENV, None)
+    case = {**CASES, "int4 warmup": WARMUP}[name]
+    cuda = torch.device("cuda")
+    params = [torch.nn.Parameter(p.detach().to(cuda)) for p in case.problem.params()]
+    opt = case.optimizer(params)
+    stages, trace = [], []
+    for t in range(1, case.steps + 1):
+        stages.append(opt.stage)
+        for i, p in enumerate(params):
+            p.grad = case.problem.grad(t, rank, i, p.detach().cpu()).to(cuda)
+        opt.step()
+        trace.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
+    return opt.backend, stages, trace
+
+
+@pytest.mark.cuda
+def test_ranks_sharing_one_gpu_over_gloo_follow_the_torch_reference():
+    """Two ranks on the one GPU (it cannot hold two NCCL ranks; gloo carries CUDA tensors) run
+    every case on Triton, within :data:`ATOL` of the torch reference on the CPU's gloo."""
+    reference = run_ranks(_trajectories, 2, "torch", timeout=300)
+    for name in [*CASES, "int4 warmup"]:
+        for rank, (backend, stages, trace) in enumerate(
+            run_ranks(_ranks_sharing_cuda, 2, name, timeout=300)
+        ):
+            want_stages, want = reference[rank][name]
+            assert backend == "triton" and stages == want_stages, (name, rank)
+            for t, (p, q) in enumerate(zip(trace, want), start=1):
+                assert float((p - q).abs().max()) <= ATOL, (name, rank, t)
