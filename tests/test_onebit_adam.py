@@ -155,6 +155,45 @@ def test_world_size_one_matches_adamw_with_lr_scheduler():
     torch.testing.assert_close(opt.state[params[0]]["exp_avg"], ref_opt.state[ref[0]]["exp_avg"])
 
 
+def _warmup_against_fused_adamw(device: torch.device) -> None:
+    """Warmup steps with param groups and a scheduler are AdamW(fused=True)'s, bit for bit; the
+    freeze then works on the variance the fused kernel kept."""
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in PROBLEM.params()]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = onebit.OnebitAdam(PROBLEM.groups(params), lr=1e-2, weight_decay=0.1, freeze_step=12)
+    ref_opt = torch.optim.AdamW(PROBLEM.groups(ref), lr=1e-2, weight_decay=0.1, fused=True)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, ref_opt)
+    ]
+    for step in range(1, 13):
+        for ps in (params, ref):
+            for i, p in enumerate(ps):
+                p.grad = PROBLEM.grad(step, 0, i, p.detach().cpu()).to(device)
+        opt.step()
+        ref_opt.step()
+        for s in schedulers:
+            s.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, ref)), step
+    assert torch.equal(opt.state[params[0]]["exp_avg"], ref_opt.state[ref[0]]["exp_avg"])
+    assert opt.stage == "compression"
+    for i, p in enumerate(params):
+        p.grad = PROBLEM.grad(13, 0, i, p.detach().cpu()).to(device)
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_warmup_in_torchs_fused_adamw_kernel_is_adamw_fused(monkeypatch):
+    """On CUDA the warmup runs torch's fused AdamW kernel; the CPU has the same kernel, so the
+    path is checked here too."""
+    monkeypatch.setattr(onebit.base.CompressedOptimizer, "_FUSED_ADAM_DEVICES", ("cpu",))
+    _warmup_against_fused_adamw(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_warmup_on_cuda_is_adamw_fused():
+    _warmup_against_fused_adamw(torch.device("cuda"))
+
+
 def _warmup_vs_ddp(rank, world_size, steps):
     torch.manual_seed(rank)  # different initial weights per rank: both must broadcast rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))

@@ -187,10 +187,11 @@ class OnebitAdam(CompressedOptimizer):
                 loss = closure()
         self._start_step()
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
-        stage = self.stage
+        stage, t = self.stage, self.num_steps + 1
         fused = stage == "compression" and self._packed_stage() is not None
+        fused_adam = stage == "warmup" and self._fused_adam_applies(t)
         if stage == "warmup":
-            applied, nbytes = self._warmup_moments_(m, v)
+            applied, nbytes = self._warmup_moments_(m, v, fold=not fused_adam)
         elif fused:
             applied, nbytes = self._fused_compressed_step()
         else:
@@ -201,9 +202,11 @@ class OnebitAdam(CompressedOptimizer):
                 m.mul_(self._beta1).lerp_(g, self._compressed_clip_coefficient())
             if applied:
                 self._apply_mask_(m)
-        t = self.num_steps + 1
         if applied and stage == "warmup":
-            self._adam_step_from_moments_(m, v, t)
+            if fused_adam:
+                self._fused_adam_step_(m, v, t)
+            else:
+                self._adam_step_from_moments_(m, v, t)
             if t == self.freeze_step:
                 self._freeze_variance_(t)
         elif applied and fused:

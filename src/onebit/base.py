@@ -859,16 +859,50 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # Adam into the buffer (_adam_denominator, _adamw_update_). At the freeze each applies
     # fill_zero_variance_ with _zero_variance_floor. The compressed steps reuse these pieces.
 
-    def _warmup_moments_(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
+    def _warmup_moments_(self, m: Tensor, v: Tensor, fold: bool = True) -> tuple[bool, int]:
         """Average the gradients at full precision into the gradient buffer (an fp32
-        allreduce, or the quantized warmup exchange), clip the average (``max_grad_norm``) and
-        fold it into Adam's moments ``m`` and ``v``; return (applied, bytes sent)."""
+        allreduce, or the quantized warmup exchange), clip the average (``max_grad_norm``) and,
+        with ``fold``, fold it into Adam's moments ``m`` and ``v``; return (applied, bytes
+        sent)."""
         g = self._grads
         applied, nbytes = self._communicate(self._warmup_kind, out=g)
         if applied:
             self._clip_averaged_(g)
-            adam_moments_(m, v, g, self._beta1, self._beta2)
+            if fold:
+                adam_moments_(m, v, g, self._beta1, self._beta2)
         return applied, nbytes
+
+    _FUSED_ADAM_DEVICES = ("cuda",)
+    """Where a warmup step of 1-bit Adam runs torch's fused AdamW kernel (see
+    :meth:`_fused_adam_applies`). Elsewhere it runs torch's multi-tensor ops, which round as
+    ``AdamW``'s default (foreach) implementation."""
+
+    def _fused_adam_applies(self, step: int) -> bool:
+        """Whether warmup step ``step`` runs in one pass of torch's fused AdamW kernel
+        (:meth:`_fused_adam_step_`): on CUDA, with fp32 parameters and bias correction, unless
+        ``freeze_step="auto"`` measures the step (it observes the denominators)."""
+        return (
+            self.device.type in self._FUSED_ADAM_DEVICES
+            and self.bias_correction
+            and not self.freeze.measures(step)
+            and all(p.dtype == torch.float32 for p in self.layout.params)
+        )
+
+    def _fused_adam_step_(self, m: Tensor, v: Tensor, step: int) -> None:
+        """Adam's moments and AdamW's update of warmup step ``step`` from the averaged (clipped)
+        gradient in the gradient buffer, in torch's fused AdamW kernel: one pass over the
+        parameters, rounded as ``AdamW(fused=True)`` rounds them."""
+        steps = [torch.full((), float(step), device=self.device)] * len(self.layout.params)
+        start = 0
+        for group, params, grads, ms, vs in self.flat.per_group(self._grads, m, v):
+            end = start + len(params)
+            if params:
+                torch._fused_adamw_(
+                    params, grads, ms, vs, [], steps[start:end], lr=group["lr"],
+                    beta1=self._beta1, beta2=self._beta2, weight_decay=group["weight_decay"],
+                    eps=self._eps, amsgrad=False, maximize=False,
+                )  # fmt: skip
+            start = end
 
     def _adam_denominator(self, v: Tensor, variance_step: int, out: Tensor | None = None) -> Tensor:
         """``sqrt(v̂) + eps``, ``v`` bias-corrected for ``variance_step`` updates, into ``out``
