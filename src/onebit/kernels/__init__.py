@@ -16,12 +16,11 @@ Backends (``ONEBIT_BACKEND`` names them):
 :func:`for_tensors` decides which runs, for a set of tensors: the C kernels on the CPU (else
 numpy, else torch), Triton on CUDA (else torch), the torch reference elsewhere. Where ``auto``
 cannot take the fast backend of a device (Triton not installed, or ``TRITON_INTERPRET=1`` left
-set, on CUDA; the C kernels not built, on the CPU), it warns once with the reason and takes
-the next: a slower path is never taken silently. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton``
-forces one; an unknown value, or a backend that
-cannot run on the tensors' device or on this machine, raises a ``ValueError`` that names
-``ONEBIT_BACKEND`` (the optimizers check it when they are built and when their state moves, so
-that every rank raises it together).
+set, on CUDA; the C kernels not built, on the CPU), it warns once with the reason and takes the
+next: a slower path is never taken silently. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton`` forces
+one; an unknown value, or a backend that cannot run on the tensors' device or on this machine,
+raises a ``ValueError`` that names ``ONEBIT_BACKEND`` (the optimizers check it when they are
+built and when their state moves, so that every rank raises it together).
 
 Signs, packing, unpacking, error updates and the server's average are bit for bit the same on
 every backend. Scales are not: each backend sums in its own order. The C and numpy sums are
