@@ -94,18 +94,23 @@ LAYOUTS = {
 }
 
 
+def built(shapes, optimizer: str, stage: str, options: dict, device: str | torch.device = "cpu"):
+    """``optimizer`` (a name of ``step.VARIANTS``) with ``options`` on random parameters of
+    ``shapes`` with gradients, in ``stage`` from its second step on (the warmup never ends)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return _optimizer(optimizer, params, 10**9 if stage == "warmup" else 1, options)
+
+
 def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int]]:
     """Per step variant: (torch ops, Triton launches) of its third step (the first two build
     what is built once: the last warmup step, then the first of the stage)."""
     os.environ[kernels.ENV] = backend
     rows = {}
     for name, optimizer, stage, options in VARIANTS:
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        freeze = 10**9 if stage == "warmup" else 1
-        opt = _optimizer(optimizer, params, freeze, {**options, "bucket_size": bucket_size})
+        opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size})
         opt.step()
         opt.step()
         with _counting_triton() as launches, _Counting() as ops:
@@ -137,12 +142,7 @@ def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, float
     cuda = torch.device("cuda")
     rows = {}
     for name, optimizer, stage, options in VARIANTS:
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=cuda) * 0.02) for s in shapes]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        freeze = 10**9 if stage == "warmup" else 1
-        opt = _optimizer(optimizer, params, freeze, {**options, "bucket_size": bucket_size})
+        opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size}, cuda)
         before, start = _variants(), time.perf_counter()
         opt.step()
         opt.step()

@@ -50,8 +50,8 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
     import numpy as np
     import torch
     import triton.runtime.interpreter as interpreter
-    from launches import LAYOUTS, _Counting, _counting_triton
-    from step import VARIANTS, _optimizer
+    from launches import LAYOUTS, _Counting, _counting_triton, built
+    from step import VARIANTS
 
     from onebit import kernels
     from onebit.kernels import triton_kernels
@@ -101,12 +101,7 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
     rows = []
     try:
         for name, optimizer, stage, options in VARIANTS:
-            torch.manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            freeze = 10**9 if stage == "warmup" else 1
-            opt = _optimizer(optimizer, params, freeze, {**options, "bucket_size": bucket_size})
+            opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size})
             launches.clear()
             opt.step()
             opt.step()

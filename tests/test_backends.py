@@ -85,19 +85,19 @@ def test_a_backend_that_cannot_run_fails_every_rank_at_construction(value):
         assert error is not None and "rank 1: ONEBIT_BACKEND" in error
 
 
-def _trajectory_on(device: torch.device, case) -> tuple[list[str], list[torch.Tensor], bool]:
-    """A 1-rank run of ``case`` with its parameters on ``device``: the stages, the parameters
-    after each step (on the CPU), and whether the momentum was packed."""
+def _trajectory_on(device: torch.device, case, rank: int = 0) -> tuple:
+    """A run of ``case`` as ``rank`` with its parameters on ``device``: the stages, the
+    parameters after each step (on the CPU), and the optimizer."""
     params = [torch.nn.Parameter(p.detach().to(device)) for p in case.problem.params()]
     opt = case.optimizer(params)
     stages, trace = [], []
     for t in range(1, case.steps + 1):
         stages.append(opt.stage)
         for i, p in enumerate(params):
-            p.grad = case.problem.grad(t, 0, i, p.detach().cpu()).to(device)
+            p.grad = case.problem.grad(t, rank, i, p.detach().cpu()).to(device)
         opt.step()
         trace.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
-    return stages, trace, getattr(opt, "_fused", None) is not None
+    return stages, trace, opt
 
 
 @pytest.mark.cuda
@@ -109,11 +109,11 @@ def test_triton_on_cuda_follows_the_torch_reference(name, monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.delenv(kernels.ENV, raising=False)
     assert kernels.for_device(cuda).name == "triton"
-    stages, got, packed = _trajectory_on(cuda, case)
+    stages, got, opt = _trajectory_on(cuda, case)
     monkeypatch.setenv(kernels.ENV, "torch")
     want_stages, want, _ = _trajectory_on(cuda, case)
     assert stages == want_stages
-    assert packed == (name != "zero_one")
+    assert (getattr(opt, "_fused", None) is not None) == (name != "zero_one")
     for t, (p, q) in enumerate(zip(got, want), start=1):
         assert float((p - q).abs().max()) <= ATOL, (name, t)
 
@@ -123,16 +123,7 @@ def _ranks_sharing_cuda(rank: int, world_size: int, name: str) -> tuple:
     the optimizer ran, its stages, and the parameters after each step (on the CPU)."""
     os.environ.pop(kernels.ENV, None)
     case = {**CASES, "int4 warmup": WARMUP}[name]
-    cuda = torch.device("cuda")
-    params = [torch.nn.Parameter(p.detach().to(cuda)) for p in case.problem.params()]
-    opt = case.optimizer(params)
-    stages, trace = [], []
-    for t in range(1, case.steps + 1):
-        stages.append(opt.stage)
-        for i, p in enumerate(params):
-            p.grad = case.problem.grad(t, rank, i, p.detach().cpu()).to(cuda)
-        opt.step()
-        trace.append(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
+    stages, trace, opt = _trajectory_on(torch.device("cuda"), case, rank)
     return opt.backend, stages, trace
 
 
