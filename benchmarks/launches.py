@@ -24,7 +24,7 @@ from step import VARIANTS, _gpt_shapes, _optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from onebit import kernels
+from onebit import host, kernels
 
 _FREE = {"empty", "empty_strided", "empty_like", "alias", "detach", "lift_fresh", "set_"}
 
@@ -104,18 +104,20 @@ def built(shapes, optimizer: str, stage: str, options: dict, device: str | torch
     return _optimizer(optimizer, params, 10**9 if stage == "warmup" else 1, options)
 
 
-def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int]]:
-    """Per step variant: (torch ops, Triton launches) of its third step (the first two build
-    what is built once: the last warmup step, then the first of the stage)."""
+def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per step variant: (torch ops, Triton launches, host reads, uploads) of its third step
+    (the first two build what is built once: the last warmup step, then the first of the
+    stage). Reads and uploads are those :mod:`onebit.host` counts, which the tests check are
+    all of them; on a GPU each read is a synchronisation."""
     os.environ[kernels.ENV] = backend
     rows = {}
     for name, optimizer, stage, options in VARIANTS:
         opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size})
         opt.step()
         opt.step()
-        with _counting_triton() as launches, _Counting() as ops:
+        with _counting_triton() as launches, _Counting() as ops, host.counted() as transfers:
             opt.step()
-        rows[name] = ops.ops, launches[0]
+        rows[name] = ops.ops, launches[0], transfers.reads, transfers.uploads
     return rows
 
 
@@ -128,11 +130,12 @@ def _variants() -> int:
     return sum(len(cache[0]) for k in kernels_ for cache in k.device_caches.values())
 
 
-def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, float]]:
+def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, int, float]]:
     """Per step variant, on CUDA with the Triton kernels: (CUDA kernels of its third step, as
     the profiler lists them; host synchronisations of that step, as
-    ``torch.cuda.set_sync_debug_mode`` warns of them; Triton variants its first two steps
-    compiled; their time less two steady steps', in seconds)."""
+    ``torch.cuda.set_sync_debug_mode`` warns of them; the reads :mod:`onebit.host` counted in
+    it; Triton variants its first two steps compiled; their time less two steady steps', in
+    seconds)."""
     import time
     import warnings
 
@@ -163,11 +166,12 @@ def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, float
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                opt.step()
+                with host.counted() as transfers:
+                    opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        rows[name] = launched, syncs, compiled, compile_s
+        rows[name] = launched, syncs, transfers.reads, compiled, compile_s
     return rows
 
 
@@ -183,10 +187,11 @@ def main() -> None:
         main_cuda(args)
         return
     backends = args.backends.split(",")
-    print(f"torch {torch.__version__}; per step: torch ops + Triton launches, by backend")
-    head = " | ".join(f"{b}: ops + launches" for b in backends)
+    print(f"torch {torch.__version__}; per step, by backend: torch ops + Triton launches, "
+          "and host reads (synchronisations on a GPU) / uploads")  # fmt: skip
+    head = " | ".join(f"{b}: ops + launches | {b}: reads / uploads" for b in backends)
     print(f"| layout | buckets | step | {head} |")
-    print("|---|---|---|" + "---|" * len(backends))
+    print("|---|---|---|" + "---|---|" * len(backends))
     for layout, shapes in LAYOUTS.items():
         numel = sum(torch.Size(s).numel() for s in shapes)
         for bucket_size in map(int, args.bucket_sizes.split(",")):
@@ -194,8 +199,8 @@ def main() -> None:
             buckets = -(-numel // bucket_size)
             for name, *_ in VARIANTS:
                 cells = " | ".join(
-                    f"{counts[b][name][0]} + {counts[b][name][1]} = {sum(counts[b][name])}"
-                    for b in backends
+                    f"{ops} + {launched} = {ops + launched} | {reads} / {uploads}"
+                    for ops, launched, reads, uploads in (counts[b][name] for b in backends)
                 )
                 print(f"| {layout} | {buckets} | {name.strip()} | {cells} |")
 
@@ -208,17 +213,18 @@ def main_cuda(args: argparse.Namespace) -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; per step on CUDA: "
           "kernels (profiler), host synchronisations (sync debug mode), and the Triton "
           "variants the first two steps compiled, with their time")  # fmt: skip
-    print("| layout | buckets | step | CUDA kernels | host syncs | variants | compile s |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| layout | buckets | step | CUDA kernels | host syncs | host reads | variants "
+          "| compile s |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for layout, shapes in LAYOUTS.items():
         numel = sum(torch.Size(s).numel() for s in shapes)
         for bucket_size in map(int, args.bucket_sizes.split(",")):
             buckets = -(-numel // bucket_size)
-            for name, (kernels_, syncs, variants, seconds) in count_cuda(
+            for name, (kernels_, syncs, reads, variants, seconds) in count_cuda(
                 shapes, bucket_size
             ).items():
                 print(f"| {layout} | {buckets} | {name.strip()} | {kernels_} | {syncs} "
-                      f"| {variants} | {seconds:.1f} |", flush=True)  # fmt: skip
+                      f"| {reads} | {variants} | {seconds:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
+from . import host, kernels
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
@@ -41,9 +41,9 @@ from .functional import (
     adam_denominator,
     adam_moments_,
     adamw_update_,
-    all_finite,
     bias_correction,
     clip_coefficient,
+    finite_flag,
     layer_norms,
 )
 from .kernels.fused import gradient_addresses
@@ -250,7 +250,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.num_steps = 0
         self._calls = 0
-        self.grad_norm: float | None = None
+        self._grad_norm: float | Tensor | None = None
+        self._grad_addresses = host.Addresses()
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
         self._allocate_state()
 
@@ -659,7 +660,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         hyper = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
         passes = self.bucketer.backward_passes % _COUNTER
-        self._header = [float(call), float(hyper), 0.0, 0.0, float(passes)]
+        header = [float(call), float(hyper), float(self._status), 0.0, float(passes)]
+        self._headers = host.upload([header] * max(len(self.comms), 1), self.device)
+        self._headers_status = self._status
 
     def _close_step(self) -> None:
         """Close the step without applying it (it raised, or was abandoned)."""
@@ -680,13 +683,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:
             return
+        if torch.is_tensor(grad_scale):
+            grad_scale = host.read(grad_scale)
         inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
         self._inv_scale = None if inv_scale == 1.0 else inv_scale
 
+    def _verdict(
+        self, headers: Tensor, finite: Tensor, norms2: Tensor | None = None
+    ) -> tuple[bool, Tensor | None]:
+        """The step's verdict from the device in one host read: :meth:`_check_headers` of the
+        ranks' ``headers`` and ``finite`` (a boolean tensor); returns (applied, ``norms2`` on the
+        host, if given)."""
+        parts = [headers.reshape(-1), finite.reshape(1).to(headers.device, torch.float32)]
+        if norms2 is not None:
+            parts.append(norms2.reshape(-1).float())
+        values = host.read(torch.cat(parts))
+        size = headers.numel()
+        verdict = self._check_headers(values[:size].view(headers.shape), bool(values[size]))
+        return verdict, None if norms2 is None else values[size + 1 :]
+
     def _check_headers(self, headers: Tensor, finite: bool) -> bool:
-        """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]``,
-        identical on every rank) show different steps, hyperparameters or a local problem;
-        else return whether every rank's values were ``finite``.
+        """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]`` on
+        the host, identical on every rank) show different steps, hyperparameters or a local
+        problem; else return whether every rank's values were ``finite``.
 
         With sharded parameters both verdicts are combined across the shard group in one
         collective, so a problem of one shard's ranks stops every rank of the mesh."""
@@ -744,16 +763,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # Communication: the bucketer launches the buckets, the headers are checked here.
 
-    def _header_for(
-        self, k: int | None, sparse: bool = False, norm2: Tensor | None = None
-    ) -> Tensor:
-        """This rank's header for bucket ``k`` (``None``: a message that is not a gradient);
-        ``sparse`` if gathering it met a sparse gradient, ``norm2`` its squared norm."""
+    def _header_for(self, k: int, sparse: bool = False, norm2: Tensor | None = None) -> Tensor:
+        """This rank's header for the message of bucket ``k`` (a row of the headers
+        :meth:`_begin_step` uploaded); ``sparse`` if gathering it met a sparse gradient,
+        ``norm2`` its squared norm (on the device)."""
         if sparse:
             self._status = 1
-        header = list(self._header)
-        header[2] = float(self._status)
-        header = torch.tensor(header, device=self.device)
+        header = self._headers[k]
+        if self._status != self._headers_status:
+            header[2] = float(self._status)
         if norm2 is not None:
             header[3] = norm2
         return header
@@ -777,8 +795,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if kind == "allreduce":
             for call in calls:
                 call.wait()
-            # all_finite, not isfinite(grads).all(): no model-sized temporaries
-            applied = self._check_headers(self.bucketer.header_slots(), all_finite([self._grads]))
+            # finite_flag, not isfinite(grads).all(): no model-sized temporaries
+            applied, _ = self._verdict(self.bucketer.header_slots(), finite_flag([self._grads]))
             return applied, sum(c.bytes_sent for c in calls)
         outputs = self.layout.bucket_views(out)
         return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
@@ -800,11 +818,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
         first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
         first[:, 2] = headers[:, :, 2].amax(0)
-        applied = self._check_headers(first, finite)
+        norms2 = None
+        if gradients and kind == "compressed" and self.max_grad_norm is not None:
+            norms2 = self.shards.sum_(headers[:, :, 3].sum(0))  # each rank's, over all buckets
+        applied, norms2 = self._verdict(first, finite, norms2)
         if applied:
             commit_compressed_(comms, calls, outputs)
-        if applied and gradients and kind == "compressed" and self.max_grad_norm is not None:
-            norms2 = self.shards.sum_(headers[:, :, 3].sum(0))  # each rank's, over all buckets
+        if applied and norms2 is not None:
             self.grad_norm = float(norms2.sqrt().mean())
         return applied, sum(c.bytes_per_call for c in comms)
 
@@ -812,7 +832,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
         gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
         self._begin_step()
-        calls = [c.start(b, self._header_for(None)) for c, b in zip(self.comms, buffers)]
+        calls = [comm.start(buffers[k], self._header_for(k)) for k, comm in enumerate(self.comms)]
         return self._finish_compressed(calls, outputs, gradients=False)
 
     def _gather_grads(self, norms: bool = False) -> Tensor:
@@ -838,8 +858,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         total = torch.linalg.vector_norm(layer_norms(self.layout.views(g)))
         total = self.shards.combine(total.reshape(1))[0]
-        self.grad_norm = float(total)
+        self._grad_norm = total  # read when asked for, not during the step
         g.mul_(clip_coefficient(total, self.max_grad_norm))
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm the last step clipped with (``max_grad_norm``; ``None``
+        before one has): the averaged gradient's on full-precision steps, the mean of the
+        ranks' local norms on compressed ones."""
+        if torch.is_tensor(self._grad_norm):
+            self._grad_norm = float(host.read(self._grad_norm))
+        return self._grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
 
     def _compressed_clip_coefficient(self) -> float:
         """The clipping coefficient of a compressed step: ``max_grad_norm`` over the mean of the
@@ -1016,7 +1049,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
         ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
         (applied, bytes sent, the calls)."""
-        grads, keep, sparse = gradient_addresses(self.layout.params)
+        addresses, keep, sparse = gradient_addresses(self.layout.params)
+        grads = self._grad_addresses(addresses, self.device)
         if sparse:
             self._status = 1
         calls: list[Any] = [None] * len(self.comms)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import host
 from .compress import (
     allreduce_one_,
     check_scale,
@@ -270,7 +271,7 @@ class CompressedAllreduce:
             if self._server_scratch is None:
                 self._server_scratch = torch.empty(self.chunk_numel, device=self.device)
             z = self._server_scratch
-        if not bool(torch.isfinite(self.worker_scales(call)).all()):
+        if not host.read(torch.isfinite(self.worker_scales(call)).all()):
             return False
         self.serve(call, z=z)
         self.finish(call, target)
@@ -537,16 +538,19 @@ def finish_compressed_(
     comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
 ) -> bool:
     """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
-    if not scales_finite(comms, calls):
+    if not host.read(scales_finite(comms, calls)):
         return False
     commit_compressed_(comms, calls, outputs)
     return True
 
 
-def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> bool:
-    """Wait for phase 1 of every call; whether every rank's worker scales are finite."""
+def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> Tensor:
+    """Wait for phase 1 of every call; whether every rank's worker scales are finite, as a
+    boolean tensor on the device."""
     scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
-    return not scales or bool(torch.isfinite(torch.cat(scales)).all())
+    if not scales:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.cat(scales)).all()
 
 
 def commit_compressed_(

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import host
 from .functional import layer_norms
 
 
@@ -190,9 +191,9 @@ class VarianceMonitor:
             change = _relative_change(means, self.reference, weights) * elapsed
         if dist.is_available() and dist.is_initialized():
             device = denominators[0].device if denominators else torch.device("cpu")
-            agreed = torch.tensor([change], dtype=torch.float64, device=device)
+            agreed = host.upload([change], device, torch.float64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-            change = float(agreed.item())
+            change = float(host.read(agreed))
         self.reference, self.reference_step = means, step
         self.last_change = change
         self.stable_windows = self.stable_windows + 1 if change < config.tolerance else 0
@@ -219,7 +220,7 @@ class VarianceMonitor:
 
 
 def _layer_norms(tensors: list[Tensor], ord: float) -> Tensor:
-    return layer_norms(tensors, ord).cpu()
+    return host.read(layer_norms(tensors, ord))
 
 
 def _relative_change(now: Tensor, before: Tensor, weights: Tensor) -> float:

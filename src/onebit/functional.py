@@ -110,13 +110,16 @@ def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
     return torch.stack(norms)
 
 
-def all_finite(tensors: list[Tensor | None]) -> bool:
-    """Whether every element of every tensor is finite (``None`` counts as finite).
+def finite_flag(tensors: list[Tensor | None]) -> Tensor:
+    """Whether every element of every tensor is finite (``None`` counts as finite), as a
+    boolean tensor on the tensors' device: reading it is the caller's choice.
 
     Uses the max-norm, which cannot overflow the way a sum of finite fp16 values can.
     """
     present = [t for t in tensors if t is not None]
-    return not present or bool(torch.isfinite(layer_norms(present, ord=math.inf)).all())
+    if not present:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(layer_norms(present, ord=math.inf)).all()
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import momentum
+from . import host, momentum
 from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
@@ -313,10 +313,17 @@ class OnebitLamb(CompressedOptimizer):
             return applied, nbytes
         t, stage = self.num_steps + 1, self._fused
         new = stage.results(calls, self._scaling)  # the averaged momentum over the scaling
-        raw = self._fresh_variance_(new, t)
-        update_ratio = None
+        ratios = self._fresh_variance_(new, t)
+        norms = []
         if any(group["weight_decay"] for group in self.param_groups):
-            update_ratio = self._packed_update_ratio(new, t)
+            norms = [self._packed_update_norms(new, t).reshape(-1)]
+        values = host.read(torch.cat(ratios + norms))  # the step's one read after its verdict
+        counts = [len(r) for r in ratios]
+        raw = self._layer_ratios(values[: sum(counts)].split(counts))
+        update_ratio = None
+        if norms:
+            adaptive, total = (self.shards.combine(n) for n in values[sum(counts) :].view(2, -1))
+            update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
         factors = lamb_factor(
             raw, self._last_factors, self.factor_min, self.factor_max, self.factor_threshold,
             update_ratio,
@@ -331,13 +338,14 @@ class OnebitLamb(CompressedOptimizer):
         self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 
-    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
+    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> list[Tensor]:
         """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
-        gradient they imply into the fresh variance; returns each layer's largest ratio of the
-        frozen to the fresh denominator."""
+        gradient they imply into the fresh variance; returns, per bucket, the largest ratio of
+        the frozen to the fresh denominator in each of its layers (on the device, for
+        :meth:`_layer_ratios`)."""
         beta1, beta2, stage = self._beta1, self._beta2, self._fused
         bc2 = bias_correction(beta2, t, self.bias_correction)
-        raw = torch.zeros(len(self.layout.params))
+        ratios = []
         for k, (start, end) in enumerate(self.layout.buckets):
             g, last = self._scratch(end - start), self._scratch(end - start)
             stage.momentum_(k, g, new)
@@ -347,9 +355,17 @@ class OnebitLamb(CompressedOptimizer):
             v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)
             ratio = adam_denominator(v_fresh, bc2, self._eps, out=last)
             torch.div(self._exp_avg_sq[start:end], ratio, out=ratio)
-            layers = self._bucket_layers(k)
             _, parts = self._bucket_parts(k, ratio)
-            raw[layers] = torch.maximum(raw[layers], layer_norms(parts, ord=math.inf).cpu())
+            ratios.append(layer_norms(parts, ord=math.inf))
+        return ratios
+
+    def _layer_ratios(self, ratios: Sequence[Tensor]) -> Tensor:
+        """Each layer's largest ratio (:meth:`_fresh_variance_`'s, read on the host) over the
+        buckets and shards it spans; 1 for a layer with no elements."""
+        raw = torch.zeros(len(self.layout.params))
+        for k, values in enumerate(ratios):
+            layers = self._bucket_layers(k)
+            raw[layers] = torch.maximum(raw[layers], values)
         raw = self.shards.combine(raw, math.inf)
         return torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
 
@@ -369,11 +385,13 @@ class OnebitLamb(CompressedOptimizer):
                     torch._foreach_add_([u], [p], alpha=groups[i]["weight_decay"])
             yield k, update
 
-    def _packed_update_ratio(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
-        """Each layer's ``min(1, ||m̂ / denom|| / ||update||)`` for :func:`lamb_factor`, the
-        norms taken over each whole layer as :meth:`_unpacked_compression_step` takes them."""
+    def _packed_update_norms(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
+        """Each layer's ``||m̂ / denom||`` and ``||update||`` (``[2, layers]`` on the device), for
+        the ratio :func:`lamb_factor` takes: the norms taken over each whole layer as
+        :meth:`_unpacked_compression_step` takes them."""
+        zero = torch.zeros((), device=self.device)
         layers = len(self.layout.params)
-        adaptive, total = torch.zeros(layers), torch.zeros(layers)
+        adaptive, total = [zero] * layers, [zero] * layers
         started: dict[int, tuple[Tensor, int]] = {}  # layers that go on in the next bucket
         groups = self._groups()
         for k, update in self._packed_updates(new, t, decay=False):
@@ -388,12 +406,11 @@ class OnebitLamb(CompressedOptimizer):
                         started[i] = whole, filled + u.numel()
                         continue
                 whole = whole.view(p.shape)
-                adaptive[i] = layer_norms([whole]).cpu()[0]
+                adaptive[i] = layer_norms([whole])[0]
                 if groups[i]["weight_decay"]:
                     torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
-                total[i] = layer_norms([whole]).cpu()[0]
-        adaptive, total = self.shards.combine(adaptive), self.shards.combine(total)
-        return torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
+                total[i] = layer_norms([whole])[0]
+        return torch.stack([torch.stack(adaptive), torch.stack(total)])
 
     def _scratch(self, numel: int) -> Tensor:
         """A temporary fp32 buffer of ``numel`` elements on the state's device."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import host, kernels
 from .comm import CompressedAllreduce, _Call
 from .compress import decompress_pieces_, pack_signs
 from .kernels import fused
@@ -79,6 +79,7 @@ class PackedMomentumStage:
     ) -> None:
         self.layout, self.comms, self.momentum = layout, comms, momentum
         self.keeps_last = keeps_last
+        self._bases = host.Addresses()
         self.runs = []
         for (start, end), comm in zip(layout.buckets, comms):
             segments, params, offsets = [], [], []
@@ -154,7 +155,7 @@ class PackedMomentumStage:
             return results
         divided = []
         for runs, (signs, scales) in zip(self.runs, results):
-            scales, (columns, params) = scales.clone(), runs.columns_and_params()
+            scales, (columns, params) = scales.clone(), runs.columns_and_params(scales.device)
             scales.view(-1)[columns] = scales.view(-1)[columns] / scaling.to(scales)[params]
             divided.append((signs, scales))
         return divided
@@ -189,11 +190,10 @@ class PackedMomentumStage:
         """AdamW's update from the packed momentum: ``p = p·(1 - lr·wd) + (-lr·step_scale)·m /
         denominator``, with each parameter's ``lrs[i]`` and ``weight_decays[i]``."""
         device = self.momentum.device
-        bases = [p.data_ptr() for p in self.layout.params]
-        bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        bases = self._bases([p.data_ptr() for p in self.layout.params], device)
         decay = [1 - lr * wd if wd else 1.0 for lr, wd in zip(lrs, weight_decays)]
         value = [-lr * step_scale for lr in lrs]
-        decay, value = torch.tensor([decay, value], dtype=torch.float32, device=device)
+        decay, value = host.upload([decay, value], device, torch.float32)
         for k, (start, end) in enumerate(self.layout.buckets):
             fused.update(self.runs[k], bases, self._source(k), denominator[start:end], decay,
                          value)  # fmt: skip

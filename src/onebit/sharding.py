@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import host
 from .functional import layer_norms
 
 
@@ -72,7 +73,7 @@ class Replicated:
 
     def layer_norms(self, tensors: Sequence[Tensor], ord: float = 2) -> Tensor:
         """:func:`~onebit.functional.layer_norms` of whole layers, on the CPU."""
-        return self.combine(layer_norms(list(tensors), ord).cpu(), ord)
+        return self.combine(host.read(layer_norms(list(tensors), ord)), ord)
 
     def numels(self) -> list[int]:
         """Each parameter's number of elements, whole (the same on every rank)."""
@@ -138,9 +139,9 @@ class Sharded(Replicated):
 
     def _reduce(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
         """All-reduce a small tensor across the shard group, on the device its backend needs."""
-        here = tensor.to(self.device or "cpu")
+        here = host.moved(tensor, self.device or torch.device("cpu"))
         dist.all_reduce(here, op=op, group=self.group)
-        return here.to(tensor.device)
+        return host.moved(here, tensor.device)
 
     def locals(self) -> list[Tensor]:
         """The current local shards, plain tensors that share the parameters' memory."""
@@ -159,7 +160,9 @@ class Sharded(Replicated):
             local.grad = None
 
     def worst(self, code: int) -> int:
-        return int(self._reduce(torch.tensor([float(code)]), dist.ReduceOp.MAX))
+        here = host.upload([float(code)], self.device or torch.device("cpu"))
+        dist.all_reduce(here, op=dist.ReduceOp.MAX, group=self.group)
+        return int(host.read(here))
 
     def sum_(self, tensor: Tensor) -> Tensor:
         return tensor.copy_(self._reduce(tensor))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import host
 from .base import (
     _STATUS,
     DEFAULT_BUCKET_SIZE,
@@ -21,10 +22,10 @@ from .base import (
 from .freeze import FreezeSchedule
 from .functional import (
     adam_moments_,
-    all_finite,
     bias_correction,
     clip_coefficient,
     fill_zero_variance_,
+    finite_flag,
     layer_norms,
     momentum_from_grads_,
 )
@@ -346,8 +347,9 @@ class ZeroOneAdam(CompressedOptimizer):
             self._close_step()
             problem = _STATUS[self._status] + self._status_detail()
             raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
-        if self.shards.all_(all_finite(grads)):
-            momentum_from_grads_(self.layout.views(m), grads, beta1, self._local_grad_scale(grads))
+        finite, scale = self._local_verdict(grads)
+        if finite:
+            momentum_from_grads_(self.layout.views(m), grads, beta1, scale)
             self._apply_mask_(m)
             self._adamw_update_(m, denom, t)
         else:
@@ -365,17 +367,23 @@ class ZeroOneAdam(CompressedOptimizer):
         self._end_step("sync" if sync else "local", nbytes, True, round_skipped=not sync)
         self.skipped_steps += not synced
 
-    def _local_grad_scale(self, grads: list[Tensor | None]) -> float | None:
-        """What multiplies this rank's gradient in a local step: the inverse loss scale, times
-        the coefficient that clips the unscaled local gradient to ``max_grad_norm``."""
+    def _local_verdict(self, grads: list[Tensor | None]) -> tuple[bool, float | None]:
+        """Whether a local step's gradients are finite on every shard, and what multiplies
+        this rank's gradient: the inverse loss scale, times the coefficient that clips the
+        unscaled local gradient to ``max_grad_norm``. One read of the device."""
         scale = self._inv_scale
+        values = [finite_flag(grads).float()]
         if self.max_grad_norm is not None:
             present = [g for g in grads if g is not None]
             norm = torch.linalg.vector_norm(layer_norms(present))
             norm = self.shards.combine(norm.reshape(1))[0] * (scale or 1.0)
-            self.grad_norm = float(norm)
-            scale = (scale or 1.0) * float(clip_coefficient(norm, self.max_grad_norm))
-        return None if scale == 1.0 else scale
+            values += [norm, clip_coefficient(norm, self.max_grad_norm)]
+        read = host.read(torch.stack(values)).tolist()
+        finite = self.shards.all_(bool(read[0]))
+        if finite and len(read) > 1:
+            self.grad_norm = read[1]
+            scale = (scale or 1.0) * read[2]
+        return finite, None if scale == 1.0 else scale
 
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import host
+
 
 @dataclass
 class PackedMomentum:
@@ -81,7 +83,7 @@ class BucketRuns:
         self.run_params = torch.tensor(run_params, dtype=torch.int64)
         self.run_offsets = torch.tensor(run_offsets, dtype=torch.int64) * 4  # bytes, fp32
         self.lengths = torch.tensor(segments, dtype=torch.float64)
-        self.device_tables: dict = {}  # a backend's copies of these tables, per device
+        self.device_tables: dict = {}  # copies of these tables on a device, by their users
         # numpy copies for the per-step lookups on the CPU (a few µs, against torch's tens)
         self._params = np.maximum(np.array(run_params, dtype=np.int64), 0)
         self._padding = np.array(run_params, dtype=np.int64) < 0
@@ -92,10 +94,16 @@ class BucketRuns:
         values = values.detach().to(device="cpu", dtype=torch.float32).numpy()[self._params]
         return torch.from_numpy(np.where(self._padding, np.float32(padding), values))
 
-    def columns_and_params(self) -> tuple[Tensor, Tensor]:
-        """The momentum scale column of each run that is not padding, and its parameter."""
-        real = self.run_params >= 0
-        return self.runs[real, 3], self.run_params[real]
+    def columns_and_params(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The momentum scale column of each run that is not padding, and its parameter, on
+        ``device`` (uploaded once)."""
+        key = ("columns_and_params", device)
+        if key not in self.device_tables:
+            real = self.run_params >= 0
+            self.device_tables[key] = tuple(
+                host.upload(t, device) for t in (self.runs[real, 3], self.run_params[real])
+            )
+        return self.device_tables[key]
 
     def addresses(self, bases: Tensor) -> Tensor:
         """Per run, the address of its first element given each parameter's base address in
@@ -171,11 +179,11 @@ def update(
     _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value)
 
 
-def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], bool]:
-    """Each parameter's gradient as the address the fused passes read (int64, on the
-    parameters' device: one copy per step): an fp32 contiguous ``.grad`` in place, any other
-    through an fp32 contiguous copy there (returned, to be kept alive while the passes run); 0
-    for no gradient or a sparse one (then also returns True)."""
+def gradient_addresses(params: Sequence[Tensor]) -> tuple[list[int], list[Tensor], bool]:
+    """Each parameter's gradient as the address the fused passes read (upload them with a
+    :class:`~onebit.host.Addresses`): an fp32 contiguous ``.grad`` in place, any other through
+    an fp32 contiguous copy there (returned, to be kept alive while the passes run); 0 for no
+    gradient or a sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False
     for p in params:
         g = p.grad
@@ -187,5 +195,4 @@ def gradient_addresses(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], 
             g = g.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format)
             keep.append(g)
         addresses.append(g.data_ptr())
-    device = params[0].device if params else None
-    return torch.tensor(addresses, dtype=torch.int64, device=device), keep, sparse
+    return addresses, keep, sparse

@@ -16,6 +16,8 @@ import math
 import torch
 from torch import Tensor
 
+from .. import host
+
 _SHIFTS: dict[torch.device, Tensor] = {}
 _WEIGHTS: dict[torch.device, Tensor] = {}
 
@@ -30,9 +32,7 @@ def _shifts(device: torch.device) -> Tensor:
 def _weights(device: torch.device) -> Tensor:
     weights = _WEIGHTS.get(device)
     if weights is None:
-        weights = _WEIGHTS[device] = torch.tensor(
-            [1 << i for i in range(8)], dtype=torch.uint8, device=device
-        )
+        weights = _WEIGHTS[device] = host.upload([1 << i for i in range(8)], device, torch.uint8)
     return weights
 
 
@@ -148,7 +148,7 @@ class TorchKernels:
         self, x: Tensor, error: Tensor, server_error: Tensor, out: Tensor, scale: str
     ) -> bool:
         signs, s = self.compress_input(x, error, scale, None)
-        if not bool(torch.isfinite(s)):
+        if not host.read(torch.isfinite(s)):
             return False
         self.commit_input_(x, error, s, None)
         packed, sigma = self.serve_chunk_(
@@ -182,14 +182,15 @@ class TorchKernels:
         edges = bounds.tolist()
         views = [y[a:b] for a, b in zip(edges[:-1], edges[1:])]
         norms = torch._foreach_norm(views, 2 if scale == "rms" else 1) if views else []
-        totals = torch.stack(norms).double().cpu() if norms else lengths.clone()
+        totals = host.read(torch.stack(norms)).double() if norms else lengths.clone()
         totals = totals.square() if scale == "rms" else totals
-        return scales_from_totals(totals, lengths, scale).to(y.device)
+        return host.upload(scales_from_totals(totals, lengths, scale), y.device)
 
     def subtract_compressed_segments_(
         self, y: Tensor, scales: Tensor, bounds: Tensor, out: Tensor
     ) -> Tensor:
-        s = torch.repeat_interleave(scales.to(y.device), bounds.diff().to(y.device))
+        lengths = host.upload(bounds.diff(), y.device)
+        s = torch.repeat_interleave(scales.to(y.device), lengths, output_size=y.numel())
         return torch.sub(y, torch.where(y >= 0, s, s * -1), out=out)
 
     def average_signs_pieces_(

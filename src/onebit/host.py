@@ -1,0 +1,87 @@
+"""Every value that crosses between the host and the optimizer's device during a step.
+
+On a GPU, reading a device value on the host (``.item()``, ``bool(t)``, ``.tolist()``,
+``.cpu()``) waits for every kernel queued before it: the CPU stops feeding the GPU until the
+queue drains. A step therefore reads the device at most twice: once for its verdict (the ranks'
+headers, whether their values were finite, the gradient norm it clips with) and once for the
+loss scale of a ``GradScaler``. Values the host computes (headers, addresses, learning rates)
+go up with :func:`upload`, from pinned memory without waiting.
+
+Every read and upload of a step goes through :func:`read` and :func:`upload`, which count
+themselves for :func:`counted`: ``benchmarks/launches.py`` prints the counts per step, and the
+tests fail when a step reads a device value any other way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Transfers:
+    """How many host reads (each one a synchronisation on a GPU) and uploads were made."""
+
+    reads: int = 0
+    uploads: int = 0
+
+
+_COUNTERS: list[Transfers] = []
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[Transfers]:
+    """Count the reads and uploads made inside the ``with`` block (nested blocks count too)."""
+    transfers = Transfers()
+    _COUNTERS.append(transfers)
+    try:
+        yield transfers
+    finally:
+        _COUNTERS.remove(transfers)
+
+
+def read(tensor: Tensor) -> Tensor:
+    """``tensor``'s values on the host, in one copy: the only way a step reads the device."""
+    for transfers in _COUNTERS:
+        transfers.reads += 1
+    return tensor.detach().to("cpu", copy=True)
+
+
+def upload(
+    values: Tensor | Sequence | float, device: torch.device, dtype: torch.dtype | None = None
+) -> Tensor:
+    """``values`` (a host tensor, or numbers in nested sequences) as a tensor on ``device``, in
+    one copy that does not wait for the device (from pinned memory on a GPU)."""
+    for transfers in _COUNTERS:
+        transfers.uploads += 1
+    values = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+class Addresses:
+    """Addresses (int64) on a device, uploaded again only when they change: parameters, and
+    usually their gradients, keep theirs from step to step."""
+
+    def __init__(self) -> None:
+        self._values: list[int] | None = None
+        self._tensor: Tensor | None = None
+
+    def __call__(self, values: list[int], device: torch.device) -> Tensor:
+        """``values`` on ``device``: the tensor of the last call if they are the same."""
+        if self._tensor is None or values != self._values or self._tensor.device != device:
+            self._tensor, self._values = upload(values, device, torch.int64), list(values)
+        return self._tensor
+
+
+def moved(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device`` (the host or the optimizer's device): itself if it is there,
+    else a copy made by :func:`read` or :func:`upload`."""
+    if tensor.device == device:
+        return tensor
+    return read(tensor) if device.type == "cpu" else upload(tensor, device)

@@ -1,0 +1,128 @@
+"""A step reads the device only through :mod:`onebit.host`, and a bounded number of times: on a
+GPU each read waits for every kernel queued before it, so reads that grow with the buckets
+bound the step by the CPU.
+
+On the CPU, :mod:`device_reads` tells device values from host ones as CUDA would, and records
+every read or upload that does not go through :mod:`onebit.host`. The ``cuda`` test checks the
+same on a GPU with ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from device_reads import device_values
+
+import onebit
+from onebit import host
+
+SHAPES = [(64, 32)] * 6 + [(32,)] * 6
+"""Twelve tensors; a bucket size of 2048 elements cuts them into seven buckets."""
+
+STEPS = {
+    "OnebitAdam warmup": ("OnebitAdam", {"freeze_step": 10**9}),
+    "OnebitAdam warmup, clip": ("OnebitAdam", {"freeze_step": 10**9, "max_grad_norm": 1.0}),
+    "OnebitAdam warmup, int8": ("OnebitAdam", {"freeze_step": 10**9, "warmup_compression": "int8"}),
+    "OnebitAdam compression": ("OnebitAdam", {"freeze_step": 1}),
+    "OnebitAdam compression, per bucket": ("OnebitAdam", {"freeze_step": 1, "scale_per": "bucket"}),
+    "OnebitAdam compression, clip": ("OnebitAdam", {"freeze_step": 1, "max_grad_norm": 1.0}),
+    "ZeroOneAdam sync": ("ZeroOneAdam", {"var_freeze_step": 1, "local_step_scaler": 10**9}),
+    "ZeroOneAdam sync, clip": (
+        "ZeroOneAdam", {"var_freeze_step": 1, "local_step_scaler": 10**9, "max_grad_norm": 1.0}
+    ),
+    "OnebitLamb compression": ("OnebitLamb", {"freeze_step": 1}),
+}  # fmt: skip
+"""Each step a test checks: the optimizer and its options (its stage from the second step)."""
+
+TWO_READS = {"ZeroOneAdam sync", "ZeroOneAdam sync, clip", "OnebitLamb compression"}
+"""Steps that read the device twice, at any number of buckets: 0/1 Adam's sync step reads its
+local step's verdict too, 1-bit LAMB its layers' ratios after the verdict. Every other step
+reads once, its verdict (with the norm it clips with)."""
+
+
+def _optimizer(name: str, device: torch.device | str, bucket_size: int, mode=None):
+    optimizer, options = STEPS[name]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.1) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    if mode is not None:
+        mode.mark(*params, *(p.grad for p in params))
+    return getattr(onebit, optimizer)(params, lr=1e-3, bucket_size=bucket_size, **options)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+@pytest.mark.parametrize("name", STEPS)
+def test_a_step_reads_and_uploads_only_through_onebit_host(name, backend, monkeypatch):
+    with device_values(monkeypatch) as mode:
+        opt = _optimizer(name, "cpu", 2048, mode)
+        opt.step()
+        opt.step()
+        mode.watching = True
+        opt.step()
+    assert mode.found == [], f"device reads or uploads outside onebit.host: {mode.found}"
+
+
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+@pytest.mark.parametrize("name", STEPS)
+def test_host_reads_per_step_are_few_and_do_not_grow_with_buckets(name, backend):
+    counts = {}
+    for bucket_size in (2**22, 2048):
+        opt = _optimizer(name, "cpu", bucket_size)
+        opt.step()
+        opt.step()
+        with host.counted() as transfers:
+            opt.step()
+        counts[bucket_size] = transfers
+    assert len(opt.comms) == 7
+    one, many = counts[2**22], counts[2048]
+    assert many.reads == one.reads == (2 if name in TWO_READS else 1), counts
+    assert many.uploads == one.uploads <= 2, counts
+
+
+def test_a_gradscaler_step_reads_its_scale_once(monkeypatch):
+    opt = _optimizer("OnebitAdam compression", "cpu", 2048)
+    opt.step()
+    opt.step()
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    for p in opt.layout.params:
+        p.grad.mul_(1024.0)
+    with host.counted() as transfers:
+        opt.step()
+    assert transfers.reads == 2
+
+
+def test_grad_norm_is_read_when_asked_for_not_during_the_step():
+    opt = _optimizer("OnebitAdam warmup, clip", "cpu", 2048)
+    with host.counted() as transfers:
+        opt.step()
+    assert transfers.reads == 1
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in opt.layout.params]))
+    with host.counted() as transfers:
+        assert opt.grad_norm == pytest.approx(float(expected), rel=1e-5)
+        assert opt.grad_norm == pytest.approx(float(expected), rel=1e-5)
+    assert transfers.reads == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", STEPS)
+def test_a_cuda_step_synchronises_only_in_onebit_host(name, monkeypatch):
+    opt = _optimizer(name, "cuda", 2048)
+    opt.step()
+    opt.step()
+    read = host.read
+
+    def allowed(tensor):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return read(tensor)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(host, "read", allowed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
