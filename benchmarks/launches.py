@@ -1,5 +1,7 @@
 """Count the kernels one optimizer step launches: torch ops that compute (views and allocations
-left out) and Triton launches, per backend, on layouts of many and of few tensors.
+left out) and Triton launches, per backend, on layouts of many and of few tensors; and its host
+reads of device values (each one a synchronisation on a GPU) and uploads, as ``onebit.host``
+counts them.
 
 On a GPU every one of them is a kernel launch and its CPU time, which is what bounded the
 compression step before the Triton kernels (the GPU issue: 5,665 kernels for 16 tensors). The
