@@ -2,10 +2,12 @@
 
 On a GPU, reading a device value on the host (``.item()``, ``bool(t)``, ``.tolist()``,
 ``.cpu()``) waits for every kernel queued before it: the CPU stops feeding the GPU until the
-queue drains. A step therefore reads the device at most twice: once for its verdict (the ranks'
-headers, whether their values were finite, the gradient norm it clips with) and once for the
-loss scale of a ``GradScaler``. Values the host computes (headers, addresses, learning rates)
-go up with :func:`upload`, from pinned memory without waiting.
+queue drains. A step therefore reads the device once for its verdict (the ranks' headers,
+whether their values were finite, the gradient norm it clips with), whatever the number of
+buckets; 0/1 Adam's sync step (its local step's verdict) and 1-bit LAMB (its layers' ratios)
+read once more, and so does a ``GradScaler`` step (its scale). Values the host computes
+(headers, addresses, learning rates) go up with :func:`upload`, from pinned memory without
+waiting.
 
 Every read and upload of a step goes through :func:`read` and :func:`upload`, which count
 themselves for :func:`counted`: ``benchmarks/launches.py`` prints the counts per step, and the
