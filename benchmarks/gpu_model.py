@@ -14,8 +14,9 @@ message, with the alpha-beta pieces of ``scaling.py``. Per step, with ``F`` forw
   ``AdamW(fused=True)``'s step.
 * onebit, compression stage: ``F + S + W``. ``W`` is the 1-bit exchange in onebit's default
   buckets (``scaling.onebit``: an all-to-all of signs, then an all-gather, SPEC 2, ``2 (n-1)/n
-  · d/8`` bytes and the scales), not overlapped (``overlap_backward=False``, the default); ``S``
-  is the compression step's compute.
+  · d/8`` bytes and the scales; each phase one collective for all buckets, as a step sends
+  them, or one per bucket, as onebit did before), not overlapped (``overlap_backward=False``,
+  the default); ``S`` is the compression step's compute.
 * onebit, fp32 warmup: ``F + R + S_w``, the fp32 allreduce not overlapped, ``S_w`` its step.
 * A whole run spends ``--warmup`` of its steps in the warmup.
 
@@ -31,13 +32,13 @@ from scaling import ddp_buckets, onebit, ring
 
 
 def step_times(args: argparse.Namespace, nodes: int, gbit: float, onebit_ms: float,
-               warmup_ms: float) -> dict[str, float]:  # fmt: skip
+               warmup_ms: float, per_bucket: bool = False) -> dict[str, float]:  # fmt: skip
     """Modeled step times in ms: AdamW + DDP, onebit's compression step and warmup step, and
-    the whole run."""
+    the whole run (``per_bucket``: the 1-bit phases one collective per bucket)."""
     beta, alpha, d = gbit * 1e9 / 8, args.alpha_us * 1e-6, int(args.params)  # bytes/s
     fwd_bwd, backward = args.forward_backward_ms / 1e3, args.forward_backward_ms / 1e3 * 2 / 3
     fp32 = ring(4 * d, nodes, ddp_buckets(4 * d), alpha, beta)[0]
-    one_bit = onebit(d, nodes, alpha, beta)[0]
+    one_bit = onebit(d, nodes, alpha, beta, per_bucket=per_bucket)[0]
     ddp = fwd_bwd + max(0.0, fp32 - backward) + args.adamw_ms / 1e3
     compression = fwd_bwd + onebit_ms / 1e3 + one_bit
     warmup = fwd_bwd + fp32 + warmup_ms / 1e3
@@ -49,13 +50,13 @@ def step_times(args: argparse.Namespace, nodes: int, gbit: float, onebit_ms: flo
 
 
 def break_even_gbit(args: argparse.Namespace, nodes: int, onebit_ms: float,
-                    warmup_ms: float) -> float | None:  # fmt: skip
+                    warmup_ms: float, per_bucket: bool = False) -> float | None:  # fmt: skip
     """The bandwidth above which the whole run is faster with AdamW + DDP (bisection in log
     space; ``None`` if onebit wins everywhere from 1 to 10,000 Gbit/s)."""
     lo, hi = 1.0, 10_000.0
 
     def gain(gbit: float) -> float:
-        t = step_times(args, nodes, gbit, onebit_ms, warmup_ms)
+        t = step_times(args, nodes, gbit, onebit_ms, warmup_ms, per_bucket)
         return t["ddp"] - t["run"]
 
     if gain(hi) > 0:
@@ -107,13 +108,16 @@ def main() -> None:
     parser.add_argument("--nodes", default="8,64")
     parser.add_argument("--gbits", default="10,25,100")
     args = parser.parse_args()
-    cases = {"before": (args.before_step_ms, args.before_warmup_ms),
-             "after": (args.onebit_step_ms, args.onebit_warmup_ms)}  # fmt: skip
+    cases = {"before": (args.before_step_ms, args.before_warmup_ms, True),
+             "after, 1-bit phases per bucket": (args.onebit_step_ms, args.onebit_warmup_ms, True),
+             "after": (args.onebit_step_ms, args.onebit_warmup_ms, False)}  # fmt: skip
     print(f"{args.params / 1e6:.0f}M parameters, forward+backward {args.forward_backward_ms} ms, "
           f"AdamW step {args.adamw_ms} ms, {args.warmup:.0%} of the run in an fp32 warmup, "
           f"latency {args.alpha_us} us per message")  # fmt: skip
-    for name, (step_ms, warmup_ms) in cases.items():
-        print(f"\n{name}: onebit compression step {step_ms:.1f} ms, warmup step {warmup_ms:.1f} ms")
+    for name, (step_ms, warmup_ms, per_bucket) in cases.items():
+        sends = "a collective per bucket" if per_bucket else "one collective per phase"
+        print(f"\n{name}: onebit compression step {step_ms:.1f} ms, warmup step {warmup_ms:.1f} "
+              f"ms, 1-bit phases in {sends}")  # fmt: skip
         print(
             "| nodes | Gbit/s | AdamW + DDP ms | onebit 1-bit step ms | speedup | "
             "whole run ms | whole-run speedup |"
@@ -121,11 +125,11 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for nodes in map(int, args.nodes.split(",")):
             for gbit in map(float, args.gbits.split(",")):
-                t = step_times(args, nodes, gbit, step_ms, warmup_ms)
+                t = step_times(args, nodes, gbit, step_ms, warmup_ms, per_bucket)
                 print(f"| {nodes} | {gbit:g} | {t['ddp']:.0f} | {t['compression']:.0f} | "
                       f"{t['ddp'] / t['compression']:.2f}x | {t['run']:.0f} | "
                       f"{t['ddp'] / t['run']:.2f}x |")  # fmt: skip
-            even = break_even_gbit(args, nodes, step_ms, warmup_ms)
+            even = break_even_gbit(args, nodes, step_ms, warmup_ms, per_bucket)
             where = "never, up to 10 Tbit/s" if even is None else f"above {even:.0f} Gbit/s"
             print(f"| {nodes} | AdamW + DDP is faster {where} | | | | | |")
 

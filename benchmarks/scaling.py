@@ -90,15 +90,22 @@ def ring(nbytes: float, n: int, collectives: int, alpha: float, beta: float) -> 
 
 
 def onebit(
-    params: int, n: int, alpha: float, beta: float, bucket: int = ONEBIT_BUCKET
+    params: int,
+    n: int,
+    alpha: float,
+    beta: float,
+    bucket: int = ONEBIT_BUCKET,
+    per_bucket: bool = False,
 ) -> tuple[float, float]:
     """(seconds, bytes sent per rank) of one 1-bit compressed allreduce of ``params`` in buckets
-    of ``bucket`` elements."""
+    of ``bucket`` elements: each phase one collective for all buckets, as a step sends them
+    (``per_bucket``: one per bucket, as onebit did before)."""
     if n == 1:
         return 0.0, 0.0
     buckets = math.ceil(params / bucket)
     sent = 2 * (n - 1) / n * params / 8 + 2 * (n - 1) * 4 * buckets  # signs + scales
-    return buckets * 2 * (n - 1) * alpha + sent / beta, sent
+    collectives = buckets if per_bucket else 1
+    return collectives * 2 * (n - 1) * alpha + sent / beta, sent
 
 
 def powersgd_elements(w: Workload, rank: int, min_rate: float = 2.0) -> int:

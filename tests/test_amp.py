@@ -40,18 +40,23 @@ def _loss(model, step, rank):
     return torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
 
 
+def _three_runs(rank, world_size, name, dtype):
+    """The plain, scaler and unscale runs, one after another on the same ranks."""
+    return {mode: _scaled_run(rank, world_size, name, mode, (), dtype)
+            for mode in ("plain", "scaler", "unscale")}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name,dtype",
     [(n, torch.float32) for n in NAMES] + [("adam", torch.bfloat16), ("zero_one", torch.bfloat16)],
 )
 def test_constant_power_of_two_loss_scale_is_bitwise_the_unscaled_run(name, dtype):
-    plain = run_ranks(_scaled_run, 2, name, "plain", (), dtype)
+    results = run_ranks(_three_runs, 2, name, dtype)
     for mode in ("scaler", "unscale"):
-        scaled = run_ranks(_scaled_run, 2, name, mode, (), dtype)
-        for (want, *_), (got, *_) in zip(plain, scaled):
-            for step, (a, b) in enumerate(zip(want, got)):
+        for ranks in results:
+            for step, (a, b) in enumerate(zip(ranks["plain"][0], ranks[mode][0])):
                 assert all_equal(a, b), f"{mode}: step {step + 1} differs"
-    stages = plain[0][3]
+    stages = results[0]["plain"][3]
     assert set(stages) - {"warmup", "variance"}, "the run must cross the freeze"
 
 

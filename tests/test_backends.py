@@ -47,7 +47,7 @@ def _trajectories(rank: int, world_size: int, backend: str) -> dict[str, list[to
     return {"backend": chosen, **results}
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3])  # 3: padding, and more than a pair
 def test_every_backend_follows_the_reference_through_optimizer_steps(world):
     reference = run_ranks(_trajectories, world, "torch", timeout=300)
     for backend in BACKENDS[:-1]:

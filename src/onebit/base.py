@@ -35,6 +35,7 @@ from . import host, kernels
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
+from .exchange import phase_exchange
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
@@ -832,7 +833,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
         gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
         self._begin_step()
-        calls = [comm.start(buffers[k], self._header_for(k)) for k, comm in enumerate(self.comms)]
+        exchange = phase_exchange(self.comms, 1)
+        calls = [
+            comm.start(buffers[k], self._header_for(k), (exchange, k))
+            for k, comm in enumerate(self.comms)
+        ]
+        exchange.send()
         return self._finish_compressed(calls, outputs, gradients=False)
 
     def _gather_grads(self, norms: bool = False) -> Tensor:
@@ -1054,9 +1060,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if sparse:
             self._status = 1
         calls: list[Any] = [None] * len(self.comms)
+        exchange = phase_exchange(self.comms, 1)
         for k in reversed(range(len(self.comms))):  # the bucketer's launch order
             header = self._header_for(k)
-            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header, scaling)
+            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header, scaling,
+                                         (exchange, k))  # fmt: skip
+        exchange.send()
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
         del keep
         return applied, nbytes, calls

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from .comm import MeanAllreduce, group_size_and_rank
+from .exchange import Exchange, phase_exchange
 from .layout import FlatLayout
 
 Prepare = Callable[[int, str, Tensor], None]
@@ -223,8 +224,17 @@ class Bucketer:
         """The communicators of ``kind``: the quantized warmup's, or the 1-bit ones."""
         return self.warmup_comms if kind == "quantized" else self.comms
 
-    def launch(self, k: int, kind: str, fill: bool = True, inv_scale: float | None = None) -> None:
-        """Start bucket ``k``'s ``kind`` call; with ``fill``, gather and prepare it first."""
+    def launch(
+        self,
+        k: int,
+        kind: str,
+        fill: bool = True,
+        inv_scale: float | None = None,
+        exchange: tuple[Exchange, int] | None = None,
+    ) -> None:
+        """Start bucket ``k``'s ``kind`` call; with ``fill``, gather and prepare it first. A
+        compressed or quantized call's message goes into ``exchange``'s part, if given, to be
+        sent with the others' (:class:`~onebit.exchange.Exchange`); otherwise it is sent now."""
         self.open_step()
         grads = self.buckets[k]
         numel = self.comms[k].numel
@@ -244,15 +254,29 @@ class Bucketer:
                 slots[self.rank] = header
             self.inflight[k] = MeanAllreduce(buffer, self.process_group, average=grads[:numel])
         else:
-            self.inflight[k] = self.comms_for(kind)[k].start(grads, header)
+            self.inflight[k] = self.comms_for(kind)[k].start(grads, header, exchange)
         self.inflight_kind = kind
 
     def launch_all(self, kind: str, fill: bool = True, inv_scale: float | None = None) -> list[Any]:
         """Launch every bucket not yet launched, in launch order; return every bucket's call in
-        bucket order, no longer in flight."""
-        for k in reversed(range(len(self.comms))):
-            if k not in self.inflight:
-                self.launch(k, kind, fill, inv_scale)
+        bucket order, no longer in flight.
+
+        Without ``overlap``, a compressed or quantized phase 1 is one collective for all of them.
+        With it, each bucket keeps a collective of its own: which buckets backward launched
+        before ``step()`` may differ between ranks, but the sequence of buckets does not."""
+        waiting = [k for k in reversed(range(len(self.comms))) if k not in self.inflight]
+        exchange = None
+        if waiting and kind != "allreduce" and not self.overlap:
+            exchange = phase_exchange([self.comms_for(kind)[k] for k in waiting], 1)
+        try:
+            for i, k in enumerate(waiting):
+                self.launch(k, kind, fill, inv_scale, None if exchange is None else (exchange, i))
+        except BaseException:
+            if exchange is not None:  # the other ranks wait for it
+                exchange.send(void=True)
+            raise
+        if exchange is not None:
+            exchange.send()
         calls = [self.inflight[k] for k in range(len(self.comms))]
         self._reset()
         return calls

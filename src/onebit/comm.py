@@ -35,6 +35,7 @@ from .compress import (
     subtract_compressed_,
     subtract_compressed_segments_,
 )
+from .exchange import Exchange, phase_exchange
 
 _SCALE_BYTES = 4
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -94,6 +95,7 @@ class _Call:
     gathered: Tensor | None = None
     signs: Tensor | None = None  # pack_signs(y), kept for the error update
     commit: Callable[[], None] | None = None  # updates the worker error instead of y
+    exchange: tuple[Exchange, int] | None = None  # the phase in flight, sent with others
 
 
 class CompressedAllreduce:
@@ -221,6 +223,16 @@ class CompressedAllreduce:
     def _phase1_extra(self) -> int:
         return _SCALE_BYTES * self.worker_scale_count + 4 * self.header_numel
 
+    @property
+    def phase1_width(self) -> int:
+        """Bytes of each row of phase 1's message (an :class:`~onebit.exchange.Exchange` part)."""
+        return self._chunk_bytes + self._phase1_extra
+
+    @property
+    def phase2_width(self) -> int:
+        """Bytes of phase 2's message."""
+        return self._chunk_bytes + _SCALE_BYTES * self.server_scale_count
+
     def __call__(self, tensor: Tensor, *, out: Tensor | None = None) -> Tensor:
         """The compressed mean of ``tensor`` (``numel`` elements, any shape and float dtype)
         across the group, written into ``out`` (default: a new tensor like ``tensor``; it may be
@@ -297,20 +309,27 @@ class CompressedAllreduce:
             signs, scales, commit=lambda: commit_input_(x, error, scales, bounds)
         )
 
-    # The three phases. reduce_compressed_ runs them over many buckets so they overlap.
+    # The three phases. reduce_compressed_ runs them over many buckets, a collective a phase.
 
-    def start(self, buffer: Tensor, header: Tensor | None = None) -> _Call:
+    def start(
+        self,
+        buffer: Tensor,
+        header: Tensor | None = None,
+        exchange: tuple[Exchange, int] | None = None,
+    ) -> _Call:
         """Worker compression of ``buffer`` (``padded_numel`` fp32, overwritten) and phase 1.
 
         ``header`` (``header_numel`` fp32 values) goes to every rank with this rank's chunk.
         The worker error is not yet updated: :meth:`serve` commits it once every rank's scale is
-        known to be finite.
+        known to be finite. With ``exchange`` (an :class:`~onebit.exchange.Exchange` of
+        :attr:`phase1_width` parts, and this call's part) the message goes into its part, to be
+        sent with the others; otherwise it is sent now.
         """
         buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
         packed, scale = compress_(buffer, self.worker_error, self.scale)
         if self._geometry is not None:
             scale = segment_scales(buffer, self._geometry.bounds, self.scale)
-        return self.start_compressed(packed, scale, header, y=buffer)
+        return self.start_compressed(packed, scale, header, y=buffer, exchange=exchange)
 
     def start_compressed(
         self,
@@ -320,9 +339,10 @@ class CompressedAllreduce:
         *,
         y: Tensor | None = None,
         commit: Callable[[], None] | None = None,
+        exchange: tuple[Exchange, int] | None = None,
     ) -> _Call:
         """Phase 1 of signs and scales the caller compressed itself (``pack_signs(y)``, and the
-        scale of ``y`` or of each segment), as :meth:`start`.
+        scale of ``y`` or of each segment), as :meth:`start` (``exchange`` too).
 
         :meth:`serve` then updates the worker error from ``y``, or calls ``commit()``, which
         updates :attr:`worker_error` itself (say with a fused kernel that computes ``y`` again,
@@ -331,7 +351,10 @@ class CompressedAllreduce:
         n, chunk = self.world_size, self._chunk_bytes
         device = signs.device
         scales_end = chunk + _SCALE_BYTES * self.worker_scale_count
-        message = torch.empty(n, chunk + self._phase1_extra, dtype=torch.uint8, device=device)
+        if exchange is None:
+            message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=device)
+        else:
+            message = exchange[0].part(exchange[1])
         if self.header_numel:
             if header is None or header.numel() != self.header_numel:
                 raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
@@ -340,6 +363,8 @@ class CompressedAllreduce:
         message[:, chunk:scales_end] = scales.reshape(1, -1).to(device).view(torch.uint8)
         if self.numel:
             message[:, :chunk] = signs.view(n, chunk)
+        if exchange is not None:
+            return _Call(y, scales, message, None, signs=signs, commit=commit, exchange=exchange)
         work = None
         received = message
         if n > 1 and self.numel:
@@ -350,6 +375,9 @@ class CompressedAllreduce:
     def worker_scales(self, call: _Call) -> Tensor:
         """Wait for phase 1 and return every rank's worker scales, ``[world_size, count]`` in
         rank order (``count`` is 1, or the number of segments)."""
+        if call.exchange is not None:
+            exchange, i = call.exchange
+            call.received, call.exchange = exchange.received(i), None
         if call.work is not None:
             call.work.wait()
             call.work = None
@@ -365,11 +393,14 @@ class CompressedAllreduce:
             .view(torch.float32)
         )
 
-    def serve(self, call: _Call, z: Tensor | None = None) -> None:
+    def serve(
+        self, call: _Call, z: Tensor | None = None, exchange: tuple[Exchange, int] | None = None
+    ) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2.
 
         ``z`` (``chunk_numel`` fp32) is scratch for the served chunk where it must be stored: no
-        segments, and not the C kernels (default: a new buffer).
+        segments, and not the C kernels (default: a new buffer). ``exchange``: as in
+        :meth:`start`, of :attr:`phase2_width` parts.
         """
         geometry = self._geometry
         if call.commit is not None:
@@ -397,10 +428,16 @@ class CompressedAllreduce:
             self._server_last = pieces_sigma
             sigma = torch.zeros(self.server_scale_count, device=pieces_sigma.device)
             sigma[: len(bounds) - 1] = pieces_sigma
-        scales_end = chunk + _SCALE_BYTES * self.server_scale_count
-        message = torch.empty(scales_end, dtype=torch.uint8, device=self.device)
+        scales_end = self.phase2_width
+        if exchange is None:
+            message = torch.empty(scales_end, dtype=torch.uint8, device=self.device)
+        else:
+            message = exchange[0].part(exchange[1])
         message[:chunk] = packed
         message[chunk:scales_end] = sigma.reshape(-1).to(self.device).view(torch.uint8)
+        if exchange is not None:
+            call.exchange = exchange
+            return
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
@@ -411,6 +448,9 @@ class CompressedAllreduce:
     def finish(self, call: _Call, out: Tensor | None) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out`` (``None``:
         leave it packed, for :meth:`result_signs`)."""
+        if call.exchange is not None:
+            exchange, i = call.exchange
+            call.gathered, call.exchange = exchange.received(i), None
         if call.work is not None:
             call.work.wait()
             call.work = None
@@ -526,11 +566,18 @@ def reduce_compressed_(
     """Run several compressed allreduces at once, all or nothing.
 
     ``buffers[i]`` (``comms[i].padded_numel`` fp32, overwritten) is reduced into ``outputs[i]``.
-    All phase-1 exchanges are in flight while later buckets are still being compressed, and all
-    phase-2 gathers while later chunks are being served. If any rank's scale in any bucket is
-    non-finite, returns ``False`` on every rank, with the error buffers and ``outputs`` untouched.
+    Each phase is one collective for all of them (:class:`~onebit.exchange.Exchange`). If any
+    rank's scale in any bucket is non-finite, returns ``False`` on every rank, with the error
+    buffers and ``outputs`` untouched.
     """
-    calls = [comm.start(b) for comm, b in zip(comms, buffers)]
+    if not comms:
+        return True
+    exchange = phase_exchange(comms, 1)
+    calls = [
+        comm.start(buffer, exchange=(exchange, i))
+        for i, (comm, buffer) in enumerate(zip(comms, buffers))
+    ]
+    exchange.send()
     return finish_compressed_(comms, calls, outputs)
 
 
@@ -556,8 +603,13 @@ def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> Tenso
 def commit_compressed_(
     comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
 ) -> None:
-    """Serve and finish calls whose phase 1 is done and whose scales are all finite."""
-    for comm, call in zip(comms, calls):
-        comm.serve(call)
+    """Serve and finish calls whose phase 1 is done and whose scales are all finite: phase 2 of
+    every call in one collective (:class:`~onebit.exchange.Exchange`)."""
+    if not comms:
+        return
+    exchange = phase_exchange(comms, 2)
+    for i, (comm, call) in enumerate(zip(comms, calls)):
+        comm.serve(call, exchange=(exchange, i))
+    exchange.send()
     for comm, call, out in zip(comms, calls, outputs):
         comm.finish(call, out)

@@ -28,6 +28,7 @@ from torch import Tensor
 from . import host, kernels
 from .comm import CompressedAllreduce, _Call
 from .compress import decompress_pieces_, pack_signs
+from .exchange import Exchange
 from .kernels import fused
 from .layout import FlatLayout
 
@@ -121,12 +122,13 @@ class PackedMomentumStage:
         beta1: float,
         header: Tensor | None,
         scaling: Tensor | None = None,
+        exchange: tuple[Exchange, int] | None = None,
     ) -> _Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
         ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
         :func:`~onebit.kernels.fused.gradient_addresses`; ``scaling``: fp32 per parameter, or
-        ``None``), sent with ``header``. The worker error is committed by the communicator's
-        ``serve`` once every rank's scales are finite."""
+        ``None``), sent with ``header`` (in ``exchange``'s part, if given). The worker error is
+        committed by the communicator's ``serve`` once every rank's scales are finite."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
         weight, post = 1 - beta1, scaling
         error = comm._worker_error  # None: zeros, until the first applied step
@@ -139,7 +141,7 @@ class PackedMomentumStage:
             fused.commit(runs, grads, inv_scale, m, weight, error, scales, comm.worker_error,
                          post)  # fmt: skip
 
-        return comm.start_compressed(signs, scales, header, commit=commit)
+        return comm.start_compressed(signs, scales, header, commit=commit, exchange=exchange)
 
     def finish(self, calls: list[_Call]) -> None:
         """After an applied step: the allreduce's packed results are the new momentum."""

@@ -35,6 +35,7 @@ from torch import Tensor
 from . import kernels
 from .comm import finish_compressed_, group_size_and_rank
 from .compress import padded_numel
+from .exchange import Exchange
 
 BITS = ("bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
@@ -321,6 +322,7 @@ class _Call:
     received: Tensor  # phase 1: one row from each rank
     work: dist.Work | None
     gathered: Tensor | None = None  # phase 2: one row from each server, [world_size, bytes]
+    exchange: tuple[Exchange, int] | None = None  # the phase in flight, sent with others
 
 
 class _Scratch:
@@ -465,7 +467,7 @@ class QuantizedAllreduce:
         self.numel = numel
         self.padded_numel = padded_numel(numel, self.world_size)
         self.chunk_numel = self.padded_numel // self.world_size
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = self.device = torch.device("cpu") if device is None else torch.device(device)
         self.worker_error = torch.zeros(self.padded_numel, device=device)
         self.server_error = torch.zeros(self.chunk_numel, device=device)
         self._plans = self._tile_geometry(device)
@@ -521,11 +523,13 @@ class QuantizedAllreduce:
         return plans
 
     @property
-    def _phase1_row(self) -> int:
+    def phase1_width(self) -> int:
+        """Bytes of each row of phase 1's message (an :class:`~onebit.exchange.Exchange` part)."""
         return self._payload + _FLOAT_BYTES * (self._scale_count + 1 + self.header_numel)
 
     @property
-    def _phase2_row(self) -> int:
+    def phase2_width(self) -> int:
+        """Bytes of phase 2's message."""
         return self._payload + _FLOAT_BYTES * self._scale_count
 
     @property
@@ -533,7 +537,7 @@ class QuantizedAllreduce:
         """Bytes this rank sends per call: ``(n-1) * (phase-1 row + phase-2 row)``."""
         if self.numel == 0:
             return 0
-        return (self.world_size - 1) * (self._phase1_row + self._phase2_row)
+        return (self.world_size - 1) * (self.phase1_width + self.phase2_width)
 
     def __call__(self, tensor: Tensor) -> Tensor:
         """The quantized mean of ``tensor`` across the group, same shape and dtype; NaN
@@ -551,15 +555,29 @@ class QuantizedAllreduce:
 
     # The phases, as CompressedAllreduce's, so finish_compressed_ can drive many buckets at once.
 
-    def start(self, buffer: Tensor, header: Tensor | None = None) -> _Call:
+    def start(
+        self,
+        buffer: Tensor,
+        header: Tensor | None = None,
+        exchange: tuple[Exchange, int] | None = None,
+    ) -> _Call:
         """Worker quantization of ``buffer`` (``padded_numel`` fp32, overwritten) and phase 1.
 
         ``header`` (``header_numel`` fp32 values) goes to every rank. The worker error is not yet
-        updated: :meth:`serve` commits it once every rank's scales are known to be finite.
+        updated: :meth:`serve` commits it once every rank's scales are known to be finite. With
+        ``exchange`` (an :class:`~onebit.exchange.Exchange` of :attr:`phase1_width` parts, and
+        this call's part) the message goes into its part, to be sent with the others;
+        otherwise it is sent now.
         """
-        return self._start(buffer, header, None)
+        return self._start(buffer, header, None, exchange)
 
-    def _start(self, buffer: Tensor, header: Tensor | None, source: Tensor | None) -> _Call:
+    def _start(
+        self,
+        buffer: Tensor,
+        header: Tensor | None,
+        source: Tensor | None,
+        exchange: tuple[Exchange, int] | None = None,
+    ) -> _Call:
         """:meth:`start`, reading the input from ``source`` (``numel`` fp32) if it is given."""
         if buffer.numel() != self.padded_numel:
             raise ValueError(f"start() needs {self.padded_numel} elements, got {buffer.numel()}")
@@ -569,11 +587,14 @@ class QuantizedAllreduce:
             raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
         buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
         n = self.world_size
-        message = torch.empty(n, self._phase1_row, dtype=torch.uint8, device=buffer.device)
+        if exchange is None:
+            message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=buffer.device)
+        else:
+            message = exchange[0].part(exchange[1])
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
         if self._kernels is not None and self.numel:
             message[:, p:s].zero_()  # the scale slots a chunk lacks
-            absmax = self._kernels.start(message, self._phase1_row, buffer, self.worker_error,
+            absmax = self._kernels.start(message, message.stride(0), buffer, self.worker_error,
                                          source)  # fmt: skip
         else:
             absmax = self._quantize_chunks(buffer, source, message)
@@ -581,6 +602,8 @@ class QuantizedAllreduce:
         if self.header_numel:
             values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
             message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
+        if exchange is not None:
+            return _Call(buffer, message, message, None, exchange=exchange)
         if n == 1 or not self.numel:
             return _Call(buffer, message, message, None)
         received = torch.empty_like(message)
@@ -678,6 +701,9 @@ class QuantizedAllreduce:
     def worker_scales(self, call: _Call) -> Tensor:
         """Wait for phase 1; return every rank's block scales of this rank's chunk and its
         whole-buffer absmax, flattened in rank order: non-finite iff some rank's input was."""
+        if call.exchange is not None:
+            exchange, i = call.exchange
+            call.received, call.exchange = exchange.received(i), None
         if call.work is not None:
             call.work.wait()
             call.work = None
@@ -689,9 +715,9 @@ class QuantizedAllreduce:
         start = self._payload + _FLOAT_BYTES * (self._scale_count + 1)
         return _floats(call.received[:, start:])
 
-    def serve(self, call: _Call) -> None:
+    def serve(self, call: _Call, exchange: tuple[Exchange, int] | None = None) -> None:
         """Commit the worker error, average and requantize this rank's chunk with server error,
-        start phase 2.
+        start phase 2 (``exchange``: as in :meth:`start`, of :attr:`phase2_width` parts).
 
         At world size 1 there is no phase 2: the result goes straight into :meth:`start`'s
         buffer, for :meth:`finish`.
@@ -703,17 +729,17 @@ class QuantizedAllreduce:
         n, c, rank, bits = self.world_size, self.chunk_numel, self.rank, self.bits
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
         if self._kernels is not None:
-            self._kernels.commit_workers(call.sent, self._phase1_row, call.y, self.worker_error)
+            self._kernels.commit_workers(call.sent, call.sent.stride(0), call.y,
+                                         self.worker_error)  # fmt: skip
+            received, stride = call.received, call.received.stride(0)
             if n == 1:  # the result goes into the buffer, which y is done with
-                self._kernels.serve(rank, call.received, self._phase1_row, self.server_error,
-                                    None, call.y[:c])  # fmt: skip
+                self._kernels.serve(rank, received, stride, self.server_error, None, call.y[:c])
                 return
             call.y = None
-            message = torch.empty(self._phase2_row, dtype=torch.uint8, device=call.sent.device)
+            message = self._phase2_message(exchange)
             message[p:].zero_()
-            self._kernels.serve(rank, call.received, self._phase1_row, self.server_error,
-                                message, None)  # fmt: skip
-            self._gather(call, message)
+            self._kernels.serve(rank, received, stride, self.server_error, message, None)
+            self._gather(call, message, exchange)
             return
         scratch = self._scratch()
         # The worker error of the chunks this rank does not serve: y - deQ(Q(y)).
@@ -731,7 +757,7 @@ class QuantizedAllreduce:
         rows = [self._rows(row[:p], row[p:s], plan) for row in call.received]
         if n > 1:
             call.y = None
-            message = torch.empty(self._phase2_row, dtype=torch.uint8, device=call.sent.device)
+            message = self._phase2_message(exchange)
             payload, scales = self._rows(message[:p], message[p:], plan, True)
         else:  # Q(z) only in work space, deQ(Q(z)) into the buffer
             payload = scales = None
@@ -756,16 +782,28 @@ class QuantizedAllreduce:
             self._quantize(z, tile, t, payload, scales, block_max, work, scratch, result)
             torch.sub(z, result, out=se)
         if n > 1:
-            self._gather(call, message)
+            self._gather(call, message, exchange)
 
-    def _gather(self, call: _Call, message: Tensor) -> None:
-        """Start phase 2: every rank gets every server's ``message``."""
+    def _phase2_message(self, exchange: tuple[Exchange, int] | None) -> Tensor:
+        if exchange is None:
+            return torch.empty(self.phase2_width, dtype=torch.uint8, device=self.device)
+        return exchange[0].part(exchange[1])
+
+    def _gather(self, call: _Call, message: Tensor, exchange: tuple[Exchange, int] | None) -> None:
+        """Start phase 2: every rank gets every server's ``message`` (with ``exchange``: when
+        it is sent)."""
+        if exchange is not None:
+            call.exchange = exchange
+            return
         gathered = message.new_empty(self.world_size * message.numel())
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 
     def finish(self, call: _Call, out: Tensor) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out``."""
+        if call.exchange is not None:
+            exchange, i = call.exchange
+            call.gathered, call.exchange = exchange.received(i), None
         if call.work is not None:
             call.work.wait()
             call.work = None
@@ -780,7 +818,7 @@ class QuantizedAllreduce:
         direct = out.is_contiguous() and out.dtype == torch.float32
         flat = out.view(-1) if direct else torch.empty(self.numel, device=out.device)
         if self._kernels is not None:
-            self._kernels.finish(call.gathered, self._phase2_row, flat)
+            self._kernels.finish(call.gathered, call.gathered.stride(0), flat)
             if not direct:
                 out.copy_(flat.view(out.shape))
             return

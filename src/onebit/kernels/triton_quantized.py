@@ -248,7 +248,11 @@ def _results(
 
 
 def _views(message: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    flat = message.reshape(-1)
+    """A message's bytes from its first to its last (its rows may be strided: the kernels take
+    the row stride), as int8, uint8, int16 and fp32 (the extent rounded up to whole floats)."""
+    rows = message.reshape(1, -1) if message.dim() == 1 else message
+    extent = (rows.shape[0] - 1) * rows.stride(0) + rows.shape[1]
+    flat = rows.as_strided((-(-extent // 4) * 4,), (1,))
     return flat.view(torch.int8), flat, flat.view(torch.int16), flat.view(torch.float32)
 
 
