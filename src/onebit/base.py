@@ -833,12 +833,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
         gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
         self._begin_step()
-        exchange = phase_exchange(self.comms, 1)
-        calls = [
-            comm.start(buffers[k], self._header_for(k), (exchange, k))
-            for k, comm in enumerate(self.comms)
-        ]
-        exchange.send()
+        with phase_exchange(self.comms, 1).filling() as exchange:
+            calls = [
+                comm.start(buffers[k], self._header_for(k), (exchange, k))
+                for k, comm in enumerate(self.comms)
+            ]
         return self._finish_compressed(calls, outputs, gradients=False)
 
     def _gather_grads(self, norms: bool = False) -> Tensor:
@@ -1060,12 +1059,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if sparse:
             self._status = 1
         calls: list[Any] = [None] * len(self.comms)
-        exchange = phase_exchange(self.comms, 1)
-        for k in reversed(range(len(self.comms))):  # the bucketer's launch order
-            header = self._header_for(k)
-            calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header, scaling,
-                                         (exchange, k))  # fmt: skip
-        exchange.send()
+        with phase_exchange(self.comms, 1).filling() as exchange:
+            for k in reversed(range(len(self.comms))):  # the bucketer's launch order
+                header = self._header_for(k)
+                calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header,
+                                             scaling, (exchange, k))  # fmt: skip
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
         del keep
         return applied, nbytes, calls

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -268,15 +268,9 @@ class Bucketer:
         exchange = None
         if waiting and kind != "allreduce" and not self.overlap:
             exchange = phase_exchange([self.comms_for(kind)[k] for k in waiting], 1)
-        try:
+        with nullcontext() if exchange is None else exchange.filling():
             for i, k in enumerate(waiting):
                 self.launch(k, kind, fill, inv_scale, None if exchange is None else (exchange, i))
-        except BaseException:
-            if exchange is not None:  # the other ranks wait for it
-                exchange.send(void=True)
-            raise
-        if exchange is not None:
-            exchange.send()
         calls = [self.inflight[k] for k in range(len(self.comms))]
         self._reset()
         return calls

@@ -572,12 +572,11 @@ def reduce_compressed_(
     """
     if not comms:
         return True
-    exchange = phase_exchange(comms, 1)
-    calls = [
-        comm.start(buffer, exchange=(exchange, i))
-        for i, (comm, buffer) in enumerate(zip(comms, buffers))
-    ]
-    exchange.send()
+    with phase_exchange(comms, 1).filling() as exchange:
+        calls = [
+            comm.start(buffer, exchange=(exchange, i))
+            for i, (comm, buffer) in enumerate(zip(comms, buffers))
+        ]
     return finish_compressed_(comms, calls, outputs)
 
 
@@ -607,9 +606,8 @@ def commit_compressed_(
     every call in one collective (:class:`~onebit.exchange.Exchange`)."""
     if not comms:
         return
-    exchange = phase_exchange(comms, 2)
-    for i, (comm, call) in enumerate(zip(comms, calls)):
-        comm.serve(call, exchange=(exchange, i))
-    exchange.send()
+    with phase_exchange(comms, 2).filling() as exchange:
+        for i, (comm, call) in enumerate(zip(comms, calls)):
+            comm.serve(call, exchange=(exchange, i))
     for comm, call, out in zip(comms, calls, outputs):
         comm.finish(call, out)

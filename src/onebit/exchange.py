@@ -16,7 +16,8 @@ their own message (:class:`~onebit.comm.CompressedAllreduce`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,8 +40,9 @@ class Exchange:
         gather: phase 2, an all-gather of one row per rank; else phase 1, an all-to-all of
             ``world_size`` rows.
 
-    Fill :meth:`part` ``i`` for every call, then :meth:`send` once; :meth:`received` then gives
-    call ``i``'s rows from every rank, ``[world_size, widths[i]]`` (rows strided).
+    Fill :meth:`part` ``i`` for every call inside ``with exchange.filling():``, which sends it
+    once; :meth:`received` then gives call ``i``'s rows from every rank, ``[world_size,
+    widths[i]]`` (rows strided).
     """
 
     def __init__(
@@ -87,6 +89,17 @@ class Exchange:
             self._work = dist.all_to_all_single(received, message, group=self.group,
                                                 async_op=True)  # fmt: skip
             self._received = received
+
+    @contextmanager
+    def filling(self) -> Iterator[Exchange]:
+        """Fill the parts inside the ``with`` block; :meth:`send` at its end, or, if it raises,
+        ``send(void=True)`` before the exception goes on, so that no other rank waits."""
+        try:
+            yield self
+        except BaseException:
+            self.send(void=True)
+            raise
+        self.send()
 
     def received(self, i: int) -> Tensor:
         """Wait for the collective; call ``i``'s rows from every rank, in rank order."""
