@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from onebit import host, kernels
 
 _FREE = {"empty", "empty_strided", "empty_like", "alias", "detach", "lift_fresh", "set_"}
+_FREE |= {"_record_function_enter_new", "_record_function_exit"}  # profiler marks, not kernels
 
 
 _IN_TRITON = [False]  # the interpreter's own torch ops (copies of the arguments) do not count

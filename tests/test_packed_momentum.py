@@ -177,3 +177,47 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     with pytest.raises(ValueError, match="freeze_step"):
         later.load_state_dict(opt.state_dict())
     assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0
+
+
+def _run_triton(rank: int, world_size: int, whole: bool):
+    """:func:`_run` of OnebitAdam on the Triton kernels (under the interpreter here): ``whole``,
+    each pass over every bucket in one launch; else a bucket at a time. Returns it and how many
+    steps took the passes over every bucket."""
+    from backends import use_backend
+
+    from onebit.kernels import triton_model
+
+    use_backend("triton")
+    took = [0]
+    signs = triton_model.ModelPasses.signs
+
+    def counted(self, *args, **kwargs):
+        took[0] += 1
+        return signs(self, *args, **kwargs)
+
+    triton_model.ModelPasses.signs = counted
+    if not whole:
+        momentum.PackedMomentumStage.passes = lambda self: None
+    return _run(rank, world_size, "OnebitAdam", True, True), took[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size):
+    """The Triton step in a few launches whatever the buckets (:mod:`onebit.kernels.
+    triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
+    and both errors, through AMP, a missing gradient, a skipped step and a resume."""
+    whole = run_ranks(_run_triton, world_size, True, timeout=600)
+    per_bucket = run_ranks(_run_triton, world_size, False, timeout=600)
+    for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
+        whole, per_bucket
+    ):
+        assert took == (STEPS - FREEZE) + (STEPS - 5) and none == 0  # every compression step
+        for t, (got, expected) in enumerate(zip(history + resumed, want + want_resumed)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
+        for i, per_param in want_state["state"].items():
+            for key, value in per_param.items():
+                assert torch.equal(state["state"][i][key], value), (i, key)
+        comms = state["onebit"]["ranks"], want_state["onebit"]["ranks"]
+        for a, b in zip(*(list(r.values())[0]["comms"] for r in comms)):
+            assert torch.equal(a["worker_error"], b["worker_error"])
+            assert torch.equal(a["server_error"], b["server_error"])

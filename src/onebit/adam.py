@@ -235,7 +235,8 @@ class OnebitAdam(CompressedOptimizer):
         PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
         applied, nbytes, calls = self._packed_allreduce()
         if applied:
-            self._fused.finish(calls)
+            if calls is not None:
+                self._fused.finish(calls)
             self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 

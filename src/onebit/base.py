@@ -693,37 +693,42 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, headers: Tensor, finite: Tensor, norms2: Tensor | None = None
     ) -> tuple[bool, Tensor | None]:
         """The step's verdict from the device in one host read: :meth:`_check_headers` of the
-        ranks' ``headers`` and ``finite`` (a boolean tensor); returns (applied, ``norms2`` on the
-        host, if given)."""
-        parts = [headers.reshape(-1), finite.reshape(1).to(headers.device, torch.float32)]
+        ranks' ``headers`` and ``finite``, a boolean tensor or a float that is finite if every
+        rank's values were (say the largest of their scales); returns (applied, ``norms2`` on
+        the host, if given)."""
+        parts = [headers.reshape(-1), finite.reshape(1)]
         if norms2 is not None:
-            parts.append(norms2.reshape(-1).float())
-        values = host.read(torch.cat(parts))
-        size = headers.numel()
-        verdict = self._check_headers(values[:size].view(headers.shape), bool(values[size]))
+            parts.append(norms2.reshape(-1))
+        values = host.read(torch.cat(parts))  # fp32, as the headers
+        size, width = headers.numel(), headers.shape[-1]
+        listed = values[: size + 1].tolist()
+        flag = listed[size]
+        finite_ = bool(flag) if finite.dtype == torch.bool else math.isfinite(flag)
+        rows = [listed[i : i + width] for i in range(0, size, width)]
+        verdict = self._check_headers(rows, finite_)
         return verdict, None if norms2 is None else values[size + 1 :]
 
-    def _check_headers(self, headers: Tensor, finite: bool) -> bool:
-        """Raise the same error on every rank if the ranks' headers (``[n, HEADER_NUMEL]`` on
-        the host, identical on every rank) show different steps, hyperparameters or a local
-        problem; else return whether every rank's values were ``finite``.
+    def _check_headers(self, headers: list[list[float]], finite: bool) -> bool:
+        """Raise the same error on every rank if the ranks' headers (a row of ``HEADER_NUMEL``
+        values per rank, identical on every rank) show different steps, hyperparameters or a
+        local problem; else return whether every rank's values were ``finite``.
 
         With sharded parameters both verdicts are combined across the shard group in one
         collective, so a problem of one shard's ranks stops every rank of the mesh."""
-        calls, digests, status, passes = headers[:, 0], headers[:, 1], headers[:, 2], headers[:, 4]
+        calls, digests, status, passes = ([row[i] for row in headers] for i in (0, 1, 2, 4))
         error = None
-        if not bool((calls == calls[0]).all() and (passes == passes[0]).all()):
+        if len(set(calls)) > 1 or len(set(passes)) > 1:
             at = ", ".join(
                 f"rank {r}: call {int(c)} of step() after {int(b)} backward passes"
-                for r, (c, b) in enumerate(zip(calls.tolist(), passes.tolist()))
+                for r, (c, b) in enumerate(zip(calls, passes))
             )
             error = (
                 f"ranks are at different steps ({at}). Every rank must run the same number of "
                 "backward passes and call step() after each the same way: do not skip step() "
                 "on some ranks only"
             )
-        elif not bool((digests == digests[0]).all()):
-            ranks = [r for r, d in enumerate(digests.tolist()) if d != digests[0]]
+        elif len(set(digests)) > 1:
+            ranks = [r for r, d in enumerate(digests) if d != digests[0]]
             error = (
                 f"hyperparameters differ across ranks (rank 0 and rank(s) {ranks}): lr, "
                 "weight_decay, betas or eps of some param group, as when a learning-rate "
@@ -731,7 +736,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"{_group_hyperparameters(self.param_groups)}"
             )
         else:
-            bad = [(r, int(s)) for r, s in enumerate(status.tolist()) if s]
+            bad = [(r, int(s)) for r, s in enumerate(status) if s]
             if self._status and not bad:  # found after the header left (overlap_backward)
                 bad = [(self.rank, self._status)]
             if bad:
@@ -817,17 +822,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         comms = self.bucketer.comms_for(kind)
         finite = scales_finite(comms, calls)
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
-        first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
-        first[:, 2] = headers[:, :, 2].amax(0)
-        norms2 = None
-        if gradients and kind == "compressed" and self.max_grad_norm is not None:
-            norms2 = self.shards.sum_(headers[:, :, 3].sum(0))  # each rank's, over all buckets
-        applied, norms2 = self._verdict(first, finite, norms2)
+        clipped = gradients and kind == "compressed" and self.max_grad_norm is not None
+        applied, norms2 = self._buckets_verdict(headers, finite, clipped)
         if applied:
             commit_compressed_(comms, calls, outputs)
         if applied and norms2 is not None:
             self.grad_norm = float(norms2.sqrt().mean())
         return applied, sum(c.bytes_per_call for c in comms)
+
+    def _buckets_verdict(
+        self, headers: Tensor, finite: Tensor, clipped: bool = False
+    ) -> tuple[bool, Tensor | None]:
+        """:meth:`_verdict` of every bucket's ``headers``, ``[buckets, world_size,
+        header_numel]``: any bucket's status counts; ``clipped`` adds each rank's squared
+        gradient norm over all buckets."""
+        first = headers[-1].clone()  # the bucket sent first
+        first[:, 2] = headers[:, :, 2].amax(0)
+        norms2 = self.shards.sum_(headers[:, :, 3].sum(0)) if clipped else None
+        return self._verdict(first, finite, norms2)
 
     def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
         """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
@@ -1050,14 +1062,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.flat.expose("exp_avg", self._exp_avg)
         return self._fused
 
-    def _packed_allreduce(self, scaling: Tensor | None = None) -> tuple[bool, int, list[Any]]:
+    def _packed_allreduce(
+        self, scaling: Tensor | None = None
+    ) -> tuple[bool, int, list[Any] | None]:
         """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
         ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
-        (applied, bytes sent, the calls)."""
+        (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
+        every bucket at once made the results the momentum already)."""
         addresses, keep, sparse = gradient_addresses(self.layout.params)
         grads = self._grad_addresses(addresses, self.device)
         if sparse:
             self._status = 1
+        stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
+        if stage.passes() is not None:  # every bucket at once
+            if self._status != self._headers_status:
+                self._headers[:, 2] = float(self._status)
+            call = stage.start_all(grads, self._inv_scale, self._beta1, self._headers, scaling)
+            applied, _ = self._verdict(*stage.received_all(call))
+            if applied:
+                stage.commit_all(call)
+            del keep
+            return applied, nbytes, None
         calls: list[Any] = [None] * len(self.comms)
         with phase_exchange(self.comms, 1).filling() as exchange:
             for k in reversed(range(len(self.comms))):  # the bucketer's launch order

@@ -202,6 +202,23 @@ class CompressedAllreduce:
             self._server_last = None
         return store
 
+    @property
+    def server_buffers(self) -> tuple[Tensor | None, Tensor | None]:
+        """The server's buffer as kept (``None`` until first used) and, where it holds the last
+        served ``z`` rather than the error, each served piece's scale the error is derived
+        with (``None`` otherwise; see :attr:`server_error`)."""
+        return self._server_error, self._server_last
+
+    def hold_server_error(self, storage: Tensor, last: Tensor | None = None) -> None:
+        """Keep the server's buffer in ``storage`` (``chunk_numel`` fp32): the error, or with
+        ``last`` (each served piece's scale, with ``segments``) the served ``z`` it is derived
+        from. A step that serves every bucket in one pass keeps them all in one buffer."""
+        if storage.shape != (self.chunk_numel,) or storage.dtype != torch.float32:
+            raise ValueError(f"the server error needs {self.chunk_numel} fp32 elements")
+        if last is not None and self._geometry is None:
+            raise ValueError("a served z is kept only with segments")
+        self._server_error, self._server_last = storage, last
+
     def _server_store(self) -> Tensor:
         if self._server_error is None:
             self._server_error = torch.zeros(self.chunk_numel, device=self.device)

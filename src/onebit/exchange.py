@@ -30,6 +30,15 @@ ALIGN = 16
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def part_offsets(widths: Sequence[int]) -> tuple[list[int], int]:
+    """Where each part of an exchange of these ``widths`` starts in a row, and the row's bytes."""
+    offsets, total = [], 0
+    for width in widths:
+        offsets.append(total)
+        total += -(-width // ALIGN) * ALIGN
+    return offsets, total
+
+
 class Exchange:
     """The messages of one phase of several calls, sent as one collective.
 
@@ -43,6 +52,10 @@ class Exchange:
     Fill :meth:`part` ``i`` for every call inside ``with exchange.filling():``, which sends it
     once; :meth:`received` then gives call ``i``'s rows from every rank, ``[world_size,
     widths[i]]`` (rows strided).
+
+    Attributes:
+        message: every part, ``[rows, bytes]`` (one row per rank in phase 1, one in phase 2),
+            part ``i`` at byte ``offsets[i]`` of each row, for a writer that fills all at once.
     """
 
     def __init__(
@@ -54,19 +67,16 @@ class Exchange:
         gather: bool,
     ) -> None:
         self.widths, self.world_size, self.group, self.gather = widths, world_size, group, gather
-        self.offsets, total = [], 0
-        for width in widths:
-            self.offsets.append(total)
-            total += -(-width // ALIGN) * ALIGN
+        self.offsets, total = part_offsets(widths)
         rows = 1 if gather else world_size
-        self._message = torch.empty(rows, total, dtype=torch.uint8, device=device)
+        self.message = torch.empty(rows, total, dtype=torch.uint8, device=device)
         self._received: Tensor | None = None
         self._work: dist.Work | None = None
 
     def part(self, i: int) -> Tensor:
         """Call ``i``'s message to fill: ``[world_size, widths[i]]`` bytes (phase 1; row ``j``
         goes to rank ``j``), or ``[widths[i]]`` (phase 2)."""
-        part = self._message[:, self.offsets[i] : self.offsets[i] + self.widths[i]]
+        part = self.message[:, self.offsets[i] : self.offsets[i] + self.widths[i]]
         return part[0] if self.gather else part
 
     def send(self, void: bool = False) -> None:
@@ -75,7 +85,7 @@ class Exchange:
         completes and their step sees a header of zeros (a call that disagrees) and raises."""
         if self._received is not None:
             raise RuntimeError("this exchange was already sent")
-        message, n = self._message, self.world_size
+        message, n = self.message, self.world_size
         if void:
             message.zero_()
         if n == 1:
@@ -101,13 +111,16 @@ class Exchange:
             raise
         self.send()
 
-    def received(self, i: int) -> Tensor:
-        """Wait for the collective; call ``i``'s rows from every rank, in rank order."""
+    def received(self, i: int | None = None) -> Tensor:
+        """Wait for the collective; call ``i``'s rows from every rank, in rank order (``None``:
+        every part, ``[world_size, bytes]`` contiguous)."""
         if self._received is None:
             raise RuntimeError("the exchange was not sent")
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if i is None:
+            return self._received
         return self._received[:, self.offsets[i] : self.offsets[i] + self.widths[i]]
 
 

@@ -112,6 +112,39 @@ class BucketRuns:
         return torch.from_numpy(np.where(self._padding | (base == 0), 0, base + self._offsets))
 
 
+@dataclass
+class ModelGeometry:
+    """Every bucket of a packed momentum step, for backends that run each pass over all buckets
+    at once (``model_passes``). Bucket ``b`` is ``numels[b]`` elements (padded) from
+    ``origins[b]`` of the flat buffers, cut into ``runs[b]``; its messages are part ``b`` of each
+    phase's :class:`~onebit.exchange.Exchange`.
+
+    Attributes:
+        runs: each bucket's :class:`BucketRuns`.
+        origins, numels: where each bucket lies in the flat buffers.
+        segment_counts: each bucket's segments, padding included (its worker scales).
+        served: each bucket's pieces of the chunk this rank serves, ``(start, end, segment)``
+            rows in chunk coordinates.
+        server_columns: each bucket's scale columns per chunk (``server_scale_count``).
+        parts1, width1: each bucket's byte offset in a phase-1 row, and the row's bytes.
+        parts2, width2: the same in phase 2.
+        world_size, header_numel: the group's size and the fp32 header values of each bucket.
+    """
+
+    runs: list[BucketRuns]
+    origins: list[int]
+    numels: list[int]
+    segment_counts: list[int]
+    served: list[Tensor]
+    server_columns: list[int]
+    parts1: list[int]
+    width1: int
+    parts2: list[int]
+    width2: int
+    world_size: int
+    header_numel: int
+
+
 def _backend(out: Tensor):
     from . import for_tensors  # the package imports this module: import it when called
 

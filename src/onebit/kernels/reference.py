@@ -93,6 +93,13 @@ class TorchKernels:
         """Whether it takes tensors on ``device``."""
         return True
 
+    def model_passes(self, geometry: object, device: torch.device) -> object | None:
+        """The packed momentum's passes over every bucket at once, for a
+        :class:`~onebit.kernels.fused.ModelGeometry` on ``device`` (see
+        :class:`~onebit.kernels.triton_model.ModelPasses`), or ``None`` where the backend runs
+        them a bucket at a time (:mod:`onebit.kernels.fused`)."""
+        return None
+
     def reads_input(self, *tensors: Tensor) -> bool:
         """Whether :meth:`compress_input` and :meth:`commit_input_` read these tensors where they
         are, never storing ``y``; here they store it in a temporary."""

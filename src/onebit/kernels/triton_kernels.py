@@ -289,6 +289,13 @@ def _segment_scales(
 ):  # fmt: skip
     """Segment ``q``'s scale from the fp32 sums of its pieces, added in fp64."""
     q = tl.program_id(0)
+    tl.store(scales + q, _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS))
+
+
+@triton.jit
+def _segment_scale(partials, first, lengths, q, CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr):
+    """Segment ``q``'s scale (fp32) from the fp32 sums of its pieces, added in fp64; 0 for an
+    empty segment."""
     p0, p1 = tl.load(first + q), tl.load(first + q + 1)
     total = tl.zeros([CHUNK], dtype=tl.float64)
     for p in range(p0, p1, CHUNK):
@@ -301,7 +308,7 @@ def _segment_scales(
         value = total / divisor
     else:
         value = tl.sqrt(total) / tl.sqrt(divisor)
-    tl.store(scales + q, tl.where(length > 0, value, 0.0).to(tl.float32))
+    return tl.where(length > 0, value, 0.0).to(tl.float32)
 
 
 @launched(8)
@@ -445,6 +452,13 @@ class TritonKernels(TorchKernels):
         from .triton_quantized import BlockQuantizer  # it imports this module
 
         return BlockQuantizer(chunk_pieces, block_size, chunk_numel, numel, bits, payload, device)
+
+    def model_passes(self, geometry: object, device: torch.device) -> object | None:
+        if not self.runs_on(device):
+            return None
+        from .triton_model import ModelPasses  # it imports this module
+
+        return ModelPasses(geometry, device)
 
     def reads_input(self, *tensors: Tensor) -> bool:
         return self._fits(*tensors)

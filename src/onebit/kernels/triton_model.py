@@ -1,0 +1,484 @@
+"""The packed momentum's compression step over every bucket at once, in Triton: one launch per
+pass, whatever the number of buckets.
+
+A bucket at a time (:mod:`onebit.kernels.fused`), a step makes about twenty launches and copies
+per bucket: on a GPU their CPU time, not the memory traffic, sets the step's time. Here the
+buckets are laid end to end, each starting a block of its own, and every per-bucket value the
+kernels need (where the bucket starts, its chunk, where its part of a message lies) is read from
+small tables by the block. The passes write the signs straight into the step's messages
+(:class:`~onebit.exchange.Exchange`) and read the received ones where they arrived, so that no
+message is copied; the scales and headers go in and out of the messages in one indexed copy per
+phase.
+
+The pieces, their sums and the scales are those of the per-bucket kernels of
+:mod:`onebit.kernels.triton_kernels`, in the same order, so every bit is the same.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fused import ModelGeometry, PackedMomentum
+from .triton_kernels import (
+    BLOCK,
+    Tiling,
+    _bit,
+    _emit,
+    _piece_columns,
+    _rows,
+    _run_pointers,
+    _segment_scale,
+    _signed,
+    launched,
+)
+
+
+@triton.jit
+def _bucket_block(block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK: tl.constexpr):
+    """This program's block: its bucket, its first element (int64, in the buffer of every
+    bucket end to end), its bucket's first element, its elements' offsets and their validity."""
+    pid = tl.program_id(0)
+    bucket = tl.load(block_buckets + pid)
+    start = tl.load(block_starts + pid)
+    origin = tl.load(bucket_starts + bucket)
+    local = tl.arange(0, BLOCK)
+    valid = local < tl.minimum(tl.load(bucket_ends + bucket) - start, BLOCK).to(tl.int32)
+    return bucket, start, origin, local, valid
+
+
+@triton.jit
+def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK: tl.constexpr):
+    """Pack the signs of ``y`` (a block of a bucket) into the bucket's ``part`` of ``message``:
+    element ``i`` of the bucket goes to row ``i // chunk``, bit ``i % 8`` of byte
+    ``(i % chunk) // 8`` of the part."""
+    local = tl.arange(0, BLOCK)
+    bits = (y >= 0).to(tl.uint8) << (local % 8).to(tl.uint8)
+    packed = tl.sum(tl.reshape(bits, [BLOCK // 8, 8]), axis=1).to(tl.uint8)
+    bytes_ = tl.arange(0, BLOCK // 8)
+    row, at = _rows(start - origin, bytes_ * 8, chunk, BLOCK)
+    limit = (tl.minimum(end - start, BLOCK) // 8).to(tl.int32)
+    tl.store(message + part + row * row_stride + at // 8, packed, mask=bytes_ < limit)
+
+
+@launched(16)
+@triton.jit(do_not_specialize=["row_stride", "bits_stride"])
+def _worker_pass(
+    grads, inv, dense, bits, bits_stride, momentum_scales, coeff, post, error,
+    run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
+    block_starts, block_buckets, bucket_starts, bucket_ends, chunks, parts1, parts2,
+    message, row_stride, partials, scales, out,
+    BLOCK: tl.constexpr, USE_INV: tl.constexpr, DENSE: tl.constexpr, SMALL: tl.constexpr,
+    HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr,
+    MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+):  # fmt: skip
+    """``_momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
+    ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
+    per piece, or ``out = y - ±scales``. The packed momentum ``m`` is read from the last
+    phase-2 message (``bits``, each bucket's part at ``parts2``)."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
+    g = tl.load(at, mask=readable, other=0.0)
+    if USE_INV:
+        g = g * inv
+    chunk = tl.load(chunks + bucket)
+    if DENSE:
+        m = tl.load(dense + start + local, mask=valid, other=0.0)
+    else:
+        row, within = _rows(start - origin, local, chunk, BLOCK)
+        byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
+                       mask=present, other=0)  # fmt: skip
+        m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+    if SMALL:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
+    else:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+    if HAS_POST:
+        y = y * tl.load(post + param, mask=present, other=1.0)
+    y = tl.where(present, y, 0.0)
+    if HAS_ERROR:
+        y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    if SIGNS:
+        end = tl.load(bucket_ends + bucket)
+        _store_signs(y, message, row_stride, tl.load(parts1 + bucket), chunk, start, origin, end,
+                     BLOCK)  # fmt: skip
+    segment = tl.load(run_segments + run, mask=valid, other=0).to(tl.int32)
+    _emit(y, start, local, valid, p0, p1, starts, ends, segment, out, partials, scales, out, 0,
+          BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+
+
+@launched(16)
+@triton.jit(do_not_specialize=["row_stride", "k", "scale_stride"])
+def _serve_pass(
+    rows, row_stride, k, row_scales, scale_stride, last, error, piece_segments,
+    starts, ends, columns, first, block_starts, block_buckets, bucket_starts, bucket_ends,
+    chunks, parts1, parts2, message, partials,
+    BLOCK: tl.constexpr, LAST: tl.constexpr, MEAN_ABS: tl.constexpr,
+):  # fmt: skip
+    """The server's pass over its chunk of every bucket, as ``serve_pieces_`` of
+    :mod:`~onebit.kernels.triton_kernels`: ``z = average of the k ranks' rows + e`` (``e`` the
+    error, or ``e - ±last`` of a kept ``z``), stored in ``error``; its signs into the phase-2
+    ``message`` and its sums per piece. ``rows`` is the phase-1 message as received (row ``j``
+    from rank ``j``, each bucket's part at ``parts1``); a piece's column is its index among the
+    served pieces, ``piece_segments`` its segment (the column of its ``row_scales``)."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    piece = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    segment = tl.load(piece_segments + piece, mask=valid, other=0).to(tl.int32)
+    within = (start - origin).to(tl.int32) + local
+    source = rows + tl.load(parts1 + bucket) + within // 8
+    byte = tl.load(source, mask=valid, other=0)
+    y = _signed(_bit(byte, local), tl.load(row_scales + segment, mask=valid, other=0.0))
+    for r in range(1, k):
+        byte = tl.load(source + r * row_stride, mask=valid, other=0)
+        s = tl.load(row_scales + r * scale_stride + segment, mask=valid, other=0.0)
+        y = y + _signed(_bit(byte, local), s)
+    if k != 1:
+        y = tl.math.div_rn(y, tl.zeros_like(y) + k)
+    e = tl.load(error + start + local, mask=valid, other=0.0)
+    if LAST:
+        e = e - _signed(e >= 0, tl.load(last + piece, mask=valid, other=0.0))
+    y = y + e
+    tl.store(error + start + local, y, mask=valid)
+    end = tl.load(bucket_ends + bucket)
+    _store_signs(y, message, 0, tl.load(parts2 + bucket), tl.load(chunks + bucket), start,
+                 origin, end, BLOCK)  # fmt: skip
+    _emit(y, start, local, valid, p0, p1, starts, ends, piece, error, partials, error, error, 0,
+          BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
+
+
+@launched(16)
+@triton.jit(do_not_specialize=["bits_stride"])
+def _update_pass(
+    bases, bits, bits_stride, momentum_scales, denominator, decay, value, run_starts,
+    run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
+    block_buckets, bucket_starts, bucket_ends, chunks, parts2, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``_momentum_update`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
+    ``p = p·decay + (value·m) / denominator`` per parameter, ``m`` read from the phase-2
+    message as in :func:`_worker_pass`."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
+                         tl.load(first + block + 1))  # fmt: skip
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
+    p = tl.load(at, mask=present, other=0.0)
+    d = tl.load(decay + param, mask=present, other=1.0)
+    p = tl.where(d != 1.0, p * d, p)
+    row, within = _rows(start - origin, local, tl.load(chunks + bucket), BLOCK)
+    byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
+                   mask=present, other=0)  # fmt: skip
+    m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+    v = tl.load(value + param, mask=present, other=0.0)
+    u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
+    tl.store(at, p + u, mask=present)
+
+
+@launched()
+@triton.jit(do_not_specialize=["rows", "row_stride"])
+def _placed_scales(
+    partials, first, lengths, scales, message, rows, row_stride, places,
+    CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr,
+):  # fmt: skip
+    """``_segment_scales`` of :mod:`~onebit.kernels.triton_kernels`, each scale also written as
+    its four bytes at byte ``places[q]`` of each of the ``rows`` rows of ``message``, where the
+    message's layout puts it (not always at a multiple of 4)."""
+    q = tl.program_id(0)
+    value = _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
+    tl.store(scales + q, value)
+    word = value.to(tl.uint32, bitcast=True)
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    bytes_ = ((word >> shifts) & 0xFF).to(tl.uint8)
+    at = message + tl.load(places + q) + tl.arange(0, 4)
+    for r in range(rows):
+        tl.store(at + r * row_stride, bytes_)
+
+
+class _Blocks:
+    """Buckets' tilings laid end to end: each bucket ``b`` at ``origins[b]`` of one buffer, cut
+    as :class:`~onebit.kernels.triton_kernels.Tiling` cuts it alone, with every index made
+    global (pieces, blocks, and the tilings' columns and segments by the given offsets)."""
+
+    def __init__(
+        self,
+        tilings: list[Tiling],
+        origins: list[int],
+        column_offsets: list[int],
+        segment_counts: list[int] | None = None,
+    ) -> None:
+        starts, ends, columns, first, segment_first, lengths = [], [], [], [], [], []
+        block_starts, block_buckets = [], []
+        pieces = 0
+        for b, (tiling, origin, offset) in enumerate(zip(tilings, origins, column_offsets)):
+            starts.append(tiling.starts + origin)
+            ends.append(tiling.ends + origin)
+            columns.append(tiling.columns + offset)
+            first.append(tiling.first[:-1] + pieces)
+            empty = 0 if segment_counts is None else segment_counts[b] - tiling.count
+            ends_at = torch.full((empty,), len(tiling.starts), dtype=torch.int64)
+            segment_first.append(torch.cat([tiling.segment_first[:-1], ends_at]) + pieces)
+            lengths.append(torch.cat([tiling.lengths, torch.zeros(empty, dtype=torch.int64)]))
+            block_starts.append(torch.arange(tiling.blocks, dtype=torch.int64) * BLOCK + origin)
+            block_buckets.append(torch.full((tiling.blocks,), b, dtype=torch.int64))
+            pieces += len(tiling.starts)
+        end = torch.tensor([pieces])
+        self.pieces = pieces
+        self.blocks = sum(t.blocks for t in tilings)
+        self.segments = sum(t.count for t in tilings) if segment_counts is None else sum(
+            segment_counts
+        )  # fmt: skip
+        self.starts, self.ends, self.columns = map(torch.cat, (starts, ends, columns))
+        self.first = torch.cat([*first, end])
+        self.segment_first = torch.cat([*segment_first, end])
+        self.lengths = torch.cat(lengths)
+        self.block_starts, self.block_buckets = torch.cat(block_starts), torch.cat(block_buckets)
+
+    def to(self, device: torch.device) -> _Blocks:
+        for name, value in vars(self).items():
+            if torch.is_tensor(value):
+                setattr(self, name, value.to(device, copy=True))
+        return self
+
+    def table(self) -> tuple[Tensor, ...]:
+        return self.starts, self.ends, self.columns, self.first, self.block_starts, \
+            self.block_buckets  # fmt: skip
+
+
+def _cumulative(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
+
+
+def _byte_index(rows: int, row_stride: int, offsets: list[int]) -> Tensor:
+    """The bytes of fp32 values at byte ``offsets`` of each row of a message of ``rows`` rows:
+    ``[rows * len(offsets) * 4]`` int64, row by row."""
+    at = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 1) + torch.arange(4)
+    return (torch.arange(rows).reshape(-1, 1, 1) * row_stride + at).reshape(-1)
+
+
+class ModelPasses:
+    """The Triton passes of a :class:`~onebit.kernels.fused.ModelGeometry` on ``device``: the
+    tables are built and uploaded once, each pass is one launch (two with its scales)."""
+
+    def __init__(self, geometry: ModelGeometry, device: torch.device) -> None:
+        g, n = geometry, geometry.world_size
+        self.geometry, self.device = g, device
+        buckets = range(len(g.runs))
+        origins, numels, counts = g.origins, g.numels, g.segment_counts
+        self.segment_offsets = _cumulative(counts)
+        self.column_offsets = _cumulative([n * c for c in g.server_columns])
+        run_offsets = _cumulative([len(runs.runs) for runs in g.runs])
+        tilings = []
+        for runs in g.runs:
+            table = runs.runs
+            edges = torch.cat([table[:, 0], table[-1:, 1]])
+            tilings.append(Tiling(edges, torch.arange(len(table)), int(edges[-1]),
+                                  torch.device("cpu"), table[:, 2]))  # fmt: skip
+        self.worker = _Blocks(tilings, origins, run_offsets).to(device)
+        run_starts, run_segments, run_columns, run_params, run_offsets_ = [], [], [], [], []
+        for b, runs in enumerate(g.runs):
+            table = runs.runs
+            run_starts.append(table[:, 0] + origins[b])
+            run_segments.append(table[:, 2] + self.segment_offsets[b])
+            run_columns.append(torch.where(table[:, 3] >= 0, table[:, 3] + self.column_offsets[b],
+                                           -1))  # fmt: skip
+            run_params.append(runs.run_params.clamp(min=0))
+            run_offsets_.append(runs.run_offsets)
+        on = dict(device=device, copy=True)
+        self.run_tables = tuple(
+            torch.cat(t).to(**on)
+            for t in (run_starts, run_columns, run_segments, run_params, run_offsets_)
+        )
+        chunks = [numel // n for numel in numels]
+        self.chunks = torch.tensor(chunks).to(**on)
+        self.parts1 = torch.tensor(g.parts1).to(**on)
+        self.parts2 = torch.tensor(g.parts2).to(**on)
+        self.worker_bounds = (
+            torch.tensor(origins).to(**on),
+            torch.tensor([o + m for o, m in zip(origins, numels)]).to(**on),
+        )
+        # The server: its chunk of every bucket, end to end; each served piece its own scale,
+        # and the columns a bucket's other chunks have more of, scales of 0.
+        served_origins = _cumulative(chunks)
+        self.served_offsets = _cumulative(g.server_columns)
+        served_tilings = []
+        for pieces, chunk in zip(g.served, chunks):
+            edges = torch.cat([pieces[:, 0], pieces[-1:, 1]])
+            served_tilings.append(Tiling(edges, torch.arange(len(pieces)), chunk,
+                                         torch.device("cpu")))  # fmt: skip
+        self.server = _Blocks(served_tilings, served_origins, self.served_offsets,
+                              g.server_columns).to(device)  # fmt: skip
+        piece_segments = torch.zeros(self.server.segments, dtype=torch.int64)
+        for b, pieces in zip(buckets, g.served):
+            at = self.served_offsets[b]
+            piece_segments[at : at + len(pieces)] = pieces[:, 2] + self.segment_offsets[b]
+        self.piece_segments = piece_segments.to(**on)
+        self.server_bounds = (
+            torch.tensor(served_origins).to(**on),
+            torch.tensor([o + c for o, c in zip(served_origins, chunks)]).to(**on),
+        )
+        # Where the scales and headers lie in the messages (the header: the last bucket's).
+        cb = [c // 8 for c in chunks]
+        scale_at = [g.parts1[b] + cb[b] + 4 * q for b in buckets for q in range(counts[b])]
+        self.header_at = g.parts1[-1] + cb[-1] + 4 * counts[-1]
+        header_bytes = list(range(self.header_at, self.header_at + 4 * g.header_numel, 4))
+        self.segments = sum(counts)
+        self.scale_places = torch.tensor(scale_at, dtype=torch.int64).to(**on)
+        self.phase1_read = torch.cat([
+            _byte_index(n, g.width1, scale_at), _byte_index(n, g.width1, header_bytes)
+        ]).to(**on)  # fmt: skip
+        sigma_at = [g.parts2[b] + cb[b] + 4 * i for b in buckets
+                    for i in range(g.server_columns[b])]  # fmt: skip
+        self.sigma_places = torch.tensor(sigma_at, dtype=torch.int64).to(**on)
+        momentum_at = [  # column C_b + j * columns_b + i: row j, column i of bucket b
+            j * g.width2 + sigma_at[self.served_offsets[b] + i]
+            for b in buckets for j in range(n) for i in range(g.server_columns[b])
+        ]  # fmt: skip
+        self.phase2_read = _byte_index(1, 0, momentum_at).to(**on)
+
+    # The worker.
+
+    def _worker(
+        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        weight: float, error: Tensor | None, post: Tensor | None, *, message: Tensor | None = None,
+        partials: Tensor | None = None, sums: str | None = None, scales: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        dense = not isinstance(momentum, PackedMomentum)
+        bits = momentum if dense else momentum.bits
+        w = struct.unpack("f", struct.pack("f", weight))[0]  # as an fp32 kernel argument
+        small = abs(w) < 0.5
+        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
+        any_ = bits
+        blocks = self.worker
+        _worker_pass[(blocks.blocks,)](
+            grads, 1.0 if inv_scale is None else inv_scale, momentum if dense else any_, bits,
+            0 if dense else bits.stride(0), any_ if dense else momentum.scales, coeff,
+            any_ if post is None else post, any_ if error is None else error, *self.run_tables,
+            blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
+            blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts1, self.parts2,
+            any_ if message is None else message, 0 if message is None else message.stride(0),
+            any_ if partials is None else partials, any_ if scales is None else scales,
+            any_ if out is None else out,
+            BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,
+            HAS_POST=post is not None, HAS_ERROR=error is not None, SIGNS=message is not None,
+            SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+        )  # fmt: skip
+
+    def signs(
+        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        weight: float, error: Tensor | None, post: Tensor | None, scale: str, headers: Tensor,
+        message: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """Pass 1 of every bucket: the signs of ``y`` into each bucket's part of the phase-1
+        ``message`` (``[world_size, width1]`` bytes), the segments' scales after them in every
+        row, and the last row of ``headers`` (``[buckets, header_numel]`` fp32; a step's are
+        the same in every bucket) after the last bucket's. Returns the scales, fp32, every
+        bucket's segments end to end."""
+        blocks = self.worker
+        partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
+        self._worker(grads, inv_scale, momentum, weight, error, post, message=message,
+                     partials=partials, sums=scale)  # fmt: skip
+        scales = self._scales(blocks, partials, scale, message, self.scale_places)
+        message[:, self.header_at : self.header_at + 4 * headers.shape[-1]] = headers[-1].view(
+            torch.uint8
+        )  # fmt: skip
+        return scales
+
+    def commit(
+        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        weight: float, error: Tensor | None, post: Tensor | None, scales: Tensor, out: Tensor,
+    ) -> None:  # fmt: skip
+        """Pass 2 of every bucket: ``out = y - ±scales`` (``out`` may be ``error`` or the dense
+        ``momentum``)."""
+        self._worker(grads, inv_scale, momentum, weight, error, post, scales=scales, out=out)
+
+    def received(self, received: Tensor) -> tuple[Tensor, Tensor]:
+        """From the phase-1 message as received: every rank's scales, ``[world_size,
+        segments]``, and header, ``[world_size, header_numel]``, fp32."""
+        n = self.geometry.world_size
+        values = received.view(-1)[self.phase1_read].view(torch.float32)
+        scales = values[: n * self.segments].view(n, self.segments)
+        return scales, values[n * self.segments :].view(n, -1)
+
+    # The server.
+
+    def serve(
+        self, received: Tensor, scales: Tensor, store: Tensor, last: Tensor | None, scale: str,
+        message: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """Serve this rank's chunk of every bucket from the phase-1 message as ``received`` and
+        every rank's ``scales`` (:meth:`received`): ``z`` into ``store`` (every bucket's
+        chunk end to end), the error derived from it at the next call (``last``: the scales
+        this returned then, else ``store`` holds the error), its signs and scales into the
+        phase-2 ``message`` (``[1, width2]`` bytes). Returns the scales of every bucket's
+        served pieces, end to end, each bucket's followed by zeros up to its
+        ``server_columns``."""
+        blocks = self.server
+        partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
+        n = self.geometry.world_size
+        _serve_pass[(blocks.blocks,)](
+            received, received.stride(0), n, scales, scales.stride(0),
+            store if last is None else last, store, self.piece_segments, blocks.starts,
+            blocks.ends, blocks.columns, blocks.first, blocks.block_starts, blocks.block_buckets,
+            *self.server_bounds, self.chunks, self.parts1, self.parts2, message, partials,
+            BLOCK=BLOCK, LAST=last is not None, MEAN_ABS=scale == "mean_abs",
+        )  # fmt: skip
+        return self._scales(blocks, partials, scale, message, self.sigma_places)
+
+    def momentum(self, received: Tensor) -> Tensor:
+        """The result's scales from the phase-2 message as received: each bucket's
+        ``[world_size, server columns]`` fp32, flattened, end to end."""
+        return received.view(-1)[self.phase2_read].view(torch.float32)
+
+    # The update.
+
+    def update(
+        self, bases: Tensor, momentum: PackedMomentum, denominator: Tensor, decay: Tensor,
+        value: Tensor,
+    ) -> None:  # fmt: skip
+        """Pass 3 of every bucket (``fused.update``), the momentum read from the last phase-2
+        message (``momentum.bits``, as received) and its scales (:meth:`momentum`)."""
+        blocks = self.worker
+        _update_pass[(blocks.blocks,)](
+            bases, momentum.bits, momentum.bits.stride(0), momentum.scales, denominator, decay,
+            value, self.run_tables[0], self.run_tables[1], self.run_tables[3],
+            self.run_tables[4], blocks.starts, blocks.ends, blocks.columns, blocks.first,
+            blocks.block_starts, blocks.block_buckets, *self.worker_bounds, self.chunks,
+            self.parts2, BLOCK=BLOCK,
+        )  # fmt: skip
+
+    def _scales(
+        self, blocks: _Blocks, partials: Tensor, scale: str, message: Tensor, places: Tensor
+    ) -> Tensor:
+        """The segments' scales from their pieces' sums, also written into each row of
+        ``message`` at ``places``."""
+        out = torch.empty(blocks.segments, dtype=torch.float32, device=self.device)
+        _placed_scales[(blocks.segments,)](
+            partials, blocks.segment_first, blocks.lengths, out, message, message.shape[0],
+            message.stride(0), places, CHUNK=1024, MEAN_ABS=scale == "mean_abs",
+        )  # fmt: skip
+        return out
