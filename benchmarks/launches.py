@@ -126,9 +126,10 @@ def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int, i
 
 def _variants() -> int:
     """How many Triton kernel variants this process has compiled (for any device)."""
-    from onebit.kernels import triton_kernels, triton_quantized
+    from onebit.kernels import triton_kernels, triton_model, triton_quantized
 
-    kernels_ = [k.kernel for m in (triton_kernels, triton_quantized) for k in vars(m).values()
+    modules = (triton_kernels, triton_model, triton_quantized)
+    kernels_ = [k.kernel for m in modules for k in vars(m).values()
                 if isinstance(k, triton_kernels._Launched)]  # fmt: skip
     return sum(len(cache[0]) for k in kernels_ for cache in k.device_caches.values())
 

@@ -393,15 +393,15 @@ def test_triton_binds_every_launched_kernels_arguments_as_passed(monkeypatch):
     ``params``) shadow a kernel's arguments of the same name; the interpreter binds none, so
     only a GPU would fail. Each argument must reach Triton's specialization as it was passed."""
     jit = pytest.importorskip("triton.runtime.jit")
-    from onebit.kernels import triton_kernels, triton_quantized
+    from onebit.kernels import triton_kernels, triton_model, triton_quantized
 
     seen = []
     monkeypatch.setattr(jit, "native_specialize_impl", lambda _, arg, *a: seen.append(arg) or (0,))
     launched = [
-        k for m in (triton_kernels, triton_quantized) for k in vars(m).values()
+        k for m in (triton_kernels, triton_model, triton_quantized) for k in vars(m).values()
         if isinstance(k, triton_kernels._Launched)
     ]  # fmt: skip
-    assert len(launched) >= 4
+    assert len(launched) >= 8
     for kernel in launched:
         fn = jit.JITFunction(kernel.kernel.fn)
         binder = jit.create_function_from_signature(fn.signature, fn.params, None)
