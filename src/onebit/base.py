@@ -44,11 +44,12 @@ from .functional import (
     adamw_update_,
     bias_correction,
     clip_coefficient,
-    finite_flag,
+    largest_magnitude,
     layer_norms,
 )
 from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
+from .model_allreduce import ModelAllreduce
 from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
 from .sharding import Replicated, has_dtensors, local_tensor, shards_of
@@ -801,8 +802,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if kind == "allreduce":
             for call in calls:
                 call.wait()
-            # finite_flag, not isfinite(grads).all(): no model-sized temporaries
-            applied, _ = self._verdict(self.bucketer.header_slots(), finite_flag([self._grads]))
+            # a max-norm, not isfinite(grads).all(): no model-sized temporaries
+            largest = largest_magnitude([self._grads])
+            applied, _ = self._verdict(self.bucketer.header_slots(), largest)
             return applied, sum(c.bytes_sent for c in calls)
         outputs = self.layout.bucket_views(out)
         return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
@@ -841,16 +843,48 @@ class CompressedOptimizer(torch.optim.Optimizer):
         norms2 = self.shards.sum_(headers[:, :, 3].sum(0)) if clipped else None
         return self._verdict(first, finite, norms2)
 
-    def _reduce_compressed(self, buffers: list[Tensor], outputs: list[Tensor]) -> tuple[bool, int]:
-        """Compressed allreduce of per-bucket ``buffers`` (padded, overwritten) that are not
-        gradients (0/1 Adam's sync), with headers; returns (applied, bytes sent)."""
+    def _reduce_compressed(self, flat: Tensor) -> tuple[bool, int]:
+        """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
+        every bucket with its padding), values that are not gradients (0/1 Adam's sync), with
+        headers; returns (applied, bytes sent). Not applied leaves the error buffers as they
+        were and ``flat`` holding ``flat + error``."""
         self._begin_step()
+        model = self._model_allreduce()
+        if model is not None:  # every bucket at once
+            call = model.start(flat, self._step_headers())
+            applied, _ = self._verdict(*model.received(call))
+            if applied:
+                model.commit(call)
+            return applied, sum(c.bytes_per_call for c in self.comms)
+        buffers = self.layout.bucket_views(flat, padded=True)
         with phase_exchange(self.comms, 1).filling() as exchange:
             calls = [
                 comm.start(buffers[k], self._header_for(k), (exchange, k))
                 for k, comm in enumerate(self.comms)
             ]
+        outputs = self.layout.bucket_views(flat[: self.layout.numel])
         return self._finish_compressed(calls, outputs, gradients=False)
+
+    _model: ModelAllreduce | None = None
+    _model_for: list[CompressedAllreduce] | None = None  # the communicators it was made for
+
+    def _model_allreduce(self) -> ModelAllreduce | None:
+        """The compressed allreduce of every bucket at once (made at first use, for these
+        communicators), where the backend has it; ``None`` where it runs a bucket at a time."""
+        if self._model_for is not self.comms:
+            model = None
+            if ModelAllreduce.applies(self.comms):
+                model = ModelAllreduce(self.layout, self.comms)
+                model = model if model.passes() is not None else None
+            self._model, self._model_for = model, self.comms
+        return self._model
+
+    def _step_headers(self) -> Tensor:
+        """This step's headers (``[buckets, header_numel]``, the same in every bucket), for
+        a step that sends every bucket at once: the status found since they went up, in."""
+        if self._status != self._headers_status:
+            self._headers[:, 2] = float(self._status)
+        return self._headers
 
     def _gather_grads(self, norms: bool = False) -> Tensor:
         """Copy (and unscale) every ``.grad`` into the flat gradient buffer; ``None`` counts as
@@ -1075,10 +1109,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._status = 1
         stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
         if stage.passes() is not None:  # every bucket at once
-            if self._status != self._headers_status:
-                self._headers[:, 2] = float(self._status)
-            call = stage.start_all(grads, self._inv_scale, self._beta1, self._headers, scaling)
-            applied, _ = self._verdict(*stage.received_all(call))
+            call = stage.start_all(grads, self._inv_scale, self._beta1, self._step_headers(),
+                                   scaling)  # fmt: skip
+            applied, _ = self._verdict(*stage.model.received(call))
             if applied:
                 stage.commit_all(call)
             del keep

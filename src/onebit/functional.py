@@ -110,16 +110,17 @@ def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
     return torch.stack(norms)
 
 
-def finite_flag(tensors: list[Tensor | None]) -> Tensor:
-    """Whether every element of every tensor is finite (``None`` counts as finite), as a
-    boolean tensor on the tensors' device: reading it is the caller's choice.
+def largest_magnitude(tensors: list[Tensor | None]) -> Tensor:
+    """The largest absolute value of every element of every tensor (``None`` counts as zeros),
+    an fp32 scalar on the tensors' device: finite exactly when every element is (NaN carries
+    through). Reading it is the caller's choice.
 
-    Uses the max-norm, which cannot overflow the way a sum of finite fp16 values can.
+    A max-norm cannot overflow the way a sum of finite fp16 values can.
     """
     present = [t for t in tensors if t is not None]
     if not present:
-        return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(layer_norms(present, ord=math.inf)).all()
+        return torch.zeros(())
+    return layer_norms(present, ord=math.inf).amax()
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:

@@ -21,7 +21,6 @@ bits.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +29,10 @@ from torch import Tensor
 from . import host, kernels
 from .comm import CompressedAllreduce, _Call
 from .compress import decompress_pieces_, pack_signs
-from .exchange import Exchange, part_offsets, phase_exchange
+from .exchange import Exchange, phase_exchange
 from .kernels import fused
 from .layout import FlatLayout
+from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
 def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) -> bool:
@@ -83,37 +83,12 @@ class PackedMomentumStage:
         self.layout, self.comms, self.momentum = layout, comms, momentum
         self.keeps_last = keeps_last
         self._bases = host.Addresses()
-        self.runs = []
-        for (start, end), comm in zip(layout.buckets, comms):
-            segments, params, offsets = [], [], []
-            for i, (o, n) in enumerate(zip(layout.offsets, layout.numels)):
-                lo, hi = max(start, o), min(end, o + n)
-                if lo < hi:
-                    segments.append(hi - lo)
-                    params.append(i)
-                    offsets.append(lo - o)
-            if comm.padded_numel > end - start:
-                segments.append(comm.padded_numel - (end - start))
-                params.append(None)
-                offsets.append(0)
-            geometry = comm._geometry
-            self.runs.append(
-                fused.BucketRuns(
-                    segments,
-                    geometry.served,
-                    comm.chunk_numel,
-                    comm.server_scale_count,
-                    params,
-                    offsets,
-                )  # fmt: skip
-            )
+        self.runs = bucket_runs(layout, comms)
+        self.model = ModelAllreduce(layout, comms, self.runs)
         self._slices = layout.bucket_views(momentum, padded=True)
         self.packed: list[tuple[Tensor, Tensor]] | None = None
-        self._passes: tuple[torch.device, Any] | None = None  # the backend's, by device
         self._whole: tuple[Tensor, Tensor] | None = None  # packed's phase-2 message and scales
         self._whole_of: list[tuple[Tensor, Tensor]] | None = None  # the packed it is of
-        self._server: tuple[Tensor, list[Tensor]] | None = None  # the served chunks, end to end
-        self._served: tuple[Tensor, list[Tensor]] | None = None  # the last served scales
 
     def _source(self, k: int) -> Tensor | fused.PackedMomentum:
         if self.packed is None:
@@ -124,35 +99,10 @@ class PackedMomentumStage:
     # Every bucket at once, where the backend runs each pass over all of them (Triton).
 
     def passes(self) -> Any | None:
-        """The backend's passes over every bucket at once
-        (:class:`~onebit.kernels.triton_model.ModelPasses`), or ``None`` where it runs them a
-        bucket at a time, and with :attr:`keeps_last` (the errors are kept apart at first)."""
-        device = self.momentum.device
-        if self.keeps_last:
-            return None
-        if self._passes is None or self._passes[0] != device:
-            backend = kernels.for_tensors(self.momentum)
-            self._passes = (device, backend.model_passes(self._geometry(), device))
-        return self._passes[1]
-
-    def _geometry(self) -> fused.ModelGeometry:
-        comms = self.comms
-        parts1, width1 = part_offsets([c.phase1_width for c in comms])
-        parts2, width2 = part_offsets([c.phase2_width for c in comms])
-        return fused.ModelGeometry(
-            runs=self.runs,
-            origins=[start for start, _ in self.layout.buckets],
-            numels=[c.padded_numel for c in comms],
-            segment_counts=[c.worker_scale_count for c in comms],
-            served=[c._geometry.served[c.rank] for c in comms],
-            server_columns=[c.server_scale_count for c in comms],
-            parts1=parts1,
-            width1=width1,
-            parts2=parts2,
-            width2=width2,
-            world_size=comms[0].world_size,
-            header_numel=comms[0].header_numel,
-        )
+        """The backend's passes over every bucket at once (:class:`~onebit.model_allreduce.
+        ModelAllreduce`), or ``None`` where it runs them a bucket at a time, and with
+        :attr:`keeps_last` (the errors are kept apart at first)."""
+        return None if self.keeps_last else self.model.passes()
 
     def start_all(
         self,
@@ -163,49 +113,25 @@ class PackedMomentumStage:
         scaling: Tensor | None = None,
     ) -> ModelCall:
         """Every bucket's pass 1 and phase 1, as :meth:`start` does for one, in one launch and
-        one collective (``headers``: ``[buckets, header_numel]``)."""
-        passes, comm = self.passes(), self.comms[0]
-        call = ModelCall(grads, inv_scale, 1 - beta1, scaling, self._momentum_source(),
-                         self._error(), phase_exchange(self.comms, 1))  # fmt: skip
+        one collective (``headers``: ``[buckets, header_numel]``; a step's are the same in
+        every bucket)."""
+        inputs = (grads, inv_scale, self._momentum_source(), 1 - beta1, self._error(), scaling)
+        call = ModelCall(phase_exchange(self.comms, 1), inputs=inputs)
         with call.exchange.filling() as exchange:
-            call.scales = passes.signs(grads, inv_scale, call.momentum, call.weight, call.error,
-                                       scaling, comm.scale, headers, exchange.message)  # fmt: skip
+            call.scales = self.passes().signs(*inputs, self.comms[0].scale, headers,
+                                              exchange.message)  # fmt: skip
         return call
 
-    def received_all(self, call: ModelCall) -> tuple[Tensor, Tensor]:
-        """Wait for phase 1 of ``call``; every rank's header, ``[world_size, header_numel]``,
-        and the largest of every rank's scales, finite if they all are."""
-        call.received = call.exchange.received()
-        call.rank_scales, headers = self.passes().received(call.received)
-        return headers, call.rank_scales.amax()
-
     def commit_all(self, call: ModelCall) -> None:
-        """After :meth:`received_all` found every scale finite: commit every worker error,
-        serve this rank's chunks and send them (phase 2, one collective), and make the results
-        the momentum."""
-        passes, comms = self.passes(), self.comms
-        passes.commit(call.grads, call.inv_scale, call.momentum, call.weight, call.error,
-                      call.post, call.scales, self.momentum)  # fmt: skip
-        for slice_, comm in zip(self._slices, comms):
+        """After :meth:`~onebit.model_allreduce.ModelAllreduce.received` found every scale
+        finite: commit every worker error, serve this rank's chunks and send them (phase 2, one
+        collective), and make the results the momentum."""
+        self.passes().commit(*call.inputs, call.scales, self.momentum)
+        for slice_, comm in zip(self._slices, self.comms):
             if comm._worker_error is not slice_:
                 comm.worker_error = slice_
-        store, last = self._server_store()
-        views = self._server[1]
-        with phase_exchange(comms, 2).filling() as exchange:
-            sigma = passes.serve(call.received, call.rank_scales, store, last, comms[0].scale,
-                                 exchange.message)  # fmt: skip
-        offsets = passes.served_offsets
-        served = [sigma[o : o + len(p)] for o, p in zip(offsets, passes.geometry.served)]
-        self._served = (sigma, served)
-        for comm, view, last in zip(comms, views, served):
-            comm.hold_server_error(view, last)
-        received = exchange.received()
-        scales = passes.momentum(received)
-        g, n = passes.geometry, passes.geometry.world_size
-        self.packed = [
-            (received[:, p : p + c.chunk_numel // 8], scales[o : o + n * k].view(n, k))
-            for c, p, o, k in zip(comms, g.parts2, passes.column_offsets, g.server_columns)
-        ]
+        received, scales = self.model.serve(call)
+        self.packed = self.model.results(received, scales)
         self._whole, self._whole_of = (received, scales), self.packed
 
     def _momentum_source(self) -> Tensor | fused.PackedMomentum:
@@ -237,27 +163,6 @@ class PackedMomentumStage:
             if error is not None:
                 slice_.copy_(error)
         return buffer
-
-    def _server_store(self) -> tuple[Tensor, Tensor | None]:
-        """Every server error in one buffer, each communicator's a slice of it, and the scales
-        of the last served pieces if it holds their ``z`` (:meth:`commit_all` left it so); a
-        communicator whose buffer is elsewhere, or was settled, has its error copied in first
-        and every error is settled."""
-        comms = self.comms
-        if self._server is None:
-            store = torch.zeros(sum(c.chunk_numel for c in comms), device=self.momentum.device)
-            self._server = (store, list(store.split([c.chunk_numel for c in comms])))
-        store, views = self._server
-        held = [c.server_buffers for c in comms]
-        sigma, served = self._served or (None, [None] * len(comms))
-        if all(b is v and last is s for (b, last), v, s in zip(held, views, served)):
-            return store, sigma
-        for comm, view, (buffer, _) in zip(comms, views, held):
-            if buffer is not None:
-                view.copy_(comm.server_error)  # settled first, where it held a z
-            comm.hold_server_error(view)
-        self._served = None
-        return store, None
 
     def start(
         self,
@@ -426,20 +331,3 @@ class PackedMomentumStage:
                 slice_.copy_(error)
             comm.worker_error = slice_
         self.packed = packed
-
-
-@dataclass
-class ModelCall:
-    """A packed momentum step over every bucket at once, between its phases
-    (:meth:`PackedMomentumStage.start_all`)."""
-
-    grads: Tensor
-    inv_scale: float | None
-    weight: float
-    post: Tensor | None
-    momentum: Tensor | fused.PackedMomentum
-    error: Tensor | None
-    exchange: Exchange
-    scales: Tensor | None = None  # this rank's worker scales
-    received: Tensor | None = None  # the phase-1 message as received
-    rank_scales: Tensor | None = None  # every rank's worker scales

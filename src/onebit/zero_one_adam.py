@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from .functional import (
     bias_correction,
     clip_coefficient,
     fill_zero_variance_,
-    finite_flag,
+    largest_magnitude,
     layer_norms,
     momentum_from_grads_,
 )
@@ -372,14 +373,15 @@ class ZeroOneAdam(CompressedOptimizer):
         this rank's gradient: the inverse loss scale, times the coefficient that clips the
         unscaled local gradient to ``max_grad_norm``. One read of the device."""
         scale = self._inv_scale
-        values = [finite_flag(grads).float()]
+        values = [largest_magnitude(grads).to(self.device)]
         if self.max_grad_norm is not None:
             present = [g for g in grads if g is not None]
             norm = torch.linalg.vector_norm(layer_norms(present))
             norm = self.shards.combine(norm.reshape(1))[0] * (scale or 1.0)
             values += [norm, clip_coefficient(norm, self.max_grad_norm)]
-        read = host.read(torch.stack(values)).tolist()
-        finite = self.shards.all_(bool(read[0]))
+        read = host.read(torch.stack(values) if len(values) > 1 else values[0]).reshape(-1)
+        read = read.tolist()
+        finite = self.shards.all_(math.isfinite(read[0]))
         if finite and len(read) > 1:
             self.grad_norm = read[1]
             scale = (scale or 1.0) * read[2]
@@ -419,10 +421,7 @@ class ZeroOneAdam(CompressedOptimizer):
         for (start, end), decay in zip(self._ranges, self._decay):
             progress[start:end].sub_(anchor[start:end], alpha=decay)
         progress.mul_(denom)
-        synced, nbytes = self._reduce_compressed(
-            self.layout.bucket_views(self._exp_avg, padded=True),
-            self.layout.bucket_views(progress),
-        )
+        synced, nbytes = self._reduce_compressed(self._exp_avg)
         if synced:
             for (start, end), decay in zip(self._ranges, self._decay):
                 if decay != 1.0:

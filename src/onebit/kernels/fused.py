@@ -122,7 +122,9 @@ class ModelGeometry:
     Attributes:
         runs: each bucket's :class:`BucketRuns`.
         origins, numels: where each bucket lies in the flat buffers.
+        numel: the elements before the last bucket's padding.
         segment_counts: each bucket's segments, padding included (its worker scales).
+        bounds: each bucket's segment boundaries, from 0 to its padded length.
         served: each bucket's pieces of the chunk this rank serves, ``(start, end, segment)``
             rows in chunk coordinates.
         server_columns: each bucket's scale columns per chunk (``server_scale_count``).
@@ -134,7 +136,9 @@ class ModelGeometry:
     runs: list[BucketRuns]
     origins: list[int]
     numels: list[int]
+    numel: int
     segment_counts: list[int]
+    bounds: list[Tensor]
     served: list[Tensor]
     server_columns: list[int]
     parts1: list[int]

@@ -120,6 +120,36 @@ def _worker_pass(
 
 
 @launched(16)
+@triton.jit(do_not_specialize=["row_stride"])
+def _input_pass(
+    x, nx, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
+    bucket_ends, chunks, parts1, message, row_stride, partials, scales, out,
+    BLOCK: tl.constexpr, HAS_ERROR: tl.constexpr, STORE_Y: tl.constexpr, SIGNS: tl.constexpr,
+    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+):  # fmt: skip
+    """``_y_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket of a flat
+    buffer ``x`` (zeros from ``nx`` on: the padding): ``y = x + e``, stored over ``x``, its
+    signs into the phase-1 ``message`` and its sums per piece; or ``out = y - ±scales`` (a
+    piece's column is its segment)."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    column = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    y = tl.load(x + start + local, mask=valid & (start + local < nx), other=0.0)
+    if HAS_ERROR:
+        y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    if STORE_Y:
+        tl.store(x + start + local, y, mask=valid)
+    if SIGNS:
+        _store_signs(y, message, row_stride, tl.load(parts1 + bucket), tl.load(chunks + bucket),
+                     start, origin, tl.load(bucket_ends + bucket), BLOCK)  # fmt: skip
+    _emit(y, start, local, valid, p0, p1, starts, ends, column, out, partials, scales, out, 0,
+          BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+
+
+@launched(16)
 @triton.jit(do_not_specialize=["row_stride", "k", "scale_stride"])
 def _serve_pass(
     rows, row_stride, k, row_scales, scale_stride, last, error, piece_segments,
@@ -192,6 +222,30 @@ def _update_pass(
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
+
+
+@launched(16)
+@triton.jit(do_not_specialize=["bits_stride"])
+def _decompress_pass(
+    bits, bits_stride, momentum_scales, run_columns, starts, ends, columns, first, block_starts,
+    block_buckets, bucket_starts, bucket_ends, chunks, parts2, out, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The result of every bucket from the phase-2 message as received (``bits``, each
+    bucket's part at ``parts2``) and its scales, into the flat ``out``: ``±σ`` of each
+    element's run, as :func:`_update_pass` reads the momentum (the padding is left as it is)."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
+                         tl.load(first + block + 1))  # fmt: skip
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    row, within = _rows(start - origin, local, tl.load(chunks + bucket), BLOCK)
+    byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
+                   mask=present, other=0)  # fmt: skip
+    m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+    tl.store(out + start + local, m, mask=present)
 
 
 @launched()
@@ -286,6 +340,7 @@ class ModelPasses:
     def __init__(self, geometry: ModelGeometry, device: torch.device) -> None:
         g, n = geometry, geometry.world_size
         self.geometry, self.device = g, device
+        self._input_blocks: _Blocks | None = None
         buckets = range(len(g.runs))
         origins, numels, counts = g.origins, g.numels, g.segment_counts
         self.segment_offsets = _cumulative(counts)
@@ -403,10 +458,12 @@ class ModelPasses:
         self._worker(grads, inv_scale, momentum, weight, error, post, message=message,
                      partials=partials, sums=scale)  # fmt: skip
         scales = self._scales(blocks, partials, scale, message, self.scale_places)
-        message[:, self.header_at : self.header_at + 4 * headers.shape[-1]] = headers[-1].view(
-            torch.uint8
-        )  # fmt: skip
+        self._header_into(message, headers)
         return scales
+
+    def _header_into(self, message: Tensor, headers: Tensor) -> None:
+        at = self.header_at
+        message[:, at : at + 4 * headers.shape[-1]] = headers[-1].view(torch.uint8)
 
     def commit(
         self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
@@ -423,6 +480,62 @@ class ModelPasses:
         values = received.view(-1)[self.phase1_read].view(torch.float32)
         scales = values[: n * self.segments].view(n, self.segments)
         return scales, values[n * self.segments :].view(n, -1)
+
+    # A flat buffer of every bucket, reduced as it is (not a momentum).
+
+    def _inputs(self) -> _Blocks:
+        """The buckets cut by their segments, as ``compress_`` and ``segment_scales`` cut one."""
+        if self._input_blocks is None:
+            g, cpu = self.geometry, torch.device("cpu")
+            tilings = [Tiling(bounds, torch.arange(len(bounds) - 1), numel, cpu)
+                       for bounds, numel in zip(g.bounds, g.numels)]  # fmt: skip
+            self._input_blocks = _Blocks(tilings, g.origins, self.segment_offsets).to(self.device)
+        return self._input_blocks
+
+    def _input(
+        self, x: Tensor, error: Tensor | None, nx: int, *, store: bool = False,
+        message: Tensor | None = None, partials: Tensor | None = None, sums: str | None = None,
+        scales: Tensor | None = None, out: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        blocks = self._inputs()
+        _input_pass[(blocks.blocks,)](
+            x, nx, x if error is None else error, *blocks.table()[:4], blocks.block_starts,
+            blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts1,
+            x if message is None else message, 0 if message is None else message.stride(0),
+            x if partials is None else partials, x if scales is None else scales,
+            x if out is None else out,
+            BLOCK=BLOCK, HAS_ERROR=error is not None, STORE_Y=store, SIGNS=message is not None,
+            SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+        )  # fmt: skip
+
+    def compress(
+        self, x: Tensor, error: Tensor | None, scale: str, headers: Tensor, message: Tensor
+    ) -> Tensor:
+        """``y = x + error`` (``None``: zeros) over the flat buffer ``x`` of every bucket (its
+        padding taken as zeros, whatever it holds), stored over ``x``; its signs, scales and
+        header into the phase-1 ``message`` as :meth:`signs` writes them. Returns the
+        scales."""
+        blocks = self._inputs()
+        partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
+        self._input(x, error, self.geometry.numel, store=True, message=message,
+                    partials=partials, sums=scale)  # fmt: skip
+        scales = self._scales(blocks, partials, scale, message, self.scale_places)
+        self._header_into(message, headers)
+        return scales
+
+    def subtract(self, y: Tensor, scales: Tensor, out: Tensor) -> None:
+        """``out = y - ±scales`` of each segment, over every bucket (the worker error)."""
+        self._input(y, None, y.numel(), scales=scales, out=out)
+
+    def decompress(self, bits: Tensor, scales: Tensor, out: Tensor) -> None:
+        """The result of every bucket into the flat ``out`` (its padding left as it is), from
+        the phase-2 message as received (``bits``) and its scales (:meth:`momentum`)."""
+        blocks = self.worker
+        _decompress_pass[(blocks.blocks,)](
+            bits, bits.stride(0), scales, self.run_tables[1], blocks.starts, blocks.ends,
+            blocks.columns, blocks.first, blocks.block_starts, blocks.block_buckets,
+            *self.worker_bounds, self.chunks, self.parts2, out, BLOCK=BLOCK,
+        )  # fmt: skip
 
     # The server.
 
