@@ -29,6 +29,7 @@ from .triton_kernels import (
     Tiling,
     _bit,
     _emit,
+    _packed_momentum,
     _piece_columns,
     _rows,
     _run_pointers,
@@ -97,10 +98,10 @@ def _worker_pass(
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:
-        row, within = _rows(start - origin, local, chunk, BLOCK)
-        byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
-                       mask=present, other=0)  # fmt: skip
-        m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+        m = _packed_momentum(
+            bits + tl.load(parts2 + bucket), bits_stride, chunk, momentum_scales, column,
+            start - origin, local, present, BLOCK,
+        )  # fmt: skip
     if SMALL:
         y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
     else:
@@ -215,10 +216,10 @@ def _update_pass(
     p = tl.load(at, mask=present, other=0.0)
     d = tl.load(decay + param, mask=present, other=1.0)
     p = tl.where(d != 1.0, p * d, p)
-    row, within = _rows(start - origin, local, tl.load(chunks + bucket), BLOCK)
-    byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
-                   mask=present, other=0)  # fmt: skip
-    m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+    m = _packed_momentum(
+        bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
+        column, start - origin, local, present, BLOCK,
+    )  # fmt: skip
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
@@ -241,10 +242,10 @@ def _decompress_pass(
                          tl.load(first + block + 1))  # fmt: skip
     column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
     present = valid & (column >= 0)
-    row, within = _rows(start - origin, local, tl.load(chunks + bucket), BLOCK)
-    byte = tl.load(bits + tl.load(parts2 + bucket) + row * bits_stride + within // 8,
-                   mask=present, other=0)  # fmt: skip
-    m = _signed(_bit(byte, local), tl.load(momentum_scales + column, mask=present, other=0.0))
+    m = _packed_momentum(
+        bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
+        column, start - origin, local, present, BLOCK,
+    )  # fmt: skip
     tl.store(out + start + local, m, mask=present)
 
 
