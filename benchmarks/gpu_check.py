@@ -54,13 +54,23 @@ def _examples(out: Path) -> list[list[str]]:
     return [[*run, f"examples/{name}.py", *short, "--out", str(out / name)] for name in names]
 
 
+def _parallel() -> list[str]:
+    """pytest-xdist's workers, where it is installed: the ``cuda`` tests share the one GPU, and
+    one after the other they take longer than the whole check's six minutes."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 1) // 2)))]
+
+
 def parts(scratch: Path) -> dict[str, tuple[float, list[list[str]]]]:
     """Each part: its time limit in seconds and the commands it runs, in order."""
     return {
         "versions": (60, [[PY, "-c", VERSIONS], ["nvidia-smi", "-L"]]),
         "cuda-tests": (
             300,
-            [[PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE", "tests"]],
+            [[PY, "-m", "pytest", "-q", "-m", "cuda", *_parallel(), "-rfE", "tests"]],
         ),
         "step": (180, [[PY, "benchmarks/step.py", "--device", "cuda", "--repeats", "30"]]),
         "kernels": (

@@ -53,3 +53,69 @@ def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, n
             assert stage == want_stage, i
             assert torch.equal(params, want_params), (i, stage)
             assert torch.equal(state, want_state), (i, stage)
+
+
+LARGE = [(3001, 64), (64,), (64, 192), (192,), (256, 64), (256,), (64, 256), (777, 33)] * 5
+"""About 1.3M elements in 40 tensors: at a bucket size of 2**16, 20 buckets of 16 blocks
+each, with tensors across bucket boundaries, so that the GPU runs many blocks at once."""
+
+LARGE_CASES = {
+    "adam": ("OnebitAdam", {"freeze_step": 2}),
+    "zero_one": ("ZeroOneAdam", {"var_freeze_step": 2, "local_step_scaler": 10**9}),
+}
+
+
+def _large_trajectory(name: str, device: str = "cuda", steps: int = 8) -> tuple[list, int]:
+    """``LARGE_CASES[name]`` on ``device`` at world size 1: each step's stage and parameters (on the
+    CPU), and how many passes over every bucket ran."""
+    import onebit
+    from onebit.kernels import triton_model
+
+    optimizer, options = LARGE_CASES[name]
+    took = [0]
+    originals = {m: getattr(triton_model.ModelPasses, m) for m in ("compress", "signs")}
+
+    def counted(self, *args, _method, **kwargs):
+        took[0] += 1
+        return originals[_method](self, *args, **kwargs)
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.1) for s in LARGE]
+    opt = getattr(onebit, optimizer)(params, lr=1e-3, bucket_size=2**16, **options)
+    trace = []
+    try:
+        for m in originals:
+            setattr(triton_model.ModelPasses, m,
+                    lambda self, *a, _m=m, **k: counted(self, *a, _method=_m, **k))  # fmt: skip
+        for t in range(steps):
+            g = torch.Generator(device=device).manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g, device=device) * (1 + t % 3)
+            opt.step()
+            trace.append((opt.stage, torch.cat([p.detach().reshape(-1) for p in params]).cpu()))
+    finally:
+        for m, original in originals.items():
+            setattr(triton_model.ModelPasses, m, original)
+    return trace, took[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", LARGE_CASES)
+def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypatch):
+    """On a GPU the blocks of a pass run at once, in any order: a block that read what another
+    writes would corrupt whole blocks of elements, which the interpreter (one block after the
+    other) cannot show. A compiled reduction sums a block in its own order, so a scale may
+    differ in its last bit, and the parameters then by about 1e-7 (an H100 after 8 steps:
+    at most 1.2e-7); an element whose sign flips on such a difference moves by about ``lr``."""
+    from onebit import base, momentum
+
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    whole, took = _large_trajectory(name)
+    monkeypatch.setattr(base.CompressedOptimizer, "_model_allreduce", lambda self: None)
+    monkeypatch.setattr(momentum.PackedMomentumStage, "passes", lambda self: None)
+    per_bucket, none = _large_trajectory(name)
+    assert took >= 5 and none == 0
+    for t, ((stage, params), (want_stage, want)) in enumerate(zip(whole, per_bucket)):
+        assert stage == want_stage, t
+        apart = (params - want).abs()
+        assert int((apart > 1e-6).sum()) <= 16, (t, stage, float(apart.max()))

@@ -177,6 +177,7 @@ class OnebitLamb(CompressedOptimizer):
         self._coeff_updates = torch.zeros(layers)
         self._frozen_coeffs = torch.ones(layers)
         self._scaling = torch.ones(layers)
+        self._uploaded_scaling: tuple[Tensor, Tensor] | None = None
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
 
@@ -255,6 +256,15 @@ class OnebitLamb(CompressedOptimizer):
             applied, nbytes = self._unpacked_compression_step()
         self._end_step("compression", nbytes, applied)
 
+    def _device_scaling(self) -> Tensor:
+        """The momentum scaling (a host vector, fixed from the freeze on) on the optimizer's
+        device: uploaded once per value, so that no bucket's pass uploads it again."""
+        cached = self._uploaded_scaling
+        if cached is None or cached[0] is not self._scaling or cached[1].device != self.device:
+            uploaded = host.upload(self._scaling, self.device, torch.float32)
+            self._uploaded_scaling = cached = (self._scaling, uploaded)
+        return cached[1]
+
     def _unpacked_compression_step(self) -> tuple[bool, int]:
         """The compression step in torch ops on flat buffers: the averaged momentum, the
         gradient it implies, the fresh variance, the factors and the update all pass through
@@ -308,11 +318,12 @@ class OnebitLamb(CompressedOptimizer):
         momentum packed (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer:
         the fused passes read ``.grad``, and what follows the allreduce runs a bucket at a time
         on temporaries of a bucket (and of a layer, for the norms that weight decay needs)."""
-        applied, nbytes, calls = self._packed_allreduce(self._scaling)
+        scaling = self._device_scaling()
+        applied, nbytes, calls = self._packed_allreduce(scaling)
         if not applied:
             return applied, nbytes
         t, stage = self.num_steps + 1, self._fused
-        new = stage.results(calls, self._scaling)  # the averaged momentum over the scaling
+        new = stage.results(calls, scaling)  # the averaged momentum over the scaling
         ratios = self._fresh_variance_(new, t)
         norms = []
         if any(group["weight_decay"] for group in self.param_groups):
