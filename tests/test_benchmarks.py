@@ -118,3 +118,10 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     for step in ("OnebitAdam compression step", "ZeroOneAdam 1-bit sync step"):
         assert launches[1][step] == launches[0][step] == 6, step  # every bucket at once
     assert many == one
+
+
+def test_profile_step_finds_what_it_builds_on():
+    """``profile_step.py`` needs a GPU to measure; here its imports (the step variants and
+    their builder, shared with ``step.py`` and ``launches.py``) and arguments must resolve."""
+    out = _run("profile_step.py", "--help")
+    assert "--bucket-size" in out
