@@ -3,6 +3,8 @@ kernels, under the interpreter here) against the same kernels a bucket at a time
 bits, on real gloo ranks, through non-finite gradients on the last rank (skipped steps, 0/1
 Adam's skipped sync) and the error buffers read mid-run."""
 
+import dataclasses
+
 import pytest
 import torch
 from backends import use_backend
@@ -11,9 +13,18 @@ from harness import CASES, _non_finite
 
 from onebit import kernels
 
+RUNS = {
+    **CASES,
+    "adam, clip": dataclasses.replace(
+        CASES["adam"], settings={**CASES["adam"].settings, "max_grad_norm": 0.05}
+    ),
+}
+"""The runs checked: 1-bit Adam with ``max_grad_norm`` (clipping every step) keeps its momentum
+in fp32 and sends it every bucket at once too, with the squared gradient norms in the header."""
+
 
 def _run(rank: int, world_size: int, name: str, whole: bool):
-    """``CASES[name]``'s run with non-finite gradients, every bucket at once or (``whole``
+    """``RUNS[name]``'s run with non-finite gradients, every bucket at once or (``whole``
     false) a bucket at a time; with how many steps sent every bucket at once."""
     from onebit import base, momentum
     from onebit.kernels import triton_model
@@ -31,12 +42,12 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
     if not whole:
         base.CompressedOptimizer._model_allreduce = lambda self: None
         momentum.PackedMomentumStage.passes = lambda self: None
-    calls, skipped, dropped, steps = _non_finite(CASES[name], rank, world_size)
+    calls, skipped, dropped, steps = _non_finite(RUNS[name], rank, world_size)
     return [(c.stage, c.params_after, c.state_after) for c in calls], skipped, dropped, took[0]
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
-@pytest.mark.parametrize("name", ["adam", "zero_one"])
+@pytest.mark.parametrize("name", ["adam", "adam, clip", "zero_one"])
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
     whole = run_ranks(_run, world_size, name, True, timeout=600)
@@ -61,6 +72,7 @@ each, with tensors across bucket boundaries, so that the GPU runs many blocks at
 
 LARGE_CASES = {
     "adam": ("OnebitAdam", {"freeze_step": 2}),
+    "adam, clip": ("OnebitAdam", {"freeze_step": 2, "max_grad_norm": 1.0}),
     "zero_one": ("ZeroOneAdam", {"var_freeze_step": 2, "local_step_scaler": 10**9}),
 }
 

@@ -197,7 +197,12 @@ class OnebitAdam(CompressedOptimizer):
         else:
             g = self._grads
             clip = self.max_grad_norm is not None
-            applied, nbytes = self._communicate("compressed", out=g if clip else m)
+            if self._at_once():
+                applied, nbytes = self._momentum_at_once(m, g)
+                if applied and not clip:
+                    m.copy_(g[: self.layout.numel])
+            else:
+                applied, nbytes = self._communicate("compressed", out=g if clip else m)
             if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
                 m.mul_(self._beta1).lerp_(g, self._compressed_clip_coefficient())
             if applied:
@@ -219,6 +224,23 @@ class OnebitAdam(CompressedOptimizer):
             self._adamw_update_(m, v, t)
         self._end_step(stage, nbytes, applied)
         return loss
+
+    def _at_once(self) -> bool:
+        """Whether a compression step without the packed momentum (``max_grad_norm``,
+        ``exp_avg_mask``) sends every bucket at once: on the Triton kernels, with a scale per
+        tensor, unless buckets go out during backward (``overlap_backward``)."""
+        return not self.overlap_backward and self._model_allreduce() is not None
+
+    def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
+        """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
+        at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
+        ``_communicate``, bit for bit, in a number of kernels that does not grow with the
+        buckets)."""
+        self._gather_grads(norms=True)
+        numel = self.layout.numel
+        torch.lerp(m, g[:numel], 1 - self._beta1, out=g[:numel])
+        clipped = self.max_grad_norm is not None
+        return self._reduce_compressed(g, self.bucketer.gathered_norms2() if clipped else None)
 
     def _freeze_variance_(self, t: int) -> None:
         """At the end of the last warmup step: fill the zero variances, then keep

@@ -840,22 +840,40 @@ class CompressedOptimizer(torch.optim.Optimizer):
         gradient norm over all buckets."""
         first = headers[-1].clone()  # the bucket sent first
         first[:, 2] = headers[:, :, 2].amax(0)
-        norms2 = self.shards.sum_(headers[:, :, 3].sum(0)) if clipped else None
+        norms2 = None
+        if clipped:  # each rank's buckets summed in a row, as _reduce_compressed sums its own
+            norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
         return self._verdict(first, finite, norms2)
 
-    def _reduce_compressed(self, flat: Tensor) -> tuple[bool, int]:
+    def _reduce_compressed(self, flat: Tensor, norms2: Tensor | None = None) -> tuple[bool, int]:
         """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
-        every bucket with its padding), values that are not gradients (0/1 Adam's sync), with
-        headers; returns (applied, bytes sent). Not applied leaves the error buffers as they
-        were and ``flat`` holding ``flat + error``."""
+        every bucket with its padding), with headers; returns (applied, bytes sent). Not applied
+        leaves the error buffers as they were and ``flat`` holding ``flat + error``.
+
+        ``flat`` holds values that are not gradients (0/1 Adam's sync), or, with ``norms2``
+        (each bucket's squared gradient norm, ``[buckets]``: see :meth:`Bucketer.gather`), what
+        a compressed step sends in their place (1-bit Adam's momentum with ``max_grad_norm``);
+        the step then notes the mean of the ranks' norms it clips with, as
+        :meth:`_finish_compressed` does. Only every bucket at once
+        (:meth:`_model_allreduce`) takes ``norms2``."""
         self._begin_step()
         model = self._model_allreduce()
         if model is not None:  # every bucket at once
-            call = model.start(flat, self._step_headers())
-            applied, _ = self._verdict(*model.received(call))
+            headers = self._step_headers()
+            if norms2 is not None:  # the header, sent once, carries the sum of the buckets'
+                headers = headers.clone()
+                headers[:, 3] = norms2.reshape(1, -1).sum(1)
+            call = model.start(flat, headers)
+            header, largest = model.received(call)
+            total = None if norms2 is None else self.shards.sum_(header[:, 3].clone())
+            applied, norms = self._verdict(header, largest, total)
             if applied:
                 model.commit(call)
+            if applied and norms is not None:
+                self.grad_norm = float(norms.sqrt().mean())
             return applied, sum(c.bytes_per_call for c in self.comms)
+        if norms2 is not None:
+            raise RuntimeError("norms2 needs every bucket at once (_model_allreduce)")
         buffers = self.layout.bucket_views(flat, padded=True)
         with phase_exchange(self.comms, 1).filling() as exchange:
             calls = [

@@ -186,6 +186,30 @@ class Bucketer:
         copied, which the bucket's header carries to every rank.
         """
         start, end = self.layout.buckets[k]
+        sparse = self._copy_in(start, end, inv_scale)
+        if norm and self.clip:  # stays on the device: no sync per bucket
+            self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
+        return sparse
+
+    def gather(self, inv_scale: float | None, norm: bool = False) -> bool:
+        """:meth:`fill` every bucket, in one multi-tensor op for each of its parts whatever the
+        number of buckets; returns whether a sparse gradient was met. The squared norms are
+        :meth:`fill`'s, bit for bit (see :meth:`gathered_norms2`)."""
+        sparse = self._copy_in(0, self.layout.numel, inv_scale)
+        if norm and self.clip:
+            views = [self.grads[start:end] for start, end in self.layout.buckets]
+            norms2 = torch.stack(torch._foreach_norm(views)).square()
+            self._norms2 = list(norms2.unbind())
+        return sparse
+
+    def gathered_norms2(self) -> Tensor:
+        """Each bucket's squared gradient norm (``[buckets]``, on the device) that this step's
+        :meth:`fill` or :meth:`gather` noted."""
+        assert all(n is not None for n in self._norms2), "no norms noted this step"
+        return torch.stack(self._norms2)
+
+    def _copy_in(self, start: int, end: int, inv_scale: float | None) -> bool:
+        """:meth:`fill`'s copy of the gradients overlapping ``[start, end)`` of the buffer."""
         layout, sparse = self.layout, False
         zeros, sources, targets, scaled = [], [], [], []  # one multi-tensor op each
         for p, offset, numel in zip(layout.params, layout.offsets, layout.numels):
@@ -209,14 +233,7 @@ class Bucketer:
             torch._foreach_copy_(targets, sources)
         if scaled:
             torch._foreach_mul_(scaled, inv_scale)
-        if norm and self.clip:  # stays on the device: no sync per bucket
-            self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse
-
-    def gather(self, inv_scale: float | None, norm: bool = False) -> bool:
-        """:meth:`fill` every bucket; returns whether a sparse gradient was met."""
-        sparse = [self.fill(k, inv_scale, norm) for k in range(len(self.comms))]
-        return any(sparse)
 
     # Launching and collecting.
 
