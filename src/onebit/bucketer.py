@@ -14,7 +14,7 @@ is launched.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -107,6 +107,10 @@ class Bucketer:
             [k for k, (s, e) in enumerate(layout.buckets) if s < o + n and o < e]
             for o, n in zip(layout.offsets, layout.numels)
         ]
+        self._params_in_bucket = [
+            [i for i, buckets in enumerate(self._buckets_of_param) if k in buckets]
+            for k in range(len(layout.buckets))
+        ]
         self._bucket_sizes = [0] * len(layout.buckets)
         for p, buckets in zip(params, self._buckets_of_param):
             for k in buckets:
@@ -186,7 +190,7 @@ class Bucketer:
         copied, which the bucket's header carries to every rank.
         """
         start, end = self.layout.buckets[k]
-        sparse = self._copy_in(start, end, inv_scale)
+        sparse = self._copy_in(start, end, inv_scale, self._params_in_bucket[k])
         if norm and self.clip:  # stays on the device: no sync per bucket
             self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse
@@ -195,7 +199,7 @@ class Bucketer:
         """:meth:`fill` every bucket, in one multi-tensor op for each of its parts whatever the
         number of buckets; returns whether a sparse gradient was met. The squared norms are
         :meth:`fill`'s, bit for bit (see :meth:`gathered_norms2`)."""
-        sparse = self._copy_in(0, self.layout.numel, inv_scale)
+        sparse = self._copy_in(0, self.layout.numel, inv_scale, range(len(self.layout.params)))
         if norm and self.clip:
             views = [self.grads[start:end] for start, end in self.layout.buckets]
             norms2 = torch.stack(torch._foreach_norm(views)).square()
@@ -208,11 +212,16 @@ class Bucketer:
         assert all(n is not None for n in self._norms2), "no norms noted this step"
         return torch.stack(self._norms2)
 
-    def _copy_in(self, start: int, end: int, inv_scale: float | None) -> bool:
-        """:meth:`fill`'s copy of the gradients overlapping ``[start, end)`` of the buffer."""
+    def _copy_in(
+        self, start: int, end: int, inv_scale: float | None, indices: Iterable[int]
+    ) -> bool:
+        """:meth:`fill`'s copy of the gradients overlapping ``[start, end)`` of the buffer: those
+        of the parameters ``indices``, which hold every one that overlaps it (a bucket's own,
+        so that a step's Python does not grow with buckets times parameters)."""
         layout, sparse = self.layout, False
         zeros, sources, targets, scaled = [], [], [], []  # one multi-tensor op each
-        for p, offset, numel in zip(layout.params, layout.offsets, layout.numels):
+        for i in indices:
+            p, offset, numel = layout.params[i], layout.offsets[i], layout.numels[i]
             lo, hi = max(start, offset), min(end, offset + numel)
             if lo >= hi:
                 continue
