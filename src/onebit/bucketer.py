@@ -117,6 +117,7 @@ class Bucketer:
                 self._bucket_sizes[k] += p.requires_grad
         self._pending = list(self._bucket_sizes)
         self._norms2: list[Tensor | None] = [None] * len(self.comms)
+        self._gathered_norms2: Tensor | None = None
         self._index = {id(p): i for i, p in enumerate(params)}
         self._seen_versions: list[int | None] | None = None
         self._hooked_by_ddp = False
@@ -202,15 +203,15 @@ class Bucketer:
         sparse = self._copy_in(0, self.layout.numel, inv_scale, range(len(self.layout.params)))
         if norm and self.clip:
             views = [self.grads[start:end] for start, end in self.layout.buckets]
-            norms2 = torch.stack(torch._foreach_norm(views)).square()
-            self._norms2 = list(norms2.unbind())
+            self._gathered_norms2 = torch.stack(torch._foreach_norm(views)).square()
+            self._norms2 = list(self._gathered_norms2.unbind())
         return sparse
 
     def gathered_norms2(self) -> Tensor:
         """Each bucket's squared gradient norm (``[buckets]``, on the device) that this step's
-        :meth:`fill` or :meth:`gather` noted."""
-        assert all(n is not None for n in self._norms2), "no norms noted this step"
-        return torch.stack(self._norms2)
+        :meth:`gather` noted."""
+        assert self._gathered_norms2 is not None, "no norms gathered this step"
+        return self._gathered_norms2
 
     def _copy_in(
         self, start: int, end: int, inv_scale: float | None, indices: Iterable[int]
@@ -320,6 +321,7 @@ class Bucketer:
         self.inflight = {}
         self._pending = list(self._bucket_sizes)
         self._norms2 = [None] * len(self.comms)
+        self._gathered_norms2 = None
 
     # Overlap with backward.
 
