@@ -16,7 +16,7 @@ from distributed import run_ranks
 
 import onebit
 from onebit import _native
-from onebit.comm import _Segments
+from onebit.comm import ScaleGeometry
 from onebit.compress import (
     allreduce_one_,
     average_signs_,
@@ -66,7 +66,7 @@ class BlockReference:
         self.numel, self.n, self.scale = numel, n, scale
         self.padded = padded_numel(numel, n)
         self.chunk = self.padded // n
-        self.geometry = _Segments(segments, self.padded, n) if segments and numel else None
+        self.geometry = ScaleGeometry(segments, self.padded, n) if segments and numel else None
         self.worker_error = [torch.zeros(self.padded) for _ in range(n)]
         self.server_error = [torch.zeros(self.chunk) for _ in range(n)]
 

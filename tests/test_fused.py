@@ -5,7 +5,7 @@ import pytest
 import torch
 from backends import use_backend
 
-from onebit.comm import _Segments
+from onebit.comm import ScaleGeometry
 from onebit.compress import (
     decompress_pieces_,
     pack_signs,
@@ -32,7 +32,7 @@ def _bucket(world: int, gen: torch.Generator):
     numel = sum(SIZES)
     padded = padded_numel(numel, world)
     present = [s for s in SIZES if s]  # as FlatLayout.segments gives them
-    geometry = _Segments(present, padded, world)
+    geometry = ScaleGeometry(present, padded, world)
     sizes = present + ([padded - numel] if padded > numel else [])
     params = [i for i, s in enumerate(SIZES) if s] + ([None] if padded > numel else [])
     runs = fused.BucketRuns(sizes, geometry.served, padded // world, geometry.most_pieces,
@@ -41,7 +41,7 @@ def _bucket(world: int, gen: torch.Generator):
     return geometry, runs, tensors, numel, padded
 
 
-def _packed(geometry: _Segments, world: int, padded: int, gen: torch.Generator):
+def _packed(geometry: ScaleGeometry, world: int, padded: int, gen: torch.Generator):
     chunk = padded // world
     message = torch.randint(0, 256, (world, chunk // 8 + 4 * geometry.most_pieces + 3),
                             generator=gen, dtype=torch.uint8)  # fmt: skip

@@ -200,7 +200,7 @@ class OnebitAdam(CompressedOptimizer):
             if self._at_once():
                 applied, nbytes = self._momentum_at_once(m, g)
                 if applied and not clip:
-                    m.copy_(g[: self.layout.numel])
+                    m.copy_(g)
             else:
                 applied, nbytes = self._communicate("compressed", out=g if clip else m)
             if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
@@ -227,8 +227,8 @@ class OnebitAdam(CompressedOptimizer):
 
     def _at_once(self) -> bool:
         """Whether a compression step without the packed momentum (``max_grad_norm``,
-        ``exp_avg_mask``) sends every bucket at once: on the Triton kernels, with a scale per
-        tensor, unless buckets go out during backward (``overlap_backward``)."""
+        ``exp_avg_mask`` or one scale per bucket) sends every bucket at once: on the Triton
+        kernels, unless buckets go out during backward (``overlap_backward``)."""
         return not self.overlap_backward and self._model_allreduce() is not None
 
     def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
@@ -237,10 +237,10 @@ class OnebitAdam(CompressedOptimizer):
         ``_communicate``, bit for bit, in a number of kernels that does not grow with the
         buckets)."""
         self._gather_grads(norms=True)
-        numel = self.layout.numel
-        torch.lerp(m, g[:numel], 1 - self._beta1, out=g[:numel])
+        torch.lerp(m, g, 1 - self._beta1, out=g)
+        flat = self.bucketer.grads[: self.layout.padded_numel]  # with the padding, which y keeps
         clipped = self.max_grad_norm is not None
-        return self._reduce_compressed(g, self.bucketer.gathered_norms2() if clipped else None)
+        return self._reduce_compressed(flat, self.bucketer.gathered_norms2() if clipped else None)
 
     def _freeze_variance_(self, t: int) -> None:
         """At the end of the last warmup step: fill the zero variances, then keep

@@ -169,9 +169,10 @@ class CompressedAllreduce:
         self._server_error: Tensor | None = None
         self._server_last: Tensor | None = None  # see server_error
         self.segments = segments
-        self._geometry: _Segments | None = None
+        self._geometry: ScaleGeometry | None = None
         if segments is not None and numel:
-            self._geometry = _Segments(segments, self.padded_numel, self.world_size)
+            self._geometry = ScaleGeometry(segments, self.padded_numel, self.world_size)
+        self._whole: ScaleGeometry | None = None  # scale_geometry without segments
         self._scratch: Tensor | None = None  # __call__'s padded input, made on first use
         self._server_scratch: Tensor | None = None
         self.worker_scale_count = 1 if self._geometry is None else self._geometry.count
@@ -198,7 +199,8 @@ class CompressedAllreduce:
         next read (:func:`~onebit.compress.serve_pieces_`); reading it here settles it."""
         store = self._server_store()
         if self._server_last is not None:
-            server_error_(store, self._server_last, self._geometry.chunk_bounds[self.rank])
+            bounds = self.scale_geometry.chunk_bounds[self.rank]
+            server_error_(store, self._server_last, bounds)
             self._server_last = None
         return store
 
@@ -211,13 +213,21 @@ class CompressedAllreduce:
 
     def hold_server_error(self, storage: Tensor, last: Tensor | None = None) -> None:
         """Keep the server's buffer in ``storage`` (``chunk_numel`` fp32): the error, or with
-        ``last`` (each served piece's scale, with ``segments``) the served ``z`` it is derived
-        from. A step that serves every bucket in one pass keeps them all in one buffer."""
+        ``last`` (each served piece's scale, :attr:`scale_geometry`) the served ``z`` it is
+        derived from. A step that serves every bucket in one pass keeps them all in one buffer."""
         if storage.shape != (self.chunk_numel,) or storage.dtype != torch.float32:
             raise ValueError(f"the server error needs {self.chunk_numel} fp32 elements")
-        if last is not None and self._geometry is None:
-            raise ValueError("a served z is kept only with segments")
         self._server_error, self._server_last = storage, last
+
+    @property
+    def scale_geometry(self) -> ScaleGeometry:
+        """Where each scale applies: the segments' pieces, or without segments one segment of
+        the whole padded buffer (SPEC 2: one worker scale, one server scale per chunk)."""
+        if self._geometry is not None:
+            return self._geometry
+        if self._whole is None:
+            self._whole = ScaleGeometry([self.padded_numel], self.padded_numel, self.world_size)
+        return self._whole
 
     def _server_store(self) -> Tensor:
         if self._server_error is None:
@@ -544,9 +554,10 @@ def _scales(messages: Tensor, chunk_bytes: int, count: int) -> Tensor:
     )
 
 
-class _Segments:
+class ScaleGeometry:
     """Where the segments (and the padding, one more segment) fall in the padded buffer and in
-    each chunk, as the int64 tables the segmented kernels of :mod:`onebit.compress` take.
+    each chunk, as the int64 tables the segmented kernels of :mod:`onebit.compress` take: each
+    segment has a worker scale, each piece a server scale.
 
     Attributes:
         bounds: ``[count + 1]`` segment boundaries in the padded buffer.

@@ -21,15 +21,16 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .comm import CompressedAllreduce
+from .comm import CompressedAllreduce, ScaleGeometry
 from .exchange import Exchange, part_offsets, phase_exchange
 from .kernels import fused
 from .layout import FlatLayout
 
 
 def bucket_runs(layout: FlatLayout, comms: list[CompressedAllreduce]) -> list[fused.BucketRuns]:
-    """Each bucket of ``layout`` cut into runs (:class:`~onebit.kernels.fused.BucketRuns`) by its
-    communicator's geometry: its parameters' parts, then its padding."""
+    """Each bucket of ``layout`` cut into runs (:class:`~onebit.kernels.fused.BucketRuns`): its
+    parameters' parts, then its padding, each cut by the chunks; a run's scale is its piece's,
+    or its chunk's where the communicator has one scale per chunk (no segments)."""
     runs = []
     for (start, end), comm in zip(layout.buckets, comms):
         segments, params, offsets = [], [], []
@@ -43,14 +44,20 @@ def bucket_runs(layout: FlatLayout, comms: list[CompressedAllreduce]) -> list[fu
             segments.append(comm.padded_numel - (end - start))
             params.append(None)
             offsets.append(0)
-        runs.append(fused.BucketRuns(segments, comm._geometry.served, comm.chunk_numel,
-                                     comm.server_scale_count, params, offsets))  # fmt: skip
+        per_chunk = comm.segments is None
+        geometry = comm.scale_geometry
+        if per_chunk:  # the parameters' parts, cut as segments would be
+            parts = segments[: len(segments) - (params[-1] is None)]
+            geometry = ScaleGeometry(parts, comm.padded_numel, comm.world_size)
+        runs.append(fused.BucketRuns(segments, geometry.served, comm.chunk_numel,
+                                     comm.server_scale_count, params, offsets,
+                                     per_chunk))  # fmt: skip
     return runs
 
 
 class ModelAllreduce:
     """Every bucket's compressed allreduce at once, for the communicators of a flat layout (one
-    per bucket, with a scale per tensor).
+    per bucket, with a scale per tensor or one per bucket).
 
     Args:
         layout: the optimizer's flat layout.
@@ -74,8 +81,8 @@ class ModelAllreduce:
 
     @staticmethod
     def applies(comms: list[CompressedAllreduce]) -> bool:
-        """Whether these communicators suit it: a scale per tensor, some elements."""
-        return bool(comms) and all(c.segments is not None and c.numel for c in comms)
+        """Whether these communicators suit it: some elements in each."""
+        return bool(comms) and all(c.numel for c in comms)
 
     def passes(self) -> Any | None:
         """The backend's passes over every bucket at once, or ``None`` where it runs them a
@@ -95,8 +102,8 @@ class ModelAllreduce:
             numels=[c.padded_numel for c in comms],
             numel=self.layout.numel,
             segment_counts=[c.worker_scale_count for c in comms],
-            bounds=[c._geometry.bounds for c in comms],
-            served=[c._geometry.served[c.rank] for c in comms],
+            bounds=[c.scale_geometry.bounds for c in comms],
+            served=[c.scale_geometry.served[c.rank] for c in comms],
             server_columns=[c.server_scale_count for c in comms],
             parts1=parts1,
             width1=width1,
@@ -112,6 +119,8 @@ class ModelAllreduce:
         """Worker compression of ``flat`` (``layout.padded_numel`` fp32: every bucket end to
         end, its padding taken as zeros; overwritten with ``y``) and phase 1, with the last row
         of ``headers`` (``[buckets, header_numel]``)."""
+        if flat.numel() != self.layout.padded_numel:
+            raise ValueError(f"expected {self.layout.padded_numel} elements, got {flat.numel()}")
         call = ModelCall(phase_exchange(self.comms, 1), flat)
         with call.exchange.filling() as exchange:
             call.scales = self.passes().compress(flat, self._worker_errors(), self.comms[0].scale,

@@ -230,7 +230,7 @@ class PackedMomentumStage:
         if packed is None:
             start, end = self.layout.buckets[k]
             return out.copy_(self.momentum[start:end])
-        return decompress_pieces_(*packed[k], self.comms[k]._geometry.gathered, out)
+        return decompress_pieces_(*packed[k], self.comms[k].scale_geometry.gathered, out)
 
     def update_(
         self,
@@ -260,7 +260,7 @@ class PackedMomentumStage:
             return self.momentum[: self.layout.numel].clone()
         out = self.layout.zeros(device=self.momentum.device)
         for (start, end), comm, packed in zip(self.layout.buckets, self.comms, self.packed):
-            decompress_pieces_(*packed, comm._geometry.gathered, out[start:end])
+            decompress_pieces_(*packed, comm.scale_geometry.gathered, out[start:end])
         return out
 
     def unpack_(self) -> None:
@@ -312,7 +312,7 @@ class PackedMomentumStage:
             padded[: end - start] = momentum[start:end]
             signs = pack_signs(torch.where(padded.signbit(), -1.0, 1.0))  # -0.0 stays -0.0
             signs = signs.view(comm.world_size, -1)
-            table = comm._geometry.gathered  # rows: chunk j, start, end, column c
+            table = comm.scale_geometry.gathered  # rows: chunk j, start, end, column c
             first = table[:, 0] * comm.chunk_numel + table[:, 1]
             scales = torch.zeros(comm.world_size, comm.server_scale_count, device=device)
             scales[table[:, 0], table[:, 3]] = padded[first].abs()

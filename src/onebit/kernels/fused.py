@@ -57,6 +57,8 @@ class BucketRuns:
             ``j * columns``).
         params: the parameter index of each segment (``None`` for the padding).
         param_offsets: the element of each segment's parameter where the segment starts.
+        per_chunk: one scale per chunk (no ``segments`` on the communicator): every run of
+            chunk ``j`` has column ``j``.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class BucketRuns:
         columns: int,
         params: list[int | None],
         param_offsets: list[int],
+        per_chunk: bool = False,
     ) -> None:
         rows, run_params, run_offsets = [], [], []
         starts = [0]
@@ -76,7 +79,8 @@ class BucketRuns:
             for i, (a, b, q) in enumerate(pieces.tolist()):
                 start = j * chunk + a
                 padding = params[q] is None
-                rows.append((start, j * chunk + b, q, -1 if padding else j * columns + i))
+                column = j * columns + (0 if per_chunk else i)
+                rows.append((start, j * chunk + b, q, -1 if padding else column))
                 run_params.append(-1 if padding else params[q])
                 run_offsets.append(0 if padding else param_offsets[q] + start - starts[q])
         self.runs = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
