@@ -24,11 +24,13 @@ RUNS = {
     "adam, one scale per bucket": _with("adam", scale_per="bucket"),
     "adam, one scale per bucket, clip": _with("adam", scale_per="bucket", max_grad_norm=0.05),
     "zero_one, one scale per bucket": _with("zero_one", scale_per="bucket"),
+    "lamb, clip": _with("lamb", max_grad_norm=0.05),
 }
 """The runs checked: 1-bit Adam with ``max_grad_norm`` (clipping every step) keeps its momentum
 in fp32 and sends it every bucket at once too, with the squared gradient norms in the header;
 with one scale per bucket (SPEC 2's) its momentum is never packed, and goes every bucket at once
-with or without clipping, as 0/1 Adam's sync does."""
+with or without clipping, as 0/1 Adam's compressed steps and syncs do. 1-bit LAMB sends every
+bucket at once where its momentum is not packed (here: clipping); packed, a bucket at a time."""
 
 
 def _run(rank: int, world_size: int, name: str, whole: bool):
@@ -55,7 +57,7 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "lamb"])
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "lamb"])  # packed: per bucket
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
     whole = run_ranks(_run, world_size, name, True, timeout=600)
@@ -82,6 +84,7 @@ LARGE_CASES = {
     "adam": ("OnebitAdam", {"freeze_step": 2}),
     "adam, clip": ("OnebitAdam", {"freeze_step": 2, "max_grad_norm": 1.0}),
     "adam, one scale per bucket": ("OnebitAdam", {"freeze_step": 2, "scale_per": "bucket"}),
+    "lamb, clip": ("OnebitLamb", {"freeze_step": 2, "max_grad_norm": 1.0}),
     "zero_one": ("ZeroOneAdam", {"var_freeze_step": 2, "local_step_scaler": 10**9}),
 }
 

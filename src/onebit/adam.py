@@ -225,22 +225,15 @@ class OnebitAdam(CompressedOptimizer):
         self._end_step(stage, nbytes, applied)
         return loss
 
-    def _at_once(self) -> bool:
-        """Whether a compression step without the packed momentum (``max_grad_norm``,
-        ``exp_avg_mask`` or one scale per bucket) sends every bucket at once: on the Triton
-        kernels, unless buckets go out during backward (``overlap_backward``)."""
-        return not self.overlap_backward and self._model_allreduce() is not None
-
     def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
         """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
         at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
         ``_communicate``, bit for bit, in a number of kernels that does not grow with the
-        buckets)."""
+        buckets). Without the packed momentum: ``max_grad_norm``, ``exp_avg_mask`` or one
+        scale per bucket."""
         self._gather_grads(norms=True)
         torch.lerp(m, g, 1 - self._beta1, out=g)
-        flat = self.bucketer.grads[: self.layout.padded_numel]  # with the padding, which y keeps
-        clipped = self.max_grad_norm is not None
-        return self._reduce_compressed(flat, self.bucketer.gathered_norms2() if clipped else None)
+        return self._compressed_allreduce()
 
     def _freeze_variance_(self, t: int) -> None:
         """At the end of the last warmup step: fill the zero variances, then keep

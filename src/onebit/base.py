@@ -791,13 +791,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place),
         ``"quantized"`` (average it through :attr:`warmup_comms` into ``out``) or
         ``"compressed"`` (1-bit allreduce of the gradient buffer into the flat buffer ``out``).
-        With ``fill`` each bucket is first gathered from ``.grad`` and passed through the
-        ``prepare`` callback; without it the caller has filled the gradient buffer.
+        With ``fill`` the gradients are first gathered from ``.grad``: for a full-precision
+        kind without ``overlap_backward`` all at once, else each bucket as it launches, passed
+        through the ``prepare`` callback; without it the caller has filled the gradient buffer.
         Returns (applied, bytes sent); not applied means some rank had a non-finite value and
         nothing but the gradient buffer changed. Raises on every rank, before anything is
         committed, if the ranks' headers disagree.
         """
         self._begin_step()
+        if fill and kind != "compressed" and not self.overlap_backward:
+            self._gather_grads()  # one multi-tensor copy, not one per bucket
+            fill = False
         calls = self.bucketer.launch_all(kind, fill, self._inv_scale)
         if kind == "allreduce":
             for call in calls:
@@ -912,11 +916,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._status = 1
         return self._grads
 
-    def _compressed_allreduce(self, out: Tensor) -> tuple[bool, int]:
-        """Compressed allreduce of the (padded) flat gradient buffer, used as the input scratch,
-        into the flat buffer ``out``; return (applied, bytes sent). Not applied means some rank
-        had a non-finite value, and nothing was changed."""
-        return self._communicate("compressed", out, fill=False)
+    def _at_once(self) -> bool:
+        """Whether a compressed allreduce of the gradient buffer sends every bucket at once: on
+        the Triton kernels (:meth:`_model_allreduce`), unless buckets go out during backward
+        (``overlap_backward``)."""
+        return not self.overlap_backward and self._model_allreduce() is not None
+
+    def _compressed_allreduce(self) -> tuple[bool, int]:
+        """Compressed allreduce, in place, of the flat gradient buffer that
+        ``_gather_grads(norms=True)`` filled (then changed as the step sends it); return
+        (applied, bytes sent). Not applied means some rank had a non-finite value, and nothing
+        but the buffer changed. Every bucket at once where :meth:`_at_once`, else a bucket at
+        a time, bit for bit the same."""
+        if self._at_once():
+            flat = self.bucketer.grads[: self.layout.padded_numel]  # y keeps the padding
+            norms2 = self.bucketer.gathered_norms2() if self.max_grad_norm is not None else None
+            return self._reduce_compressed(flat, norms2)
+        return self._communicate("compressed", self._grads, fill=False)
 
     # Gradient clipping (max_grad_norm) and exp_avg_mask.
 
@@ -1030,8 +1046,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, v: Tensor, step: int
     ) -> Iterator[tuple[dict[str, Any], slice, list[Tensor]]]:
         """Adam's denominators ``sqrt(v̂) + eps`` of warmup step ``step``, as temporaries a
-        bucket's worth of parameters at a time: ``(group, slice of layout.params, one
-        denominator per parameter)``. The gradient buffer, which may be the ``.grad`` views, is
+        bucket's worth of parameters at a time (of the default bucket size at least, so that the
+        ops do not grow with the buckets): ``(group, slice of layout.params, one denominator per
+        parameter)``. The gradient buffer, which may be the ``.grad`` views, is
         left as it is. A measuring step of ``freeze_step="auto"`` makes them all at once, to
         observe them first.
         """
@@ -1045,7 +1062,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             end = start + len(group["params"])
             numels = self.shards.numels()[start:end]  # the same parts on every shard
-            for part in _parts(numels, self.layout.bucket_size):
+            for part in _parts(numels, max(self.layout.bucket_size, DEFAULT_BUCKET_SIZE)):
                 part = slice(start + part.start, start + part.stop)
                 if whole is not None:
                     yield group, part, whole[part]

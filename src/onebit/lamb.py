@@ -278,7 +278,7 @@ class OnebitLamb(CompressedOptimizer):
         scaling = self._scaling.tolist()
         torch.lerp(m, g, 1 - beta1, out=g)
         torch._foreach_mul_(views, scaling)
-        applied, nbytes = self._compressed_allreduce(g)  # in place: g is the averaged momentum
+        applied, nbytes = self._compressed_allreduce()  # in place: g is the averaged momentum
         if applied:
             t = self.num_steps + 1
             torch._foreach_div_(views, scaling)

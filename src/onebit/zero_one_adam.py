@@ -311,7 +311,7 @@ class ZeroOneAdam(CompressedOptimizer):
         else:
             stage = "compression"
             g = self._gather_grads(norms=True)
-            applied, nbytes = self._compressed_allreduce(g)  # in place: g is now the estimate
+            applied, nbytes = self._compressed_allreduce()  # in place: g is now the estimate
             if applied:
                 if self.max_grad_norm is not None:
                     g.mul_(self._compressed_clip_coefficient())
