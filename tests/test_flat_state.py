@@ -40,3 +40,14 @@ def test_per_group_gives_each_group_its_parameters_and_views():
     (_, params0, ms0, vs0), (_, params1, ms1, _) = groups
     assert params0 == [a, b] and params1 == [c] and len(vs0) == 2
     assert torch.equal(ms1[0], torch.arange(10.0, 15.0).view(1, 5))
+
+
+def test_bucket_params_lists_each_buckets_parameters_with_elements_in_it():
+    sizes = [5, 0, 16, 3, 0, 40, 1]
+    layout = FlatLayout([torch.zeros(n) for n in sizes], bucket_size=16, world_size=1)
+    want = []
+    for start, end in layout.buckets:
+        spans = zip(layout.offsets, layout.numels)
+        want.append([i for i, (o, n) in enumerate(spans) if max(start, o) < min(end, o + n)])
+    assert layout.bucket_params == want
+    assert want == [[0, 2], [2, 3, 5], [5], [5], [6]]  # empty tensors in none; 40 spans three

@@ -433,12 +433,7 @@ class OnebitLamb(CompressedOptimizer):
 
     def _bucket_layers(self, k: int) -> list[int]:
         """The parameters with elements in bucket ``k``, in order."""
-        start, end = self.layout.buckets[k]
-        return [
-            i
-            for i, (o, n) in enumerate(zip(self.layout.offsets, self.layout.numels))
-            if max(start, o) < min(end, o + n)
-        ]
+        return self.layout.bucket_params[k]
 
     def _bucket_parts(self, k: int, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """For each parameter with elements in bucket ``k``: its part (flat) and the same part

@@ -21,6 +21,7 @@ class FlatLayout:
         params: the tensors the optimizer reads and updates: the parameters, or their local
             shards where FSDP2 shards them (:mod:`onebit.sharding` keeps the list current).
         keys: the optimizer's parameters, which key its ``state``.
+        bucket_params: per bucket, the indices of the parameters with elements in it, in order.
     """
 
     def __init__(
@@ -46,6 +47,10 @@ class FlatLayout:
         self.padded_numel = self.buckets[-1][0] + padded_numel(
             self.buckets[-1][1] - self.buckets[-1][0], world_size
         )
+        self.bucket_params: list[list[int]] = [[] for _ in self.buckets]
+        for i, (o, n) in enumerate(zip(self.offsets, self.numels)):
+            for k in range(o // self.bucket_size, (o + n - 1) // self.bucket_size + 1 if n else 0):
+                self.bucket_params[k].append(i)
 
     def zeros(self, padded: bool = False, device: torch.device | None = None) -> Tensor:
         """A new zero fp32 flat buffer; ``padded`` gives the bucket-padded length."""
