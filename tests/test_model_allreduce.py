@@ -35,12 +35,20 @@ bucket at once where its momentum is not packed (here: clipping); packed, a buck
 
 def _run(rank: int, world_size: int, name: str, whole: bool):
     """``RUNS[name]``'s run with non-finite gradients, every bucket at once or (``whole``
-    false) a bucket at a time; with how many steps sent every bucket at once."""
+    false) a bucket at a time; with how many steps sent every bucket at once, and how many
+    compressed allreduces went a bucket at a time."""
     from onebit import base, momentum
     from onebit.kernels import triton_model
 
     use_backend("triton")
-    took = [0]
+    took, apart = [0], [0]
+    communicate = base.CompressedOptimizer._communicate
+
+    def counted_apart(self, kind, *args, **kwargs):
+        apart[0] += kind == "compressed"
+        return communicate(self, kind, *args, **kwargs)
+
+    base.CompressedOptimizer._communicate = counted_apart
     for method in ("compress", "signs"):  # 0/1 Adam's sync; 1-bit Adam's compression step
         original = getattr(triton_model.ModelPasses, method)
 
@@ -53,7 +61,8 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
         base.CompressedOptimizer._model_allreduce = lambda self: None
         momentum.PackedMomentumStage.passes = lambda self: None
     calls, skipped, dropped, steps = _non_finite(RUNS[name], rank, world_size)
-    return [(c.stage, c.params_after, c.state_after) for c in calls], skipped, dropped, took[0]
+    trace = [(c.stage, c.params_after, c.state_after) for c in calls]
+    return trace, skipped, dropped, took[0], apart[0]
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
@@ -62,11 +71,12 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
     whole = run_ranks(_run, world_size, name, True, timeout=600)
     per_bucket = run_ranks(_run, world_size, name, False, timeout=600)
-    for (calls, skipped, dropped, took), (want, want_skipped, want_dropped, none) in zip(
+    for (calls, skipped, dropped, took, apart), (want, want_skipped, want_dropped, none, _) in zip(
         whole, per_bucket
     ):
         sent = sum(stage in ("compression", "sync") for stage, _, _ in calls)
         assert none == 0 and took > 0 and (name.startswith("zero_one") or took == sent)
+        assert apart == 0  # no compressed allreduce went a bucket at a time
         assert (skipped, dropped) == (want_skipped, want_dropped) and skipped > 0
         for i, ((stage, params, state), (want_stage, want_params, want_state)) in enumerate(
             zip(calls, want)

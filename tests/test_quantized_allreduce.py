@@ -161,12 +161,13 @@ def _scenario(rank, world_size, backend="auto"):
             "big_bytes": QuantizedAllreduce(1_000_003, bits=bits).bytes_per_call,
         }
     # The phase protocol, driven by finish_compressed_ over several buckets at once (with a
-    # 1-bit one among them), headers included: the same results as the calls above.
+    # 1-bit one among them), headers included: the same results as the calls above, whatever
+    # the buffers' padding holds.
     comms = [_comm(bits, header_numel=2) for bits in BITS]
     comms.append(CompressedAllreduce(NUMEL, header_numel=2))
     buffers, outs = [], [torch.empty(NUMEL) for _ in comms]
     for comm in comms:
-        buffers.append(torch.zeros(comm.padded_numel))
+        buffers.append(torch.full((comm.padded_numel,), 7.0))
         buffers[-1][:NUMEL] = _inputs(0, rank)
     header = torch.tensor([float(rank), 3.5])
     calls = [comm.start(b, header) for comm, b in zip(comms, buffers)]

@@ -585,18 +585,19 @@ class QuantizedAllreduce:
             raise ValueError("start() needs a contiguous fp32 buffer")
         if self.header_numel and (header is None or header.numel() != self.header_numel):
             raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
-        buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
         n = self.world_size
         if exchange is None:
             message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=buffer.device)
         else:
             message = exchange[0].part(exchange[1])
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
-        if self._kernels is not None and self.numel:
-            message[:, p:s].zero_()  # the scale slots a chunk lacks
+        if self._kernels is not None and self.numel:  # they take the padding as zeros
+            if any(plan.blocks < self._blocks_per_chunk for plan in self._plans):
+                message[:, p:s].zero_()  # the scale slots a chunk lacks
             absmax = self._kernels.start(message, message.stride(0), buffer, self.worker_error,
                                          source)  # fmt: skip
         else:
+            buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
             absmax = self._quantize_chunks(buffer, source, message)
         message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
         if self.header_numel:

@@ -113,20 +113,17 @@ def _elements(starts, ends, columns, first, piece_starts, piece_blocks, block_sc
 @triton.jit(do_not_specialize=["numel"])
 def _worker_blocks(
     source, numel, buffer, error, block_starts, block_lengths, block_rows, block_scales,
-    absmax, f32, QMAX, SPAN: tl.constexpr, HAS_SOURCE: tl.constexpr, SCALES: tl.constexpr,
+    absmax, f32, QMAX, SPAN: tl.constexpr, SCALES: tl.constexpr,
 ):  # fmt: skip
     """Per block: ``y = x + e`` into ``buffer`` (``x`` from ``source`` below ``numel``, zeros
-    past it), its ``max |y|`` and its scale into the message."""
+    past it; ``source`` may be ``buffer``), its ``max |y|`` and its scale into the message."""
     g = tl.program_id(0)
     start, length = tl.load(block_starts + g), tl.load(block_lengths + g)
     top = tl.zeros([SPAN], dtype=tl.float32)
     for at in range(0, length, SPAN):
         offs = start + at + tl.arange(0, SPAN)
         valid = offs < start + length
-        if HAS_SOURCE:
-            x = tl.load(source + offs, mask=valid & (offs < numel), other=0.0)
-        else:
-            x = tl.load(buffer + offs, mask=valid, other=0.0)
+        x = tl.load(source + offs, mask=valid & (offs < numel), other=0.0)
         y = x + tl.load(error + offs, mask=valid, other=0.0)
         tl.store(buffer + offs, y, mask=valid)
         top = tl.maximum(top, tl.where(valid, tl.where(y == y, tl.abs(y), float("inf")), 0.0))
@@ -307,6 +304,7 @@ class BlockQuantizer:
         self.blocks = len(piece)
         self.span = 1024 if block_size > 1024 else max(16, triton.next_power_of_2(block_size))
         self.absmax = torch.zeros(max(self.blocks, 1), device=device)
+        self._rows: tuple[int, Tensor] | None = None  # each block's row, in bytes, by row width
 
     def _pieces(self) -> tuple:
         t = self.tiling
@@ -314,14 +312,17 @@ class BlockQuantizer:
 
     def start(self, message: Tensor, row_bytes: int, buffer: Tensor, error: Tensor,
               source: Tensor | None) -> Tensor:  # fmt: skip
-        """Phase 1's payload and scales of ``y = x + e`` (into ``buffer``); returns the whole
-        buffer's ``max |y|`` (+inf where there is a NaN)."""
+        """Phase 1's payload and scales of ``y = x + e`` (into ``buffer``; ``x`` from
+        ``source`` if given, zeros past ``numel``); returns the whole buffer's ``max |y|`` (+inf
+        where there is a NaN)."""
         i8, u8, i16, f32 = _views(message)
-        rows = self.block_chunks * row_bytes
+        if self._rows is None or self._rows[0] != row_bytes:
+            self._rows = (row_bytes, self.block_chunks * row_bytes)
+        rows = self._rows[1]
         _worker_blocks[(self.blocks,)](
             buffer if source is None else source, self.numel, buffer, error, self.block_starts,
             self.block_lengths, rows, self.scale_at, self.absmax, f32, self.qmax,
-            SPAN=self.span, HAS_SOURCE=source is not None, SCALES=self.code != 0,
+            SPAN=self.span, SCALES=self.code != 0,
         )  # fmt: skip
         _worker_quantize[(self.tiling.blocks,)](
             buffer, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size, self.chunk,
@@ -346,7 +347,7 @@ class BlockQuantizer:
         g0, g1 = self.chunk_blocks[rank]
         device = server_error.device
         z = torch.empty(self.chunk, device=device)
-        scales = torch.zeros(self.payload // 4 + g1 - g0, device=device)
+        scales = torch.empty(self.payload // 4 + g1 - g0, device=device)  # the blocks' written
         i8, u8, i16, f32 = _views(received)
         out = scales if message is None else _views(message)[3]
         start = rank * self.chunk
