@@ -43,6 +43,7 @@ VARIANTS = [
     ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),
     ("ZeroOneAdam 1-bit sync step", "ZeroOneAdam", "compression", {}),
     ("OnebitLamb compression step", "OnebitLamb", "compression", {}),
+    ("OnebitLamb + clip", "OnebitLamb", "compression", {"max_grad_norm": 1.0}),
 ]
 """The steps measured: name, optimizer, stage, constructor options (defaults otherwise)."""
 

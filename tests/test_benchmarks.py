@@ -94,8 +94,9 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     """Each Triton kernel variant the steps of ``step.py`` launch, compiled for sm_90 (Triton's
     wheel ships ``ptxas``: no GPU is needed), uses at most 128 registers a thread and spills
     nothing; and a step compiles the same variants at 1 bucket as at many (sizes that vary by
-    bucket do not specialize kernels). OnebitAdam's compression step and ZeroOneAdam's sync
-    launch the same six kernels at any number of buckets."""
+    bucket do not specialize kernels). OnebitAdam's compression step (with a scale per tensor
+    or one per bucket) and ZeroOneAdam's sync launch the same six kernels at any number of
+    buckets; the quantized warmup still launches its kernels a bucket at a time."""
     if "triton" not in kernels.available():
         pytest.skip("Triton cannot run here")
     monkeypatch.setenv(kernels.ENV, "triton")
@@ -113,9 +114,14 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
         for r in results
     )  # fmt: skip
     launches = [{row["step"]: len(row["measured"]) for row in r["rows"]} for r in results]
-    per_bucket = "... one scale per bucket"
+    per_bucket = "OnebitAdam warmup, int8"
     assert launches[1][per_bucket] > launches[0][per_bucket]  # more buckets
-    for step in ("OnebitAdam compression step", "ZeroOneAdam 1-bit sync step"):
+    at_once = (
+        "OnebitAdam compression step",
+        "... one scale per bucket",
+        "ZeroOneAdam 1-bit sync step",
+    )
+    for step in at_once:
         assert launches[1][step] == launches[0][step] == 6, step  # every bucket at once
     assert many == one
 
