@@ -44,14 +44,11 @@ def bucket_runs(layout: FlatLayout, comms: list[CompressedAllreduce]) -> list[fu
             segments.append(comm.padded_numel - (end - start))
             params.append(None)
             offsets.append(0)
-        per_chunk = comm.segments is None
-        geometry = comm.scale_geometry
-        if per_chunk:  # the parameters' parts, cut as segments would be
-            parts = segments[: len(segments) - (params[-1] is None)]
-            geometry = ScaleGeometry(parts, comm.padded_numel, comm.world_size)
-        runs.append(fused.BucketRuns(segments, geometry.served, comm.chunk_numel,
+        parts = segments[: len(segments) - (params[-1] is None)]
+        pieces = ScaleGeometry(parts, comm.padded_numel, comm.world_size)  # as segments cut it
+        runs.append(fused.BucketRuns(segments, pieces.served, comm.chunk_numel,
                                      comm.server_scale_count, params, offsets,
-                                     per_chunk))  # fmt: skip
+                                     per_chunk=comm.segments is None))  # fmt: skip
     return runs
 
 

@@ -472,6 +472,7 @@ class QuantizedAllreduce:
         self.server_error = torch.zeros(self.chunk_numel, device=device)
         self._plans = self._tile_geometry(device)
         self._blocks_per_chunk = max(plan.blocks for plan in self._plans)
+        self._short_chunks = any(plan.blocks < self._blocks_per_chunk for plan in self._plans)
         every = [t for plan in self._plans for t in plan.tiles]
         self._max_tile = max((t.hi - t.lo for t in every), default=0)
         self._max_tile_blocks = max((t.b1 - t.b0 for t in every), default=0)
@@ -592,7 +593,7 @@ class QuantizedAllreduce:
             message = exchange[0].part(exchange[1])
         p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
         if self._kernels is not None and self.numel:  # they take the padding as zeros
-            if any(plan.blocks < self._blocks_per_chunk for plan in self._plans):
+            if self._short_chunks:
                 message[:, p:s].zero_()  # the scale slots a chunk lacks
             absmax = self._kernels.start(message, message.stride(0), buffer, self.worker_error,
                                          source)  # fmt: skip
