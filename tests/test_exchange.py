@@ -85,8 +85,8 @@ def _unsent(rank, world_size):
     opt = onebit.OnebitAdam(model.parameters(), lr=1e-2, bucket_size=128, freeze_step=1,
                             warmup_compression="int8")  # fmt: skip
     loss_of(model, 1, rank).backward()
-    if rank == 1:
-        opt.bucketer.prepare = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
+    if rank == 1:  # each bucket's header is made as its message is filled
+        opt.bucketer.header = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
     try:
         opt.step()
     except (ValueError, RuntimeError) as err:
