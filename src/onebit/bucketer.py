@@ -107,10 +107,6 @@ class Bucketer:
             [k for k, (s, e) in enumerate(layout.buckets) if s < o + n and o < e]
             for o, n in zip(layout.offsets, layout.numels)
         ]
-        self._params_in_bucket = [
-            [i for i, buckets in enumerate(self._buckets_of_param) if k in buckets]
-            for k in range(len(layout.buckets))
-        ]
         self._bucket_sizes = [0] * len(layout.buckets)
         for p, buckets in zip(params, self._buckets_of_param):
             for k in buckets:
@@ -191,7 +187,7 @@ class Bucketer:
         copied, which the bucket's header carries to every rank.
         """
         start, end = self.layout.buckets[k]
-        sparse = self._copy_in(start, end, inv_scale, self._params_in_bucket[k])
+        sparse = self._copy_in(start, end, inv_scale, self.layout.bucket_params[k])
         if norm and self.clip:  # stays on the device: no sync per bucket
             self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse

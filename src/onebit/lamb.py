@@ -344,7 +344,7 @@ class OnebitLamb(CompressedOptimizer):
         sizes = [group["lr"] * c for group, c in zip(self._groups(), self._coeffs.tolist())]
         for k, update in self._packed_updates(new, t):
             params, updates = self._bucket_parts(k, update)
-            scaled_sub_(params, updates, [sizes[i] for i in self._bucket_layers(k)])
+            scaled_sub_(params, updates, [sizes[i] for i in self.layout.bucket_params[k]])
         stage.install(new)
         self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
@@ -375,7 +375,7 @@ class OnebitLamb(CompressedOptimizer):
         buckets and shards it spans; 1 for a layer with no elements."""
         raw = torch.zeros(len(self.layout.params))
         for k, values in enumerate(ratios):
-            layers = self._bucket_layers(k)
+            layers = self.layout.bucket_params[k]
             raw[layers] = torch.maximum(raw[layers], values)
         raw = self.shards.combine(raw, math.inf)
         return torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
@@ -391,7 +391,7 @@ class OnebitLamb(CompressedOptimizer):
             update = self._fused.momentum_(k, self._scratch(end - start), new)
             torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
             params, updates = self._bucket_parts(k, update)
-            for i, p, u in zip(self._bucket_layers(k), params, updates):
+            for i, p, u in zip(self.layout.bucket_params[k], params, updates):
                 if decay and groups[i]["weight_decay"]:
                     torch._foreach_add_([u], [p], alpha=groups[i]["weight_decay"])
             yield k, update
@@ -407,7 +407,7 @@ class OnebitLamb(CompressedOptimizer):
         groups = self._groups()
         for k, update in self._packed_updates(new, t, decay=False):
             _, updates = self._bucket_parts(k, update)
-            for i, u in zip(self._bucket_layers(k), updates):
+            for i, u in zip(self.layout.bucket_params[k], updates):
                 p = self.layout.params[i]
                 whole, filled = started.pop(i, (u, 0))
                 if u.numel() < p.numel():  # a part: gathered into a buffer of the layer
@@ -431,16 +431,12 @@ class OnebitLamb(CompressedOptimizer):
         """Each parameter's param group, in layout order."""
         return [group for group in self.param_groups for _ in group["params"]]
 
-    def _bucket_layers(self, k: int) -> list[int]:
-        """The parameters with elements in bucket ``k``, in order."""
-        return self.layout.bucket_params[k]
-
     def _bucket_parts(self, k: int, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """For each parameter with elements in bucket ``k``: its part (flat) and the same part
         of ``flat``, a buffer of the bucket."""
         start, end = self.layout.buckets[k]
         params, parts = [], []
-        for i in self._bucket_layers(k):
+        for i in self.layout.bucket_params[k]:
             o, n = self.layout.offsets[i], self.layout.numels[i]
             lo, hi = max(start, o), min(end, o + n)
             params.append(self.layout.params[i].view(-1)[lo - o : hi - o])
