@@ -4,7 +4,8 @@ launches, compiled for sm_90, with its registers, spills and the bytes it moves.
 Two passes, the second in a fresh process:
 
 1. Under ``TRITON_INTERPRET=1`` the steps of ``step.py``'s variants run on a GPT layout (the
-   third step is measured; the first two build what is built once). Each Triton launch is
+   third step is measured; the first two build what is built once), and so does the public
+   call ``CompressedAllreduce(out=)`` at world size 1 on as many elements. Each Triton launch is
    recorded: the kernel, its arguments (tensors by dtype and alignment) and the bytes it reads
    and writes, each address read counted once per launch and each written once (the DRAM
    traffic: tables of a few bytes per tensor, read by every element, count once). Torch ops
@@ -99,22 +100,34 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
     builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
     triton_kernels._Launched.__getitem__ = recorded
     rows = []
+    steps = [(name, built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size}).step)
+             for name, optimizer, stage, options in VARIANTS]  # fmt: skip
+    steps.append(("CompressedAllreduce(out=)", _public_call(numel)))
     try:
-        for name, optimizer, stage, options in VARIANTS:
-            opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size})
+        for name, step in steps:
             launches.clear()
-            opt.step()
-            opt.step()
+            step()
+            step()
             first = list(launches)  # what the first steps launch, and so compile
             launches.clear()
             with _counting_triton(), _Counting() as ops:
-                opt.step()
+                step()
             rows.append({"step": name.strip(), "numel": numel, "first": first,
                          "measured": list(launches), "torch_bytes": ops.bytes})  # fmt: skip
     finally:
         builder.create_masked_load, builder.create_masked_store = load, store
         triton_kernels._Launched.__getitem__ = getitem
     return {"bucket_size": bucket_size, "numel": numel, "rows": rows}
+
+
+def _public_call(numel: int):
+    """The public call at world size 1 on a flat buffer of ``numel`` elements, in place."""
+    import torch
+
+    from onebit import CompressedAllreduce
+
+    comm, x = CompressedAllreduce(numel), torch.randn(numel)
+    return lambda: comm(x, out=x)
 
 
 def _describe(arg):

@@ -197,7 +197,7 @@ def test_release_frees_the_buffer_and_the_next_use_makes_a_new_one():
     bucketer.grads.fill_(1.0)
     bucketer.release()
     assert bucketer._buffer is None
-    assert bucketer.grads.numel() == bucketer.layout.padded_numel + HEADER_NUMEL
+    assert bucketer.grads.numel() == bucketer.layout.padded_numel + HEADER_NUMEL + 1
     assert not bucketer.grads.any()
     assert bucketer.buckets[0].data_ptr() == bucketer.grads.data_ptr()
 

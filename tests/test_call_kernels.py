@@ -289,6 +289,62 @@ def test_allreduce_one_matches_the_reference_over_calls(backend, numel, scale):
         assert same_bits(server_error, ref.server_error[0])
 
 
+def _triton_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the Triton kernels launched from here on, in order."""
+    from onebit.kernels import triton_kernels
+
+    names, getitem = [], triton_kernels._Launched.__getitem__
+
+    def counted(self, grid):
+        names.append(self.kernel.fn.__name__)
+        return getitem(self, grid)
+
+    monkeypatch.setattr(triton_kernels._Launched, "__getitem__", counted)
+    return names
+
+
+@pytest.mark.parametrize("scale", ["rms", "mean_abs"])
+def test_triton_allreduce_one_passes_over_the_buffer_twice(monkeypatch, scale):
+    """Triton's call at world size 1: two passes over the buffer with the rms scale (the
+    server's scale from the first pass's sums), a third for the server's mean absolute value."""
+    use_backend("triton", monkeypatch)
+    numel = 2 * BLOCK + 21
+    error, server_error, x = (wide(n, seed) for n, seed in [(numel + 3, 1), (numel + 3, 2),
+                                                          (numel, 3)])  # fmt: skip
+    launched = _triton_launches(monkeypatch)
+    assert allreduce_one_(x, error, server_error, torch.empty(numel), scale)
+    passes = ["_solo_pass"] * (2 if scale == "rms" else 3)
+    assert [name for name in launched if name != "_solo_scales"] == passes
+    assert len(launched) == 2 * len(passes) - 1
+
+
+@pytest.mark.parametrize("closeness", [1.0, 1e-3])
+def test_triton_allreduce_one_rms_server_scale_is_within_the_bound(monkeypatch, closeness):
+    """The server's rms scale taken from the worker pass's sums matches the one summed from the
+    stored ``z``, also where ``z = ±s + e_s`` nearly cancels (``closeness``: ``|z| / s``); the
+    signs and the worker error are exact, and the server error is ``z - ±σ``."""
+    use_backend("triton", monkeypatch)
+    numel = 3 * BLOCK + 45
+    ref = BlockReference(numel, 1, "rms")
+    n = ref.padded
+    x, error = wide(numel, 4), wide(n, 5)
+    y = torch.cat([x, torch.zeros(n - numel)]) + error
+    s = float(torch.linalg.vector_norm(y.double()) / n**0.5)
+    noise = torch.randn(n, generator=torch.Generator().manual_seed(6)) * s * closeness
+    server_error = noise - torch.where(y >= 0, s, -s) * (closeness < 1)
+    ref.worker_error[0], ref.server_error[0] = error.clone(), server_error.clone()
+    expected = ref([x])
+    out = torch.empty(numel)
+    assert allreduce_one_(x, error, server_error, out, "rms")
+    assert same_bits(error, ref.worker_error[0])
+    assert torch.equal(out.signbit(), expected.signbit())
+    sigma, want = out.abs().unique(), expected.abs().unique()
+    assert len(sigma) == len(want) == 1
+    torch.testing.assert_close(sigma, want, rtol=2e-6, atol=0)
+    z = ref.server_error[0] + torch.cat([expected, ref.server_error[0].new_zeros(n - numel)])
+    assert same_bits(server_error[:numel], (z[:numel] - out))
+
+
 # The scales' sums: a different order of fp32 additions rarely changes a scale's fp32 bits, so
 # the C kernels' fp64 totals are compared instead, on values spanning many orders of magnitude.
 

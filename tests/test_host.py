@@ -126,3 +126,30 @@ def test_a_cuda_step_synchronises_only_in_onebit_host(name, monkeypatch):
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_read_all_reads_parts_lying_end_to_end_as_they_are():
+    """Parts that lie end to end in one buffer (as a step lays out its verdict's values) are
+    read in one copy with no op on the device first; others are concatenated, then read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    buffer = torch.arange(12.0)
+    adjacent = [buffer[2:8].view(2, 3), buffer[8].reshape(()), buffer[9:11]]
+    apart = [buffer[2:8].view(2, 3), buffer[9].reshape(())]
+    for parts, copies in [(adjacent, ["_to_copy"]), (apart, ["cat", "_to_copy"])]:
+        with host.counted() as transfers, Ops() as ops:
+            values = host.read_all(parts)
+        assert values.tolist() == torch.cat([p.reshape(-1) for p in parts]).tolist()
+        assert transfers.reads == 1 and ops.names == copies
+    strided = [buffer[0:6:2], buffer[6:8]]
+    assert host.read_all(strided).tolist() == [0.0, 2.0, 4.0, 6.0, 7.0]

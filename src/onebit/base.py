@@ -44,7 +44,6 @@ from .functional import (
     adamw_update_,
     bias_correction,
     clip_coefficient,
-    largest_magnitude,
     layer_norms,
 )
 from .kernels.fused import gradient_addresses
@@ -697,10 +696,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ranks' ``headers`` and ``finite``, a boolean tensor or a float that is finite if every
         rank's values were (say the largest of their scales); returns (applied, ``norms2`` on
         the host, if given)."""
-        parts = [headers.reshape(-1), finite.reshape(1)]
+        parts = [headers, finite.reshape(1)]
         if norms2 is not None:
-            parts.append(norms2.reshape(-1))
-        values = host.read(torch.cat(parts))  # fp32, as the headers
+            parts.append(norms2)
+        values = host.read_all(parts)  # fp32, as the headers
         size, width = headers.numel(), headers.shape[-1]
         listed = values[: size + 1].tolist()
         flag = listed[size]
@@ -807,7 +806,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for call in calls:
                 call.wait()
             # a max-norm, not isfinite(grads).all(): no model-sized temporaries
-            largest = largest_magnitude([self._grads])
+            largest = self.bucketer.verdict_slot()
+            torch.linalg.vector_norm(self._grads, math.inf, out=largest)
             applied, _ = self._verdict(self.bucketer.header_slots(), largest)
             return applied, sum(c.bytes_sent for c in calls)
         outputs = self.layout.bucket_views(out)
@@ -849,10 +849,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
         return self._verdict(first, finite, norms2)
 
-    def _reduce_compressed(self, flat: Tensor, norms2: Tensor | None = None) -> tuple[bool, int]:
+    def _reduce_compressed(
+        self, flat: Tensor, norms2: Tensor | None = None, post: Tensor | None = None
+    ) -> tuple[bool, int]:
         """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
-        every bucket with its padding), with headers; returns (applied, bytes sent). Not applied
-        leaves the error buffers as they were and ``flat`` holding ``flat + error``.
+        every bucket with its padding) times ``post`` (``layout.numel``, if given: multiplied
+        in the worker's pass where the backend can), with headers; returns (applied, bytes
+        sent). Not applied leaves the error buffers as they were and ``flat`` holding what it
+        sent plus the error.
 
         ``flat`` holds values that are not gradients (0/1 Adam's sync), or, with ``norms2``
         (each bucket's squared gradient norm, ``[buckets]``: see :meth:`Bucketer.gather`), what
@@ -867,7 +871,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if norms2 is not None:  # the header, sent once, carries the sum of the buckets'
                 headers = headers.clone()
                 headers[:, 3] = norms2.reshape(1, -1).sum(1)
-            call = model.start(flat, headers)
+            call = model.start(flat, headers, post)
             header, largest = model.received(call)
             total = None if norms2 is None else self.shards.sum_(header[:, 3].clone())
             applied, norms = self._verdict(header, largest, total)
@@ -878,6 +882,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return applied, sum(c.bytes_per_call for c in self.comms)
         if norms2 is not None:
             raise RuntimeError("norms2 needs every bucket at once (_model_allreduce)")
+        if post is not None:
+            flat[: self.layout.numel].mul_(post)
         buffers = self.layout.bucket_views(flat, padded=True)
         with phase_exchange(self.comms, 1).filling() as exchange:
             calls = [

@@ -139,11 +139,12 @@ class Bucketer:
 
     @property
     def grads(self) -> Tensor:
-        """The gradient buffer: the buckets, padded, then one header slot per rank. Made on first
-        use, and freed by :meth:`release` where a stage needs none."""
+        """The gradient buffer: the buckets, padded, then one header slot per rank and a value
+        the step's verdict reads with them (:meth:`verdict_slot`). Made on first use, and freed
+        by :meth:`release` where a stage needs none."""
         if self._buffer is None:
             slots = self.header_numel * self.world_size
-            self._buffer = torch.zeros(self.layout.padded_numel + slots, device=self.device)
+            self._buffer = torch.zeros(self.layout.padded_numel + slots + 1, device=self.device)
         return self._buffer
 
     @property
@@ -270,7 +271,7 @@ class Bucketer:
         if kind == "allreduce":
             # Only the bucket sent first carries the header slots, after the padded buffer.
             last = k == len(self.comms) - 1
-            buffer = self.grads[self.layout.buckets[k][0] :] if last else grads
+            buffer = self.grads[self.layout.buckets[k][0] : -1] if last else grads
             if last:
                 slots = self.header_slots()
                 slots.zero_()
@@ -300,7 +301,12 @@ class Bucketer:
 
     def header_slots(self) -> Tensor:
         """The fp32 allreduce's header slots: ``[world_size, header_numel]`` once it is done."""
-        return self.grads[self.layout.padded_numel :].view(self.world_size, self.header_numel)
+        return self.grads[self.layout.padded_numel : -1].view(self.world_size, self.header_numel)
+
+    def verdict_slot(self) -> Tensor:
+        """A 0-d fp32 slot right after :meth:`header_slots`, where a step writes the value its
+        verdict reads with the headers (in one read, with no copy on the device first)."""
+        return self.grads[-1]
 
     def abandon(self) -> None:
         """Complete the phase in flight of every launched bucket without committing anything,

@@ -269,9 +269,11 @@ class CompressedAllreduce:
         needs a copy (another dtype or device, not contiguous) goes through a scratch buffer
         kept between calls. With the C or Triton kernels a contiguous fp32 input is read where it
         is, and neither the worker's ``y`` nor the server's chunk is ever stored: five passes over
-        the buffer (worker signs, worker error, server signs, server error, the result), three at
-        world size 1 without segments (:func:`~onebit.compress.allreduce_one_`). The bits are
-        those of the stored-buffer kernels (:meth:`start`, :meth:`serve`, :meth:`finish`).
+        the buffer (worker signs, worker error, server signs, server error, the result). At world
+        size 1 without segments (:func:`~onebit.compress.allreduce_one_`) the C kernels take
+        three and Triton two. The bits are those of the stored-buffer kernels (:meth:`start`,
+        :meth:`serve`, :meth:`finish`), but for Triton's rms server scale there, which is within
+        the bound of its sum's order.
         """
         if tensor.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {tensor.numel()}")

@@ -155,8 +155,12 @@ def allreduce_one_(
 
     The C kernels take three passes: the worker's signs; the worker error with the server's
     signs (the only row it averages is the worker's own); the server error with the result.
+    Triton takes two with the rms scale: the worker's sums, then both errors with the result.
+    The server's scale comes from the first pass's sums, as ``sum(z²) = n·s² + 2s·sum(±e_s) +
+    sum(e_s²)`` (``±``: the worker's signs; in fp64), the same value within the bound of a
+    different summation order. With ``"mean_abs"`` the server's sums take a pass of their own.
     The reference is :func:`compress_input`, :func:`commit_input_`, :func:`serve_chunk_` and
-    :func:`decompress_` in turn, with the same bits.
+    :func:`decompress_` in turn, with the same bits (but for Triton's rms server scale).
     """
     check_scale(scale)
     backend = kernels.for_tensors(x, error, server_error, out)

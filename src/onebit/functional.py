@@ -110,19 +110,6 @@ def layer_norms(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
     return torch.stack(norms)
 
 
-def largest_magnitude(tensors: list[Tensor | None]) -> Tensor:
-    """The largest absolute value of every element of every tensor (``None`` counts as zeros),
-    an fp32 scalar on the tensors' device: finite exactly when every element is (NaN carries
-    through). Reading it is the caller's choice.
-
-    A max-norm cannot overflow the way a sum of finite fp16 values can.
-    """
-    present = [t for t in tensors if t is not None]
-    if not present:
-        return torch.zeros(())
-    return layer_norms(present, ord=math.inf).amax()
-
-
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
     """``min(1, max_norm / (total_norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``."""
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)

@@ -53,6 +53,29 @@ def read(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def read_all(parts: Sequence[Tensor]) -> Tensor:
+    """The values of ``parts`` (tensors of one dtype on one device) end to end on the host, in
+    one :func:`read`. Where they already lie end to end in one buffer (a step that laid them
+    out so), that span is read as it is, with no copy on the device first."""
+    flat = [part.reshape(-1) for part in parts]
+    span = _span(flat)
+    return read(span if span is not None else torch.cat(flat))
+
+
+def _span(parts: list[Tensor]) -> Tensor | None:
+    """The one flat view that ``parts`` (flat tensors) make up where each begins where the
+    last ends in the same storage; else ``None``."""
+    first = parts[0]
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
+    for part in parts:
+        strided = part.numel() > 1 and part.stride(0) != 1
+        moved = part.untyped_storage().data_ptr() != storage or part.data_ptr() != at
+        if part.dtype != first.dtype or strided or moved:
+            return None
+        at += part.numel() * part.element_size()
+    return first.as_strided((sum(part.numel() for part in parts),), (1,))
+
+
 def upload(
     values: Tensor | Sequence | float, device: torch.device, dtype: torch.dtype | None = None
 ) -> Tensor:

@@ -112,24 +112,25 @@ class ModelAllreduce:
 
     # A flat buffer, reduced in place.
 
-    def start(self, flat: Tensor, headers: Tensor) -> ModelCall:
+    def start(self, flat: Tensor, headers: Tensor, post: Tensor | None = None) -> ModelCall:
         """Worker compression of ``flat`` (``layout.padded_numel`` fp32: every bucket end to
-        end, its padding taken as zeros; overwritten with ``y``) and phase 1, with the last row
-        of ``headers`` (``[buckets, header_numel]``)."""
+        end, its padding taken as zeros; overwritten with ``y``), first multiplied by ``post``
+        (``layout.numel`` fp32) if given, and phase 1, with the last row of ``headers``
+        (``[buckets, header_numel]``)."""
         if flat.numel() != self.layout.padded_numel:
             raise ValueError(f"expected {self.layout.padded_numel} elements, got {flat.numel()}")
         call = ModelCall(phase_exchange(self.comms, 1), flat)
         with call.exchange.filling() as exchange:
             call.scales = self.passes().compress(flat, self._worker_errors(), self.comms[0].scale,
-                                                 headers, exchange.message)  # fmt: skip
+                                                 headers, exchange.message, post)  # fmt: skip
         return call
 
     def received(self, call: ModelCall) -> tuple[Tensor, Tensor]:
         """Wait for phase 1 of ``call``; every rank's header, ``[world_size, header_numel]``,
         and the largest of every rank's scales, finite if they all are."""
         call.received = call.exchange.received()
-        call.rank_scales, headers = self.passes().received(call.received)
-        return headers, call.rank_scales.amax()
+        call.rank_scales, headers, largest = self.passes().received(call.received)
+        return headers, largest
 
     def commit(self, call: ModelCall) -> None:
         """After :meth:`received` found every scale finite: commit the worker errors, serve and

@@ -26,7 +26,6 @@ from .functional import (
     bias_correction,
     clip_coefficient,
     fill_zero_variance_,
-    largest_magnitude,
     layer_norms,
     momentum_from_grads_,
 )
@@ -373,18 +372,19 @@ class ZeroOneAdam(CompressedOptimizer):
         this rank's gradient: the inverse loss scale, times the coefficient that clips the
         unscaled local gradient to ``max_grad_norm``. One read of the device."""
         scale = self._inv_scale
-        values = [largest_magnitude(grads).to(self.device)]
+        present = [g for g in grads if g is not None]
+        largest = layer_norms(present, ord=math.inf).to(self.device)  # each gradient's
+        values = [largest]
         if self.max_grad_norm is not None:
-            present = [g for g in grads if g is not None]
             norm = torch.linalg.vector_norm(layer_norms(present))
             norm = self.shards.combine(norm.reshape(1))[0] * (scale or 1.0)
             values += [norm, clip_coefficient(norm, self.max_grad_norm)]
-        read = host.read(torch.stack(values) if len(values) > 1 else values[0]).reshape(-1)
-        read = read.tolist()
-        finite = self.shards.all_(math.isfinite(read[0]))
-        if finite and len(read) > 1:
-            self.grad_norm = read[1]
-            scale = (scale or 1.0) * read[2]
+        read = host.read_all(values).tolist()
+        # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
+        finite = self.shards.all_(math.isfinite(sum(read[: len(largest)])))
+        if finite and len(values) > 1:
+            self.grad_norm = read[-2]
+            scale = (scale or 1.0) * read[-1]
         return finite, None if scale == 1.0 else scale
 
     def _freeze(self) -> None:
@@ -420,8 +420,7 @@ class ZeroOneAdam(CompressedOptimizer):
         torch._foreach_copy_(self.layout.views(progress), params)
         for (start, end), decay in zip(self._ranges, self._decay):
             progress[start:end].sub_(anchor[start:end], alpha=decay)
-        progress.mul_(denom)
-        synced, nbytes = self._reduce_compressed(self._exp_avg)
+        synced, nbytes = self._reduce_compressed(self._exp_avg, post=denom)
         if synced:
             for (start, end), decay in zip(self._ranges, self._decay):
                 if decay != 1.0:

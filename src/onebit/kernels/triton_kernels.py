@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import host
 from .fused import BucketRuns, PackedMomentum
 from .reference import TorchKernels
 
@@ -329,6 +330,72 @@ def _decompress(
     tl.store(out + start + local, _signed(_bit(byte, local), s), mask=valid)
 
 
+@launched(16)
+@triton.jit(do_not_specialize=["nx", "n"])
+def _solo_pass(
+    x, nx, error, server_error, partials, sums, scales, out, n,
+    BLOCK: tl.constexpr, PASS: tl.constexpr, MEAN_ABS: tl.constexpr,
+):  # fmt: skip
+    """The compressed allreduce at world size 1 on a block: ``y = x + e`` (``x`` zero past
+    ``nx``), the worker's scale ``s``, ``z = ±s + e_s`` (``e_s``: the server error), the server's
+    scale ``σ``. ``PASS`` 0: the block's sum of ``y²`` (``|y|``) as :func:`_emit` sums it, and for
+    the rms scale the fp64 sums of ``±e_s`` (``y``'s sign) and of ``e_s²``, from which
+    ``sum(z²) = n·s² + 2s·sum(±e_s) + sum(e_s²)`` (:func:`_solo_scales`). 1: the block's sum of
+    ``|z|`` (``scales``: ``[s]``). 2: the worker error ``y - ±s``, the server error
+    ``z - ±σ`` and ``out = ±σ`` (``scales``: ``[s, σ]``)."""
+    start, local, valid = _block(n, BLOCK)
+    in_x = local < tl.minimum(tl.maximum(nx - start, 0), BLOCK).to(tl.int32)
+    y = tl.load(x + start + local, mask=in_x, other=0.0).to(tl.float32)
+    y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    block = tl.program_id(0)
+    if PASS == 0:
+        term = tl.abs(y) if MEAN_ABS else y * y
+        tl.store(partials + block, tl.sum(tl.where(valid, term, 0.0)))
+        if not MEAN_ABS:
+            e_s = tl.load(server_error + start + local, mask=valid, other=0.0).to(tl.float64)
+            tl.store(sums + 2 * block, tl.sum(tl.where(y >= 0, e_s, -e_s)))
+            tl.store(sums + 2 * block + 1, tl.sum(e_s * e_s))
+    else:
+        e_s = tl.load(server_error + start + local, mask=valid, other=0.0)
+        s = tl.load(scales)
+        z = _signed(y >= 0, s) + e_s
+        if PASS == 1:
+            tl.store(partials + block, tl.sum(tl.where(valid, tl.abs(z), 0.0)))
+        else:
+            tl.store(error + start + local, y - _signed(y >= 0, s), mask=valid)
+            result = _signed(z >= 0, tl.load(scales + 1))
+            tl.store(server_error + start + local, z - result, mask=valid)
+            tl.store(out + start + local, result, mask=in_x)
+
+
+@launched()
+@triton.jit(do_not_specialize=["n"])
+def _solo_scales(
+    partials, sums, first, lengths, scales, n, CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr,
+    SERVER: tl.constexpr,
+):  # fmt: skip
+    """:func:`_solo_pass`'s scales from its blocks' sums: without ``SERVER`` the worker's
+    ``scales[0]`` (and for the rms scale the server's ``scales[1]``, from the identity there);
+    with it the server's mean absolute value, ``scales[1]``."""
+    scale = _segment_scale(partials, first, lengths, 0, CHUNK, MEAN_ABS)
+    if SERVER:
+        tl.store(scales + 1, scale)
+    else:
+        tl.store(scales, scale)
+        if not MEAN_ABS:
+            blocks = tl.load(first + 1)
+            cross = tl.zeros([CHUNK], dtype=tl.float64)
+            square = tl.zeros([CHUNK], dtype=tl.float64)
+            for b in range(0, blocks, CHUNK):
+                at = b + tl.arange(0, CHUNK)
+                cross += tl.load(sums + 2 * at, mask=at < blocks, other=0.0)
+                square += tl.load(sums + 2 * at + 1, mask=at < blocks, other=0.0)
+            s = scale.to(tl.float64)
+            total = n * s * s + 2 * s * tl.sum(cross, axis=0) + tl.sum(square, axis=0)
+            sigma = tl.sqrt(tl.maximum(total, 0.0)) / tl.sqrt(tl.maximum(n, 1).to(tl.float64))
+            tl.store(scales + 1, sigma.to(tl.float32))
+
+
 class Tiling:
     """A buffer of ``numel`` elements cut into :data:`BLOCK`-element blocks and its intervals
     (``edges``: increasing, from 0 to at least ``numel``; interval ``i`` is
@@ -572,6 +639,34 @@ class TritonKernels(TorchKernels):
         scales = scales.to(device=error.device, dtype=torch.float32).reshape(-1)
         self._pass(tiling, n, x=x, error=error, scales=scales, out=error)
         return error
+
+    def allreduce_one_(
+        self, x: Tensor, error: Tensor, server_error: Tensor, out: Tensor, scale: str
+    ) -> bool:
+        n = error.numel()
+        if not (self._fits(x, error, server_error, out) and n and server_error.numel() == n):
+            return super().allreduce_one_(x, error, server_error, out, scale)
+        device, mean_abs = error.device, scale == "mean_abs"
+        tiling = _tiling(_whole(n), None, n, device)  # a piece per block, one segment
+        blocks = tiling.blocks
+        partials = torch.empty(blocks, dtype=torch.float32, device=device)
+        sums = torch.empty(2 * blocks, dtype=torch.float64, device=device)
+        scales = torch.empty(2, dtype=torch.float32, device=device)
+
+        def run(pass_: int) -> None:
+            _solo_pass[(blocks,)](x, x.numel(), error, server_error, partials, sums, scales, out,
+                                  n, BLOCK=BLOCK, PASS=pass_, MEAN_ABS=mean_abs)  # fmt: skip
+            if pass_ < 2:
+                _solo_scales[(1,)](partials, sums, tiling.segment_first, tiling.lengths, scales, n,
+                                   CHUNK=1024, MEAN_ABS=mean_abs, SERVER=pass_ == 1)  # fmt: skip
+
+        run(0)
+        if not host.read(torch.isfinite(scales[0])):
+            return False
+        if mean_abs:
+            run(1)
+        run(2)
+        return True
 
     # SPEC 2: the server and the result.
 

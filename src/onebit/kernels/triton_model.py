@@ -7,8 +7,8 @@ buckets are laid end to end, each starting a block of its own, and every per-buc
 kernels need (where the bucket starts, its chunk, where its part of a message lies) is read from
 small tables by the block. The passes write the signs straight into the step's messages
 (:class:`~onebit.exchange.Exchange`) and read the received ones where they arrived, so that no
-message is copied; the scales and headers go in and out of the messages in one indexed copy per
-phase.
+message is copied; the scales and the header go into the messages with the launch that computes
+the scales, and out of them in one indexed copy per phase.
 
 The pieces, their sums and the scales are those of the per-bucket kernels of
 :mod:`onebit.kernels.triton_kernels`, in the same order, so every bit is the same.
@@ -123,22 +123,25 @@ def _worker_pass(
 @launched(16)
 @triton.jit(do_not_specialize=["row_stride"])
 def _input_pass(
-    x, nx, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
+    x, nx, post, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
     bucket_ends, chunks, parts1, message, row_stride, partials, scales, out,
-    BLOCK: tl.constexpr, HAS_ERROR: tl.constexpr, STORE_Y: tl.constexpr, SIGNS: tl.constexpr,
-    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, STORE_Y: tl.constexpr,
+    SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     """``_y_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket of a flat
-    buffer ``x`` (zeros from ``nx`` on: the padding): ``y = x + e``, stored over ``x``, its
-    signs into the phase-1 ``message`` and its sums per piece; or ``out = y - ±scales`` (a
-    piece's column is its segment)."""
+    buffer ``x`` (zeros from ``nx`` on: the padding): ``y = x·post + e`` (``post``: a flat
+    buffer of ``nx``), stored over ``x``, its signs into the phase-1 ``message`` and its sums
+    per piece; or ``out = y - ±scales`` (a piece's column is its segment)."""
     bucket, start, origin, local, valid = _bucket_block(
         block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
     )
     block = tl.program_id(0)
     p0, p1 = tl.load(first + block), tl.load(first + block + 1)
     column = _piece_columns(local, start, starts, ends, columns, p0, p1)
-    y = tl.load(x + start + local, mask=valid & (start + local < nx), other=0.0)
+    in_x = valid & (start + local < nx)
+    y = tl.load(x + start + local, mask=in_x, other=0.0)
+    if HAS_POST:
+        y = y * tl.load(post + start + local, mask=in_x, other=1.0)
     if HAS_ERROR:
         y = y + tl.load(error + start + local, mask=valid, other=0.0)
     if STORE_Y:
@@ -250,23 +253,32 @@ def _decompress_pass(
 
 
 @launched()
-@triton.jit(do_not_specialize=["rows", "row_stride"])
+@triton.jit(do_not_specialize=["rows", "row_stride", "header_at"])
 def _placed_scales(
-    partials, first, lengths, scales, message, rows, row_stride, places,
-    CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr,
+    partials, first, lengths, scales, message, rows, row_stride, places, header, header_at,
+    CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr, HEADER_BYTES: tl.constexpr,
+    HEADER_SPAN: tl.constexpr,
 ):  # fmt: skip
     """``_segment_scales`` of :mod:`~onebit.kernels.triton_kernels`, each scale also written as
     its four bytes at byte ``places[q]`` of each of the ``rows`` rows of ``message``, where the
-    message's layout puts it (not always at a multiple of 4)."""
+    message's layout puts it (not always at a multiple of 4). With ``HEADER_BYTES``, the last
+    program writes the ``header`` (bytes) at byte ``header_at`` of each row instead."""
     q = tl.program_id(0)
-    value = _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
-    tl.store(scales + q, value)
-    word = value.to(tl.uint32, bitcast=True)
-    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-    bytes_ = ((word >> shifts) & 0xFF).to(tl.uint8)
-    at = message + tl.load(places + q) + tl.arange(0, 4)
-    for r in range(rows):
-        tl.store(at + r * row_stride, bytes_)
+    if HEADER_BYTES and q == tl.num_programs(0) - 1:
+        offsets = tl.arange(0, HEADER_SPAN)
+        present = offsets < HEADER_BYTES
+        bytes_ = tl.load(header + offsets, mask=present)
+        for r in range(rows):
+            tl.store(message + r * row_stride + header_at + offsets, bytes_, mask=present)
+    else:
+        value = _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
+        tl.store(scales + q, value)
+        word = value.to(tl.uint32, bitcast=True)
+        shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+        bytes_ = ((word >> shifts) & 0xFF).to(tl.uint8)
+        at = message + tl.load(places + q) + tl.arange(0, 4)
+        for r in range(rows):
+            tl.store(at + r * row_stride, bytes_)
 
 
 class _Blocks:
@@ -403,8 +415,9 @@ class ModelPasses:
         header_bytes = list(range(self.header_at, self.header_at + 4 * g.header_numel, 4))
         self.segments = sum(counts)
         self.scale_places = torch.tensor(scale_at, dtype=torch.int64).to(**on)
-        self.phase1_read = torch.cat([
-            _byte_index(n, g.width1, scale_at), _byte_index(n, g.width1, header_bytes)
+        self.phase1_read = torch.cat([  # and 4 bytes for the largest scale (received())
+            _byte_index(n, g.width1, scale_at), _byte_index(n, g.width1, header_bytes),
+            _byte_index(1, 0, [0]),
         ]).to(**on)  # fmt: skip
         sigma_at = [g.parts2[b] + cb[b] + 4 * i for b in buckets
                     for i in range(g.server_columns[b])]  # fmt: skip
@@ -458,13 +471,7 @@ class ModelPasses:
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
         self._worker(grads, inv_scale, momentum, weight, error, post, message=message,
                      partials=partials, sums=scale)  # fmt: skip
-        scales = self._scales(blocks, partials, scale, message, self.scale_places)
-        self._header_into(message, headers)
-        return scales
-
-    def _header_into(self, message: Tensor, headers: Tensor) -> None:
-        at = self.header_at
-        message[:, at : at + 4 * headers.shape[-1]] = headers[-1].view(torch.uint8)
+        return self._scales(blocks, partials, scale, message, self.scale_places, headers[-1])
 
     def commit(
         self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
@@ -474,13 +481,15 @@ class ModelPasses:
         ``momentum``)."""
         self._worker(grads, inv_scale, momentum, weight, error, post, scales=scales, out=out)
 
-    def received(self, received: Tensor) -> tuple[Tensor, Tensor]:
+    def received(self, received: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """From the phase-1 message as received: every rank's scales, ``[world_size,
-        segments]``, and header, ``[world_size, header_numel]``, fp32."""
+        segments]``, and header, ``[world_size, header_numel]``, fp32, and the largest of the
+        scales (0-d), which lies right after the headers so that a step reads both at once."""
         n = self.geometry.world_size
         values = received.view(-1)[self.phase1_read].view(torch.float32)
         scales = values[: n * self.segments].view(n, self.segments)
-        return scales, values[n * self.segments :].view(n, -1)
+        largest = torch.amax(scales, dim=(0, 1), out=values[-1])
+        return scales, values[n * self.segments : -1].view(n, -1), largest
 
     # A flat buffer of every bucket, reduced as it is (not a momentum).
 
@@ -494,35 +503,35 @@ class ModelPasses:
         return self._input_blocks
 
     def _input(
-        self, x: Tensor, error: Tensor | None, nx: int, *, store: bool = False,
-        message: Tensor | None = None, partials: Tensor | None = None, sums: str | None = None,
-        scales: Tensor | None = None, out: Tensor | None = None,
+        self, x: Tensor, error: Tensor | None, nx: int, *, post: Tensor | None = None,
+        store: bool = False, message: Tensor | None = None, partials: Tensor | None = None,
+        sums: str | None = None, scales: Tensor | None = None, out: Tensor | None = None,
     ) -> None:  # fmt: skip
         blocks = self._inputs()
         _input_pass[(blocks.blocks,)](
-            x, nx, x if error is None else error, *blocks.table()[:4], blocks.block_starts,
-            blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts1,
-            x if message is None else message, 0 if message is None else message.stride(0),
-            x if partials is None else partials, x if scales is None else scales,
-            x if out is None else out,
-            BLOCK=BLOCK, HAS_ERROR=error is not None, STORE_Y=store, SIGNS=message is not None,
-            SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+            x, nx, x if post is None else post, x if error is None else error,
+            *blocks.table()[:4], blocks.block_starts, blocks.block_buckets, *self.worker_bounds,
+            self.chunks, self.parts1, x if message is None else message,
+            0 if message is None else message.stride(0), x if partials is None else partials,
+            x if scales is None else scales, x if out is None else out,
+            BLOCK=BLOCK, HAS_POST=post is not None, HAS_ERROR=error is not None, STORE_Y=store,
+            SIGNS=message is not None, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
+            COMMIT=scales is not None,
         )  # fmt: skip
 
     def compress(
-        self, x: Tensor, error: Tensor | None, scale: str, headers: Tensor, message: Tensor
-    ) -> Tensor:
-        """``y = x + error`` (``None``: zeros) over the flat buffer ``x`` of every bucket (its
-        padding taken as zeros, whatever it holds), stored over ``x``; its signs, scales and
-        header into the phase-1 ``message`` as :meth:`signs` writes them. Returns the
-        scales."""
+        self, x: Tensor, error: Tensor | None, scale: str, headers: Tensor, message: Tensor,
+        post: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """``y = x·post + error`` (``None``: ones, zeros) over the flat buffer ``x`` of every
+        bucket (its padding taken as zeros, whatever it holds; ``post`` as long as the
+        buckets), stored over ``x``; its signs, scales and header into the phase-1 ``message``
+        as :meth:`signs` writes them. Returns the scales."""
         blocks = self._inputs()
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
-        self._input(x, error, self.geometry.numel, store=True, message=message,
+        self._input(x, error, self.geometry.numel, post=post, store=True, message=message,
                     partials=partials, sums=scale)  # fmt: skip
-        scales = self._scales(blocks, partials, scale, message, self.scale_places)
-        self._header_into(message, headers)
-        return scales
+        return self._scales(blocks, partials, scale, message, self.scale_places, headers[-1])
 
     def subtract(self, y: Tensor, scales: Tensor, out: Tensor) -> None:
         """``out = y - ±scales`` of each segment, over every bucket (the worker error)."""
@@ -586,13 +595,18 @@ class ModelPasses:
         )  # fmt: skip
 
     def _scales(
-        self, blocks: _Blocks, partials: Tensor, scale: str, message: Tensor, places: Tensor
-    ) -> Tensor:
+        self, blocks: _Blocks, partials: Tensor, scale: str, message: Tensor, places: Tensor,
+        header: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         """The segments' scales from their pieces' sums, also written into each row of
-        ``message`` at ``places``."""
+        ``message`` at ``places``; and the ``header`` (fp32) at :attr:`header_at`, if given."""
         out = torch.empty(blocks.segments, dtype=torch.float32, device=self.device)
-        _placed_scales[(blocks.segments,)](
+        header_bytes = 0 if header is None else header.view(torch.uint8)
+        size = 0 if header is None else header_bytes.numel()
+        _placed_scales[(blocks.segments + (header is not None),)](
             partials, blocks.segment_first, blocks.lengths, out, message, message.shape[0],
-            message.stride(0), places, CHUNK=1024, MEAN_ABS=scale == "mean_abs",
+            message.stride(0), places, message if header is None else header_bytes,
+            self.header_at, CHUNK=1024, MEAN_ABS=scale == "mean_abs", HEADER_BYTES=size,
+            HEADER_SPAN=max(triton.next_power_of_2(size), 1),
         )  # fmt: skip
         return out
