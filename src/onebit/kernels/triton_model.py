@@ -267,9 +267,9 @@ def _placed_scales(
     if HEADER_BYTES and q == tl.num_programs(0) - 1:
         offsets = tl.arange(0, HEADER_SPAN)
         present = offsets < HEADER_BYTES
-        bytes_ = tl.load(header + offsets, mask=present)
+        values = tl.load(header + offsets, mask=present)
         for r in range(rows):
-            tl.store(message + r * row_stride + header_at + offsets, bytes_, mask=present)
+            tl.store(message + r * row_stride + header_at + offsets, values, mask=present)
     else:
         value = _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
         tl.store(scales + q, value)
