@@ -253,21 +253,23 @@ def _decompress_pass(
 
 
 @launched()
-@triton.jit(do_not_specialize=["rows", "row_stride", "header_at"])
+@triton.jit(do_not_specialize=["rows", "row_stride", "header_from", "header_at"])
 def _placed_scales(
-    partials, first, lengths, scales, message, rows, row_stride, places, header, header_at,
+    partials, first, lengths, scales, message, rows, row_stride, places, header, header_from,
+    header_at,
     CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr, HEADER_BYTES: tl.constexpr,
     HEADER_SPAN: tl.constexpr,
 ):  # fmt: skip
     """``_segment_scales`` of :mod:`~onebit.kernels.triton_kernels`, each scale also written as
     its four bytes at byte ``places[q]`` of each of the ``rows`` rows of ``message``, where the
     message's layout puts it (not always at a multiple of 4). With ``HEADER_BYTES``, the last
-    program writes the ``header`` (bytes) at byte ``header_at`` of each row instead."""
+    program writes those bytes of ``header`` from byte ``header_from`` at byte ``header_at`` of
+    each row instead."""
     q = tl.program_id(0)
     if HEADER_BYTES and q == tl.num_programs(0) - 1:
         offsets = tl.arange(0, HEADER_SPAN)
         present = offsets < HEADER_BYTES
-        values = tl.load(header + offsets, mask=present)
+        values = tl.load(header + header_from + offsets, mask=present)
         for r in range(rows):
             tl.store(message + r * row_stride + header_at + offsets, values, mask=present)
     else:
@@ -471,7 +473,7 @@ class ModelPasses:
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
         self._worker(grads, inv_scale, momentum, weight, error, post, message=message,
                      partials=partials, sums=scale)  # fmt: skip
-        return self._scales(blocks, partials, scale, message, self.scale_places, headers[-1])
+        return self._scales(blocks, partials, scale, message, self.scale_places, headers)
 
     def commit(
         self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
@@ -531,7 +533,7 @@ class ModelPasses:
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
         self._input(x, error, self.geometry.numel, post=post, store=True, message=message,
                     partials=partials, sums=scale)  # fmt: skip
-        return self._scales(blocks, partials, scale, message, self.scale_places, headers[-1])
+        return self._scales(blocks, partials, scale, message, self.scale_places, headers)
 
     def subtract(self, y: Tensor, scales: Tensor, out: Tensor) -> None:
         """``out = y - ±scales`` of each segment, over every bucket (the worker error)."""
@@ -596,17 +598,18 @@ class ModelPasses:
 
     def _scales(
         self, blocks: _Blocks, partials: Tensor, scale: str, message: Tensor, places: Tensor,
-        header: Tensor | None = None,
+        headers: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """The segments' scales from their pieces' sums, also written into each row of
-        ``message`` at ``places``; and the ``header`` (fp32) at :attr:`header_at`, if given."""
+        ``message`` at ``places``; and the last row of ``headers`` (``[buckets,
+        header_numel]`` fp32, contiguous) at :attr:`header_at`, if given."""
         out = torch.empty(blocks.segments, dtype=torch.float32, device=self.device)
-        header_bytes = 0 if header is None else header.view(torch.uint8)
-        size = 0 if header is None else header_bytes.numel()
-        _placed_scales[(blocks.segments + (header is not None),)](
+        size = 0 if headers is None else 4 * headers.shape[-1]
+        _placed_scales[(blocks.segments + (headers is not None),)](
             partials, blocks.segment_first, blocks.lengths, out, message, message.shape[0],
-            message.stride(0), places, message if header is None else header_bytes,
-            self.header_at, CHUNK=1024, MEAN_ABS=scale == "mean_abs", HEADER_BYTES=size,
+            message.stride(0), places, message if headers is None else headers.view(torch.uint8),
+            0 if headers is None else headers.numel() * 4 - size, self.header_at, CHUNK=1024,
+            MEAN_ABS=scale == "mean_abs", HEADER_BYTES=size,
             HEADER_SPAN=max(triton.next_power_of_2(size), 1),
         )  # fmt: skip
         return out
