@@ -179,10 +179,10 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0
 
 
-def _run_triton(rank: int, world_size: int, whole: bool):
-    """:func:`_run` of OnebitAdam on the Triton kernels (under the interpreter here): ``whole``,
-    each pass over every bucket in one launch; else a bucket at a time. Returns it and how many
-    steps took the passes over every bucket."""
+def _run_triton(rank: int, world_size: int, whole: bool, name: str):
+    """:func:`_run` of optimizer ``name`` on the Triton kernels (under the interpreter here):
+    ``whole``, each pass over every bucket in one launch; else a bucket at a time. Returns it
+    and how many steps took the passes over every bucket."""
     from backends import use_backend
 
     from onebit.kernels import triton_model
@@ -198,16 +198,18 @@ def _run_triton(rank: int, world_size: int, whole: bool):
     triton_model.ModelPasses.signs = counted
     if not whole:
         momentum.PackedMomentumStage.passes = lambda self: None
-    return _run(rank, world_size, "OnebitAdam", True, True), took[0]
+    return _run(rank, world_size, name, True, True), took[0]
 
 
+@pytest.mark.parametrize("name", STATE)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size):
-    """The Triton step in a few launches whatever the buckets (:mod:`onebit.kernels.
+def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name):
+    """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
     triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
-    and both errors, through AMP, a missing gradient, a skipped step and a resume."""
-    whole = run_ranks(_run_triton, world_size, True, timeout=600)
-    per_bucket = run_ranks(_run_triton, world_size, False, timeout=600)
+    and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
+    keeps its last momentum until its step has read it)."""
+    whole = run_ranks(_run_triton, world_size, True, name, timeout=600)
+    per_bucket = run_ranks(_run_triton, world_size, False, name, timeout=600)
     for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
         whole, per_bucket
     ):

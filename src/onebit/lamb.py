@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -325,15 +325,14 @@ class OnebitLamb(CompressedOptimizer):
         t, stage = self.num_steps + 1, self._fused
         new = stage.results(calls, scaling)  # the averaged momentum over the scaling
         ratios = self._fresh_variance_(new, t)
-        norms = []
+        parts = [ratios]
         if any(group["weight_decay"] for group in self.param_groups):
-            norms = [self._packed_update_norms(new, t).reshape(-1)]
-        values = host.read(torch.cat(ratios + norms))  # the step's one read after its verdict
-        counts = [len(r) for r in ratios]
-        raw = self._layer_ratios(values[: sum(counts)].split(counts))
+            parts.append(self._packed_update_norms(new, t))
+        values = host.read_all(parts)  # the step's one read after its verdict
+        raw = self._layer_ratios(values[: len(ratios)])
         update_ratio = None
-        if norms:
-            adaptive, total = (self.shards.combine(n) for n in values[sum(counts) :].view(2, -1))
+        if len(parts) > 1:
+            adaptive, total = (self.shards.combine(n) for n in values[len(ratios) :].view(2, -1))
             update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
         factors = lamb_factor(
             raw, self._last_factors, self.factor_min, self.factor_max, self.factor_threshold,
@@ -349,11 +348,11 @@ class OnebitLamb(CompressedOptimizer):
         self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 
-    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> list[Tensor]:
+    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
         """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
-        gradient they imply into the fresh variance; returns, per bucket, the largest ratio of
-        the frozen to the fresh denominator in each of its layers (on the device, for
-        :meth:`_layer_ratios`)."""
+        gradient they imply into the fresh variance; returns the largest ratio of the frozen to
+        the fresh denominator in each bucket's part of each layer, bucket after bucket (on the
+        device, for :meth:`_layer_ratios`)."""
         beta1, beta2, stage = self._beta1, self._beta2, self._fused
         bc2 = bias_correction(beta2, t, self.bias_correction)
         ratios = []
@@ -367,16 +366,14 @@ class OnebitLamb(CompressedOptimizer):
             ratio = adam_denominator(v_fresh, bc2, self._eps, out=last)
             torch.div(self._exp_avg_sq[start:end], ratio, out=ratio)
             _, parts = self._bucket_parts(k, ratio)
-            ratios.append(layer_norms(parts, ord=math.inf))
-        return ratios
+            ratios += torch._foreach_norm(parts, math.inf)  # one bucket's parts are fp32
+        return torch.stack(ratios)
 
-    def _layer_ratios(self, ratios: Sequence[Tensor]) -> Tensor:
+    def _layer_ratios(self, ratios: Tensor) -> Tensor:
         """Each layer's largest ratio (:meth:`_fresh_variance_`'s, read on the host) over the
         buckets and shards it spans; 1 for a layer with no elements."""
-        raw = torch.zeros(len(self.layout.params))
-        for k, values in enumerate(ratios):
-            layers = self.layout.bucket_params[k]
-            raw[layers] = torch.maximum(raw[layers], values)
+        layers = torch.tensor([i for params in self.layout.bucket_params for i in params])
+        raw = torch.zeros(len(self.layout.params)).scatter_reduce_(0, layers, ratios, "amax")
         raw = self.shards.combine(raw, math.inf)
         return torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
 

@@ -65,7 +65,8 @@ class PackedMomentumStage:
             ``None`` it holds the momentum; from the first applied step it holds the worker
             errors (each communicator's ``worker_error`` is a slice of it).
         keeps_last: the optimizer reads the last momentum after the allreduce (1-bit LAMB), so
-            the first applied step keeps the errors apart and :meth:`install` moves them in.
+            the first applied step keeps the errors apart, and the results become the momentum
+            only at :meth:`install`, which moves the errors in.
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -89,6 +90,9 @@ class PackedMomentumStage:
         self.packed: list[tuple[Tensor, Tensor]] | None = None
         self._whole: tuple[Tensor, Tensor] | None = None  # packed's phase-2 message and scales
         self._whole_of: list[tuple[Tensor, Tensor]] | None = None  # the packed it is of
+        self._served: tuple[Tensor, Tensor] | None = None  # commit_all's, until results()
+        self._results: tuple[list, tuple[Tensor, Tensor]] | None = None  # results()' whole
+        self._scaled: tuple[Tensor, Tensor] | None = None  # see _divided
 
     def _source(self, k: int) -> Tensor | fused.PackedMomentum:
         if self.packed is None:
@@ -100,9 +104,8 @@ class PackedMomentumStage:
 
     def passes(self) -> Any | None:
         """The backend's passes over every bucket at once (:class:`~onebit.model_allreduce.
-        ModelAllreduce`), or ``None`` where it runs them a bucket at a time, and with
-        :attr:`keeps_last` (the errors are kept apart at first)."""
-        return None if self.keeps_last else self.model.passes()
+        ModelAllreduce`), or ``None`` where it runs them a bucket at a time."""
+        return self.model.passes()
 
     def start_all(
         self,
@@ -125,14 +128,18 @@ class PackedMomentumStage:
     def commit_all(self, call: ModelCall) -> None:
         """After :meth:`~onebit.model_allreduce.ModelAllreduce.received` found every scale
         finite: commit every worker error, serve this rank's chunks and send them (phase 2, one
-        collective), and make the results the momentum."""
-        self.passes().commit(*call.inputs, call.scales, self.momentum)
-        for slice_, comm in zip(self._slices, self.comms):
-            if comm._worker_error is not slice_:
-                comm.worker_error = slice_
-        received, scales = self.model.serve(call)
-        self.packed = self.model.results(received, scales)
-        self._whole, self._whole_of = (received, scales), self.packed
+        collective), and make the results the momentum; with :attr:`keeps_last`, :meth:`results`
+        (``None``) gives them and :meth:`install` makes them the momentum."""
+        apart = self.keeps_last and self.packed is None  # the fp32 momentum is read after
+        errors = torch.zeros_like(self.momentum) if apart else self.momentum
+        self.passes().commit(*call.inputs, call.scales, errors)
+        views = self.layout.bucket_views(errors, padded=True) if apart else self._slices
+        for view, comm in zip(views, self.comms):
+            if comm._worker_error is not view:
+                comm.worker_error = view
+        self._served = self.model.serve(call)
+        if not self.keeps_last:
+            self.install(self.results(None))
 
     def _momentum_source(self) -> Tensor | fused.PackedMomentum:
         """The momentum as the passes over every bucket read it: the fp32 buffer, or the last
@@ -198,10 +205,18 @@ class PackedMomentumStage:
         self.install(self.results(calls))
 
     def results(
-        self, calls: list[_Call], scaling: Tensor | None = None
+        self, calls: list[_Call] | None, scaling: Tensor | None = None
     ) -> list[tuple[Tensor, Tensor]]:
-        """The packed results of applied ``calls``, with each piece's scale divided by its
-        parameter's ``scaling`` (fp32 per parameter; ``None``: as they came)."""
+        """The packed results of applied ``calls`` (``None``: of :meth:`commit_all`), with each
+        piece's scale divided by its parameter's ``scaling`` (fp32 per parameter; ``None``: as
+        they came)."""
+        if calls is None:
+            received, scales = self._served
+            if scaling is not None:
+                scales = self._divided(scales, scaling)
+            results = self.model.results(received, scales)
+            self._results = (results, (received, scales))
+            return results
         results = [comm.result_signs(call) for comm, call in zip(self.comms, calls)]
         if scaling is None:
             return results
@@ -212,6 +227,22 @@ class PackedMomentumStage:
             divided.append((signs, scales))
         return divided
 
+    def _divided(self, scales: Tensor, scaling: Tensor) -> Tensor:
+        """:meth:`results`' division of every bucket's scales at once (as the phase-2 message
+        holds them, end to end): each column's by its parameter's ``scaling``."""
+        if self._scaled is None or self._scaled[0].device != scales.device:
+            entries, params = [], []
+            for runs, offset in zip(self.runs, self.passes().column_offsets):
+                real = runs.run_params >= 0
+                entries.append(runs.runs[real, 3] + offset)
+                params.append(runs.run_params[real])
+            tables = (torch.cat(entries), torch.cat(params))
+            self._scaled = host.upload(torch.stack(tables), scales.device).unbind()
+        entries, params = self._scaled
+        divided = scales.clone()
+        divided[entries] = scales[entries] / scaling.to(scales)[params]
+        return divided
+
     def install(self, packed: list[tuple[Tensor, Tensor]]) -> None:
         """Make ``packed`` (:meth:`results`) the momentum; the worker errors move into
         :attr:`momentum`'s storage if they were kept apart."""
@@ -220,6 +251,9 @@ class PackedMomentumStage:
                 slice_.copy_(comm._worker_error)
                 comm.worker_error = slice_
         self.packed = packed
+        if self._results is not None and self._results[0] is packed:  # passes read it whole
+            self._whole, self._whole_of = self._results[1], packed
+        self._served = self._results = None
 
     def momentum_(
         self, k: int, out: Tensor, packed: list[tuple[Tensor, Tensor]] | None = None

@@ -27,6 +27,7 @@ import os
 import struct
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -453,15 +454,20 @@ _TILINGS: OrderedDict[tuple, Tiling] = OrderedDict()
 _CACHED = 4096  # a few per bucket
 
 
-def _tiling(edges: Tensor, columns: Tensor | None, numel: int, device: torch.device) -> Tiling:
-    """The :class:`Tiling` of these intervals, from a small cache (the tables of a bucket stay
-    the same from step to step); ``columns`` ``None`` is each interval's own index."""
-    if columns is None:
-        columns = torch.arange(len(edges) - 1)
-    key = (edges.numpy().tobytes(), columns.numpy().tobytes(), numel, device)
+def _tiling(
+    edges: Tensor | np.ndarray, columns: Tensor | np.ndarray | None, numel: int,
+    device: torch.device,
+) -> Tiling:  # fmt: skip
+    """The :class:`Tiling` of these intervals (host integers), from a small cache (the tables
+    of a bucket stay the same from step to step); ``columns`` ``None`` is each interval's own
+    index. A hit costs no torch op: the key is made in numpy."""
+    edges = np.asarray(edges, dtype=np.int64)
+    columns = np.arange(len(edges) - 1) if columns is None else np.asarray(columns, np.int64)
+    key = (edges.tobytes(), columns.tobytes(), numel, device)
     tiling = _TILINGS.get(key)
     if tiling is None:
-        tiling = _TILINGS[key] = Tiling(edges, columns, numel, device)
+        tiling = Tiling(torch.from_numpy(edges), torch.from_numpy(columns), numel, device)
+        _TILINGS[key] = tiling
         if len(_TILINGS) > _CACHED:
             _TILINGS.popitem(last=False)
     else:
@@ -486,8 +492,8 @@ class _RunTables:
         self.offsets = runs.run_offsets.to(device, copy=True)  # bytes
 
 
-def _whole(numel: int) -> Tensor:
-    return torch.tensor([0, numel], dtype=torch.int64)
+def _whole(numel: int) -> np.ndarray:
+    return np.array([0, numel], dtype=np.int64)
 
 
 class TritonKernels(TorchKernels):
@@ -608,7 +614,8 @@ class TritonKernels(TorchKernels):
         if not (self._fits(y, out) and y.shape == out.shape and y.numel()):
             return super().subtract_compressed_(y, s, out, signs)
         scales = s.to(device=y.device, dtype=torch.float32).reshape(1)
-        return self.subtract_compressed_segments_(y, scales, _whole(y.numel()), out)
+        bounds = torch.from_numpy(_whole(y.numel()))
+        return self.subtract_compressed_segments_(y, scales, bounds, out)
 
     def compress_(self, buffer: Tensor, error: Tensor, scale: str) -> tuple[Tensor, Tensor]:
         n = buffer.numel()
@@ -674,10 +681,10 @@ class TritonKernels(TorchKernels):
         k, m = packed.shape
         if not (self._fits(out) and self._rows_fit(packed) and m):
             return super().decompress_(packed, scales, out)
-        pieces = torch.zeros(k, 4, dtype=torch.int64)
-        pieces[:, 0] = torch.arange(k)
-        pieces[:, 2] = 8 * m
-        return self.decompress_pieces_(packed, scales.reshape(k, 1), pieces, out)
+        pieces = np.zeros((k, 4), dtype=np.int64)  # row j's whole chunk, one column
+        pieces[:, 0], pieces[:, 2] = np.arange(k), 8 * m
+        return self.decompress_pieces_(packed, scales.reshape(k, 1), torch.from_numpy(pieces),
+                                       out)  # fmt: skip
 
     def average_signs_(self, packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
         k, m = packed.shape
@@ -755,9 +762,9 @@ class TritonKernels(TorchKernels):
         n = out.numel()
         if not (self._fits(out) and self._rows_fit(packed) and m and n):
             return super().decompress_pieces_(packed, scales, pieces, out)
-        starts = pieces[:, 0] * 8 * m + pieces[:, 1]
-        edges = torch.cat([starts, (pieces[-1, 0] * 8 * m + pieces[-1, 2]).reshape(1)])
-        tiling = _tiling(edges, pieces[:, 3], n, out.device)
+        table = pieces.numpy()
+        edges = np.append(table[:, 0] * 8 * m + table[:, 1], table[-1, 0] * 8 * m + table[-1, 2])
+        tiling = _tiling(edges, table[:, 3], n, out.device)
         row_scales = self._row_scales(scales, out.device)
         _decompress[(tiling.blocks,)](
             packed, packed.stride(0), 8 * m, row_scales, row_scales.stride(0), *tiling.table(),
@@ -844,5 +851,5 @@ class TritonKernels(TorchKernels):
 
     @staticmethod
     def _served(pieces: Tensor, numel: int, device: torch.device) -> Tiling:
-        edges = torch.cat([pieces[:, 0], pieces[-1:, 1]])
-        return _tiling(edges, pieces[:, 2], numel, device)
+        table = pieces.numpy()
+        return _tiling(np.append(table[:, 0], table[-1, 1]), table[:, 2], numel, device)
