@@ -314,20 +314,21 @@ def _segment_scale(partials, first, lengths, q, CHUNK: tl.constexpr, MEAN_ABS: t
 
 
 @launched(8)
-@triton.jit(do_not_specialize=["row_stride", "row_numel", "scale_stride", "n"])
+@triton.jit(do_not_specialize=["row_stride", "row_numel", "scales_from", "scale_stride", "n"])
 def _decompress(
-    rows, row_stride, row_numel, row_scales, scale_stride, starts, ends, columns, first, out, n,
-    BLOCK: tl.constexpr,
+    rows, row_stride, row_numel, row_scales, scales_from, scale_stride, starts, ends, columns,
+    first, out, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``out[i] = ±scale`` of its row's piece, from packed rows of ``row_numel`` elements (a
-    multiple of 8)."""
+    multiple of 8); the scales' rows start ``scales_from`` floats into ``row_scales``, so that
+    scales anywhere in a buffer take the kernel variant of an aligned one."""
     start, local, valid = _block(n, BLOCK)
     block = tl.program_id(0)
     column = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
                             tl.load(first + block + 1))  # fmt: skip
     row, at = _rows(start, local, row_numel, BLOCK)
     byte = tl.load(rows + row * row_stride + at // 8, mask=valid, other=0)
-    s = tl.load(row_scales + row * scale_stride + column, mask=valid, other=0.0)
+    s = tl.load(row_scales + scales_from + row * scale_stride + column, mask=valid, other=0.0)
     tl.store(out + start + local, _signed(_bit(byte, local), s), mask=valid)
 
 
@@ -766,9 +767,11 @@ class TritonKernels(TorchKernels):
         edges = np.append(table[:, 0] * 8 * m + table[:, 1], table[-1, 0] * 8 * m + table[-1, 2])
         tiling = _tiling(edges, table[:, 3], n, out.device)
         row_scales = self._row_scales(scales, out.device)
+        offset = row_scales.storage_offset()  # the storage's start is aligned
+        whole = row_scales.as_strided((offset + row_scales.numel(),), (1,), 0)
         _decompress[(tiling.blocks,)](
-            packed, packed.stride(0), 8 * m, row_scales, row_scales.stride(0), *tiling.table(),
-            out, n, BLOCK=BLOCK,
+            packed, packed.stride(0), 8 * m, whole, offset, row_scales.stride(0),
+            *tiling.table(), out, n, BLOCK=BLOCK,
         )  # fmt: skip
         return out
 
