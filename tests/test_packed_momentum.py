@@ -223,3 +223,48 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
         for a, b in zip(*(list(r.values())[0]["comms"] for r in comms)):
             assert torch.equal(a["worker_error"], b["worker_error"])
             assert torch.equal(a["server_error"], b["server_error"])
+
+
+def _run_lamb_on_triton(rank: int, world_size: int, passes: bool):
+    """:func:`_run` of 1-bit LAMB on the Triton kernels: with ``passes``, the step after its
+    allreduce takes the passes over every bucket; else the torch formulation, a bucket at a
+    time. Returns it and how many steps took the passes."""
+    from backends import use_backend
+
+    from onebit import model_allreduce
+    from onebit.kernels import triton_model
+
+    use_backend("triton")
+    took = [0]
+    ratios = triton_model.ModelPasses.lamb_ratios
+
+    def counted(self, *args, **kwargs):
+        took[0] += 1
+        return ratios(self, *args, **kwargs)
+
+    triton_model.ModelPasses.lamb_ratios = counted
+    if not passes:
+        model_allreduce.ModelAllreduce.passes = lambda self: None
+    return _run(rank, world_size, "OnebitLamb", True, True), took[0]
+
+
+def test_lamb_after_its_allreduce_in_two_passes_follows_the_torch_formulation():
+    """On Triton, what 1-bit LAMB does after its allreduce (the fresh variance, each layer's
+    largest ratio and norms, the update) is two passes over every bucket, each op rounded as
+    the torch formulation rounds it but the square root (torch's on the CPU is within an ulp)
+    and the norms' sums (added in another order): parameters and state stay within 1e-5 of
+    it through AMP, a missing gradient, a skipped step, weight decay and a resume."""
+    passes = run_ranks(_run_lamb_on_triton, 3, True, timeout=600)
+    torch_ = run_ranks(_run_lamb_on_triton, 3, False, timeout=600)
+    close = dict(rtol=1e-5, atol=1e-7)
+    for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
+        passes, torch_
+    ):
+        applied = (STEPS - FREEZE) + (STEPS - 5) - 2  # the skipped step, before and resumed
+        assert took == applied and none == 0
+        for got, expected in zip(history + resumed, want + want_resumed):
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, **close)
+        for i, per_param in want_state["state"].items():
+            for key, value in per_param.items():
+                torch.testing.assert_close(state["state"][i][key], value, **close)

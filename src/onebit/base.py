@@ -252,7 +252,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         self._calls = 0
         self._grad_norm: float | Tensor | None = None
-        self._grad_addresses = host.Addresses()
+        self._grad_addresses = host.Uploaded(torch.int64)
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
         self._allocate_state()
 

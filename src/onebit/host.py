@@ -89,18 +89,19 @@ def upload(
     return values.to(device)
 
 
-class Addresses:
-    """Addresses (int64) on a device, uploaded again only when they change: parameters, and
-    usually their gradients, keep theirs from step to step."""
+class Uploaded:
+    """Values on a device, uploaded again only when they change: the addresses of parameters
+    (and usually of their gradients) and per-layer settings keep theirs from step to step."""
 
-    def __init__(self) -> None:
-        self._values: list[int] | None = None
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._values: list | None = None
         self._tensor: Tensor | None = None
 
-    def __call__(self, values: list[int], device: torch.device) -> Tensor:
+    def __call__(self, values: list, device: torch.device) -> Tensor:
         """``values`` on ``device``: the tensor of the last call if they are the same."""
         if self._tensor is None or values != self._values or self._tensor.device != device:
-            self._tensor, self._values = upload(values, device, torch.int64), list(values)
+            self._tensor, self._values = upload(values, device, self.dtype), list(values)
         return self._tensor
 
 

@@ -178,6 +178,8 @@ class OnebitLamb(CompressedOptimizer):
         self._frozen_coeffs = torch.ones(layers)
         self._scaling = torch.ones(layers)
         self._uploaded_scaling: tuple[Tensor, Tensor] | None = None
+        self._addresses = host.Uploaded(torch.int64)
+        self._uploaded_decays = host.Uploaded(torch.float32)
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
 
@@ -314,39 +316,76 @@ class OnebitLamb(CompressedOptimizer):
         return applied, nbytes
 
     def _packed_compression_step(self) -> tuple[bool, int]:
-        """The compression step of :meth:`_unpacked_compression_step`, bit for bit, with the
-        momentum packed (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer:
-        the fused passes read ``.grad``, and what follows the allreduce runs a bucket at a time
-        on temporaries of a bucket (and of a layer, for the norms that weight decay needs)."""
+        """The compression step of :meth:`_unpacked_compression_step` with the momentum packed
+        (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer: the fused
+        passes read ``.grad``; what follows the allreduce takes two passes over every bucket
+        where the backend has them (Triton), else runs a bucket at a time, bit for bit as the
+        unpacked step, on temporaries of a bucket (and of a layer, for the norms that weight
+        decay needs)."""
         scaling = self._device_scaling()
         applied, nbytes, calls = self._packed_allreduce(scaling)
         if not applied:
             return applied, nbytes
         t, stage = self.num_steps + 1, self._fused
         new = stage.results(calls, scaling)  # the averaged momentum over the scaling
-        ratios = self._fresh_variance_(new, t)
-        parts = [ratios]
-        if any(group["weight_decay"] for group in self.param_groups):
-            parts.append(self._packed_update_norms(new, t))
-        values = host.read_all(parts)  # the step's one read after its verdict
-        raw = self._layer_ratios(values[: len(ratios)])
+        decays = [group["weight_decay"] for group in self._groups()]
+        passes = stage.model.passes()
+        layers = len(self.layout.params)
+        if passes is not None:
+            values = host.read(self._model_ratios(passes, new, t, decays))  # the step's one
+            maxima, norms = values[:layers], values[layers:]  # read after its verdict
+        else:
+            parts = [self._fresh_variance_(new, t)]
+            if any(decays):
+                parts.append(self._packed_update_norms(new, t))
+            values = host.read_all(parts)
+            maxima, norms = self._part_maxima(values[: len(parts[0])]), values[len(parts[0]) :]
         update_ratio = None
-        if len(parts) > 1:
-            adaptive, total = (self.shards.combine(n) for n in values[len(ratios) :].view(2, -1))
+        if any(decays):
+            adaptive, total = (self.shards.combine(n) for n in norms.view(2, -1))
             update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
         factors = lamb_factor(
-            raw, self._last_factors, self.factor_min, self.factor_max, self.factor_threshold,
-            update_ratio,
+            self._layer_ratios(maxima), self._last_factors, self.factor_min, self.factor_max,
+            self.factor_threshold, update_ratio,
         )  # fmt: skip
         self._last_factors = factors
         self._coeffs = self._frozen_coeffs * factors
         sizes = [group["lr"] * c for group, c in zip(self._groups(), self._coeffs.tolist())]
-        for k, update in self._packed_updates(new, t):
-            params, updates = self._bucket_parts(k, update)
-            scaled_sub_(params, updates, [sizes[i] for i in self.layout.bucket_params[k]])
+        if passes is not None:
+            bc1 = bias_correction(self._beta1, t, self.bias_correction)
+            sizes_ = host.upload(sizes, self.device, torch.float32)
+            passes.lamb_update(self._param_addresses(), stage.whole(new), self._exp_avg_sq,
+                               self._decays(decays), sizes_, bc1)  # fmt: skip
+        else:
+            for k, update in self._packed_updates(new, t):
+                params, updates = self._bucket_parts(k, update)
+                scaled_sub_(params, updates, [sizes[i] for i in self.layout.bucket_params[k]])
         stage.install(new)
         self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
+
+    def _model_ratios(
+        self, passes: Any, new: list[tuple[Tensor, Tensor]], t: int, decays: list[float]
+    ) -> Tensor:
+        """From the last and the ``new`` packed momentum, in one pass over every bucket
+        (``passes``: :class:`~onebit.kernels.triton_model.ModelPasses`): the fresh variance, and
+        on the device each layer's largest ratio of the frozen to the fresh denominator, then
+        with weight decay each layer's ``||m̂ / denom||`` and ``||update||``."""
+        stage = self._fused
+        last = stage.whole(stage.packed)  # before new's: a bucket at a time it takes its place
+        return passes.lamb_ratios(
+            self._param_addresses(), stage.whole(new), last, self._exp_avg_sq_fresh,
+            self._exp_avg_sq, self._decays(decays), (self._beta1, self._beta2),
+            (bias_correction(self._beta1, t, self.bias_correction),
+             bias_correction(self._beta2, t, self.bias_correction)), self._eps, any(decays),
+        )  # fmt: skip
+
+    def _param_addresses(self) -> Tensor:
+        return self._addresses([p.data_ptr() for p in self.layout.params], self.device)
+
+    def _decays(self, decays: list[float]) -> Tensor:
+        """Each layer's weight decay on the device (fp32), uploaded when it changes."""
+        return self._uploaded_decays(decays, self.device)
 
     def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
         """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
@@ -369,12 +408,16 @@ class OnebitLamb(CompressedOptimizer):
             ratios += torch._foreach_norm(parts, math.inf)  # one bucket's parts are fp32
         return torch.stack(ratios)
 
-    def _layer_ratios(self, ratios: Tensor) -> Tensor:
-        """Each layer's largest ratio (:meth:`_fresh_variance_`'s, read on the host) over the
-        buckets and shards it spans; 1 for a layer with no elements."""
+    def _part_maxima(self, ratios: Tensor) -> Tensor:
+        """Each layer's largest ratio from :meth:`_fresh_variance_`'s (read on the host), one
+        per part of a layer in a bucket."""
         layers = torch.tensor([i for params in self.layout.bucket_params for i in params])
-        raw = torch.zeros(len(self.layout.params)).scatter_reduce_(0, layers, ratios, "amax")
-        raw = self.shards.combine(raw, math.inf)
+        return torch.zeros(len(self.layout.params)).scatter_reduce_(0, layers, ratios, "amax")
+
+    def _layer_ratios(self, maxima: Tensor) -> Tensor:
+        """Each layer's largest ratio (on the host) over the shards it spans; 1 for a layer with
+        no elements."""
+        raw = self.shards.combine(maxima, math.inf)
         return torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
 
     def _packed_updates(

@@ -83,7 +83,7 @@ class PackedMomentumStage:
     ) -> None:
         self.layout, self.comms, self.momentum = layout, comms, momentum
         self.keeps_last = keeps_last
-        self._bases = host.Addresses()
+        self._bases = host.Uploaded(torch.int64)
         self.runs = bucket_runs(layout, comms)
         self.model = ModelAllreduce(layout, comms, self.runs)
         self._slices = layout.bucket_views(momentum, padded=True)
@@ -142,18 +142,25 @@ class PackedMomentumStage:
             self.install(self.results(None))
 
     def _momentum_source(self) -> Tensor | fused.PackedMomentum:
-        """The momentum as the passes over every bucket read it: the fp32 buffer, or the last
-        phase-2 message and its scales (made from :attr:`packed` if it came from elsewhere)."""
-        if self.packed is None:
+        """The momentum as the passes over every bucket read it (:meth:`whole`)."""
+        return self.whole(self.packed)
+
+    def whole(self, packed: list[tuple[Tensor, Tensor]] | None) -> Tensor | fused.PackedMomentum:
+        """``packed`` (:attr:`packed`, or :meth:`results`) as the passes over every bucket read
+        it: a phase-2 message and its scales (made from the buckets' if they came apart), or
+        the fp32 buffer for ``None``."""
+        if packed is None:
             return self.momentum
-        if self._whole_of is not self.packed:
-            g = self.passes().geometry
+        if self._results is not None and self._results[0] is packed:
+            return fused.PackedMomentum(*self._results[1], 0)
+        if self._whole_of is not packed:
+            g = self.model.passes().geometry
             bits = torch.zeros(g.world_size, g.width2, dtype=torch.uint8,
                                device=self.momentum.device)  # fmt: skip
-            for (signs, _), part in zip(self.packed, g.parts2):
+            for (signs, _), part in zip(packed, g.parts2):
                 bits[:, part : part + signs.shape[1]] = signs
-            scales = torch.cat([scales.reshape(-1) for _, scales in self.packed])
-            self._whole, self._whole_of = (bits, scales), self.packed
+            scales = torch.cat([scales.reshape(-1) for _, scales in packed])
+            self._whole, self._whole_of = (bits, scales), packed
         return fused.PackedMomentum(*self._whole, 0)
 
     def _error(self) -> Tensor | None:

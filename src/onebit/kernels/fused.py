@@ -222,7 +222,7 @@ def update(
 
 def gradient_addresses(params: Sequence[Tensor]) -> tuple[list[int], list[Tensor], bool]:
     """Each parameter's gradient as the address the fused passes read (upload them with a
-    :class:`~onebit.host.Addresses`): an fp32 contiguous ``.grad`` in place, any other through
+    :class:`~onebit.host.Uploaded`): an fp32 contiguous ``.grad`` in place, any other through
     an fp32 contiguous copy there (returned, to be kept alive while the passes run); 0 for no
     gradient or a sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import host
 from .fused import ModelGeometry, PackedMomentum
 from .triton_kernels import (
     BLOCK,
@@ -34,6 +35,7 @@ from .triton_kernels import (
     _rows,
     _run_pointers,
     _segment_scale,
+    _segment_scales,
     _signed,
     launched,
 )
@@ -229,6 +231,77 @@ def _update_pass(
 
 
 @launched(16)
+@triton.jit(do_not_specialize=["new_stride", "last_stride"])
+def _lamb_pass(
+    bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, fresh, frozen,
+    decay, sizes, maxima, partials, pieces, neg_beta1, keep1, beta2, keep2, root_bc2, eps, bc1,
+    run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
+    block_buckets, bucket_starts, bucket_ends, chunks, parts2,
+    BLOCK: tl.constexpr, UPDATE: tl.constexpr, DENSE: tl.constexpr, NORMS: tl.constexpr,
+):  # fmt: skip
+    """1-bit LAMB's step after its allreduce, on a block of any bucket, each op rounded as the
+    torch formulation rounds it. ``m`` is the new momentum (``new``, packed as in
+    :func:`_update_pass`), ``last`` the one before (packed, or the fp32 buffer ``last_bits``
+    where ``DENSE``), ``frozen`` the frozen denominator and ``u = m / frozen / bc1`` Adam's
+    update.
+
+    Without ``UPDATE``: the gradient the two momenta imply goes into the fresh variance
+    (``fresh``, in place); each layer's largest ratio of ``frozen`` to the fresh denominator
+    into ``maxima`` (zeros before); with ``NORMS``, each piece's sums of ``u²`` and of
+    ``(u + decay·p)²`` at ``partials[piece]`` and ``partials[pieces + piece]``.
+    With ``UPDATE``: ``p = p - sizes[layer]·(u + decay·p)``."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    chunk = tl.load(chunks + bucket)
+    part2 = tl.load(parts2 + bucket)
+    m = _packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column, start - origin,
+                         local, present, BLOCK)  # fmt: skip
+    d = tl.load(frozen + start + local, mask=present, other=1.0)
+    u = tl.math.div_rn(tl.math.div_rn(m, d), tl.zeros_like(m) + bc1)
+    if UPDATE or NORMS:
+        at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                    present)  # fmt: skip
+        p = tl.load(at, mask=present, other=0.0)
+        wd = tl.load(decay + param, mask=present, other=0.0)
+        decayed = tl.where(wd != 0.0, tl.fma(wd, p, u), u)
+    if UPDATE:
+        size = tl.load(sizes + param, mask=present, other=0.0)
+        tl.store(at, p - size * decayed, mask=present)
+    else:
+        if DENSE:
+            last = tl.load(last_bits + start + local, mask=present, other=0.0)
+        else:
+            last = _packed_momentum(last_bits + part2, last_stride, chunk, last_scales, column,
+                                    start - origin, local, present, BLOCK)  # fmt: skip
+        g = tl.math.div_rn(last * neg_beta1 + m, tl.zeros_like(m) + keep1)
+        v = tl.load(fresh + start + local, mask=present, other=0.0)
+        v = tl.fma(g * keep2, g, v * beta2)
+        tl.store(fresh + start + local, v, mask=present)
+        denominator = tl.math.div_rn(tl.math.sqrt_rn(v), tl.zeros_like(v) + root_bc2) + eps
+        ratio = tl.where(present, tl.math.div_rn(d, denominator), 0.0)
+        for piece in range(p0, p1):
+            lo = (tl.load(starts + piece) - start).to(tl.int32)
+            hi = (tl.load(ends + piece) - start).to(tl.int32)
+            inside = (local >= lo) & (local < hi)
+            owner = tl.load(columns + piece)
+            layer = tl.load(run_params + owner)
+            real = tl.load(run_columns + owner) >= 0
+            tl.atomic_max(maxima + layer, tl.max(tl.where(inside, ratio, 0.0)), mask=real)
+            if NORMS:
+                adaptive = tl.where(inside & present, u * u, 0.0)
+                tl.store(partials + piece, tl.sum(adaptive))
+                total = tl.where(inside & present, decayed * decayed, 0.0)
+                tl.store(partials + pieces + piece, tl.sum(total))
+
+
+@launched(16)
 @triton.jit(do_not_specialize=["bits_stride"])
 def _decompress_pass(
     bits, bits_stride, momentum_scales, run_columns, starts, ends, columns, first, block_starts,
@@ -367,7 +440,11 @@ class ModelPasses:
             edges = torch.cat([table[:, 0], table[-1:, 1]])
             tilings.append(Tiling(edges, torch.arange(len(table)), int(edges[-1]),
                                   torch.device("cpu"), table[:, 2]))  # fmt: skip
-        self.worker = _Blocks(tilings, origins, run_offsets).to(device)
+        worker = _Blocks(tilings, origins, run_offsets)
+        self._piece_params = torch.cat([runs.run_params for runs in g.runs])[worker.columns]
+        self._layer_first: Tensor | None = None  # and _layer_ones: see _layer_pieces
+        self._layer_ones: Tensor | None = None
+        self.worker = worker.to(device)
         run_starts, run_segments, run_columns, run_params, run_offsets_ = [], [], [], [], []
         for b, runs in enumerate(g.runs):
             table = runs.runs
@@ -595,6 +672,79 @@ class ModelPasses:
             blocks.block_starts, blocks.block_buckets, *self.worker_bounds, self.chunks,
             self.parts2, BLOCK=BLOCK,
         )  # fmt: skip
+
+    # 1-bit LAMB's step after its allreduce.
+
+    def _lamb(
+        self, bases: Tensor, new: PackedMomentum, frozen: Tensor, decay: Tensor, bc1: float, *,
+        sizes: Tensor | None = None, last: Tensor | PackedMomentum | None = None,
+        fresh: Tensor | None = None, coefficients: tuple[float, ...] = (0.0,) * 6,
+        maxima: Tensor | None = None, partials: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        blocks, dense = self.worker, not isinstance(last, PackedMomentum)
+        last_bits = frozen if last is None else last if dense else last.bits
+        any_ = frozen
+        _lamb_pass[(blocks.blocks,)](
+            bases, new.bits, new.bits.stride(0), new.scales, last_bits,
+            0 if dense else last_bits.stride(0), any_ if dense else last.scales,
+            any_ if fresh is None else fresh, frozen, decay, any_ if sizes is None else sizes,
+            any_ if maxima is None else maxima, any_ if partials is None else partials,
+            blocks.pieces, *coefficients, bc1, *self.run_tables[:2], *self.run_tables[3:],
+            *blocks.table(), *self.worker_bounds, self.chunks, self.parts2,
+            BLOCK=BLOCK, UPDATE=sizes is not None, DENSE=dense, NORMS=partials is not None,
+        )  # fmt: skip
+
+    def lamb_ratios(
+        self, bases: Tensor, new: PackedMomentum, last: Tensor | PackedMomentum, fresh: Tensor,
+        frozen: Tensor, decay: Tensor, betas: tuple[float, float], bias_corrections: tuple[
+            float, float], eps: float, norms: bool,
+    ) -> Tensor:  # fmt: skip
+        """1-bit LAMB's pass after its allreduce (:func:`_lamb_pass`): ``last`` and ``new``
+        momentum (over their scaling) imply the averaged gradient, which goes into the fresh
+        variance ``fresh`` (flat fp32, in place). Returns, fp32 on the device, each layer's
+        largest ratio of the ``frozen`` denominator to the fresh one; with ``norms``, followed
+        by each layer's ``||u||`` and ``||u + decay·p||`` (``u = new / frozen / bc1``, Adam's
+        update; the parameters at ``bases``, their weight decays ``decay``)."""
+        layers = decay.numel()
+        out = torch.zeros((3 if norms else 1) * layers, device=self.device)
+        partials = None
+        if norms:
+            partials = torch.empty(2 * self.worker.pieces, device=self.device)
+        beta1, beta2 = betas
+        bc1, bc2 = bias_corrections
+        coefficients = (-beta1, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps)
+        self._lamb(bases, new, frozen, decay, bc1, last=last, fresh=fresh,
+                   coefficients=coefficients, maxima=out, partials=partials)  # fmt: skip
+        if norms:  # each layer's pieces' sums, added in fp64: the square root of the total
+            first, ones = self._layer_pieces(layers)
+            _segment_scales[(2 * layers,)](partials, first, ones, out[layers:], CHUNK=1024,
+                                           MEAN_ABS=False)  # fmt: skip
+        return out
+
+    def lamb_update(
+        self, bases: Tensor, new: PackedMomentum, frozen: Tensor, decay: Tensor, sizes: Tensor,
+        bc1: float,
+    ) -> None:  # fmt: skip
+        """1-bit LAMB's update: ``p = p - sizes[layer]·(u + decay·p)``, ``u`` as in
+        :meth:`lamb_ratios`."""
+        self._lamb(bases, new, frozen, decay, bc1, sizes=sizes)
+
+    def _layer_pieces(self, layers: int) -> tuple[Tensor, Tensor]:
+        """The worker pieces of each of ``layers`` layers, twice over (two sums per piece,
+        end to end), as :func:`_segment_scales` reads segments: where each layer's start
+        (padding pieces, whose sums are 0, go with a neighbour), and lengths of 1."""
+        if self._layer_first is None or len(self._layer_first) != 2 * layers + 1:
+            params, count = self._piece_params, len(self._piece_params)
+            starts = torch.full((layers + 1,), count, dtype=torch.int64)
+            real = torch.nonzero(params >= 0).reshape(-1)
+            starts.scatter_reduce_(0, params[real], real, "amin")
+            starts = torch.flip(torch.cummin(torch.flip(starts, (0,)), 0).values, (0,))
+            starts[0] = 0
+            first = torch.cat([starts[:-1], starts[:-1] + count, torch.tensor([2 * count])])
+            tables = host.upload(torch.cat([first, torch.ones(2 * layers, dtype=torch.int64)]),
+                                 self.device)  # fmt: skip
+            self._layer_first, self._layer_ones = tables[: len(first)], tables[len(first) :]
+        return self._layer_first, self._layer_ones
 
     def _scales(
         self, blocks: _Blocks, partials: Tensor, scale: str, message: Tensor, places: Tensor,
