@@ -96,7 +96,8 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     nothing; and a step compiles the same variants at 1 bucket as at many (sizes that vary by
     bucket do not specialize kernels). OnebitAdam's compression step (with a scale per tensor
     or one per bucket) and ZeroOneAdam's sync launch the same six kernels at any number of
-    buckets; the quantized warmup still launches its kernels a bucket at a time."""
+    buckets, 1-bit LAMB's the same seven; the quantized warmup still launches its kernels a
+    bucket at a time."""
     if "triton" not in kernels.available():
         pytest.skip("Triton cannot run here")
     monkeypatch.setenv(kernels.ENV, "triton")
@@ -123,6 +124,8 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     )
     for step in at_once:
         assert launches[1][step] == launches[0][step] == 6, step  # every bucket at once
+    lamb = "OnebitLamb compression step"  # and its two passes after the allreduce
+    assert launches[1][lamb] == launches[0][lamb] == 7
     assert many == one
 
 
