@@ -329,7 +329,7 @@ class OnebitLamb(CompressedOptimizer):
         t, stage = self.num_steps + 1, self._fused
         new = stage.results(calls, scaling)  # the averaged momentum over the scaling
         decays = [group["weight_decay"] for group in self._groups()]
-        passes = stage.model.passes()
+        passes = stage.model.passes()  # also where the allreduce went a bucket at a time
         layers = len(self.layout.params)
         if passes is not None:
             values = host.read(self._model_ratios(passes, new, t, decays))  # the step's one
@@ -353,9 +353,9 @@ class OnebitLamb(CompressedOptimizer):
         sizes = [group["lr"] * c for group, c in zip(self._groups(), self._coeffs.tolist())]
         if passes is not None:
             bc1 = bias_correction(self._beta1, t, self.bias_correction)
-            sizes_ = host.upload(sizes, self.device, torch.float32)
+            step_sizes = host.upload(sizes, self.device, torch.float32)
             passes.lamb_update(self._param_addresses(), stage.whole(new), self._exp_avg_sq,
-                               self._decays(decays), sizes_, bc1)  # fmt: skip
+                               self._decays(decays), step_sizes, bc1)  # fmt: skip
         else:
             for k, update in self._packed_updates(new, t):
                 params, updates = self._bucket_parts(k, update)
@@ -372,7 +372,7 @@ class OnebitLamb(CompressedOptimizer):
         on the device each layer's largest ratio of the frozen to the fresh denominator, then
         with weight decay each layer's ``||m̂ / denom||`` and ``||update||``."""
         stage = self._fused
-        last = stage.whole(stage.packed)  # before new's: a bucket at a time it takes its place
+        last = stage.whole(stage.packed)  # first: new's, made from its buckets, may evict it
         return passes.lamb_ratios(
             self._param_addresses(), stage.whole(new), last, self._exp_avg_sq_fresh,
             self._exp_avg_sq, self._decays(decays), (self._beta1, self._beta2),
@@ -381,6 +381,7 @@ class OnebitLamb(CompressedOptimizer):
         )  # fmt: skip
 
     def _param_addresses(self) -> Tensor:
+        """Each layer's address on the device (int64), uploaded when they change."""
         return self._addresses([p.data_ptr() for p in self.layout.params], self.device)
 
     def _decays(self, decays: list[float]) -> Tensor:
@@ -391,7 +392,7 @@ class OnebitLamb(CompressedOptimizer):
         """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
         gradient they imply into the fresh variance; returns the largest ratio of the frozen to
         the fresh denominator in each bucket's part of each layer, bucket after bucket (on the
-        device, for :meth:`_layer_ratios`)."""
+        device, for :meth:`_part_maxima`)."""
         beta1, beta2, stage = self._beta1, self._beta2, self._fused
         bc2 = bias_correction(beta2, t, self.bias_correction)
         ratios = []

@@ -12,6 +12,10 @@ the scales, and out of them in one indexed copy per phase.
 
 The pieces, their sums and the scales are those of the per-bucket kernels of
 :mod:`onebit.kernels.triton_kernels`, in the same order, so every bit is the same.
+
+1-bit LAMB's step after its allreduce is two more passes (:func:`_lamb_pass`), which round each
+op as torch's do, but for the square root (correctly rounded here) and its layers' norms (sums
+per piece, added in fp64).
 """
 
 from __future__ import annotations
@@ -696,8 +700,8 @@ class ModelPasses:
 
     def lamb_ratios(
         self, bases: Tensor, new: PackedMomentum, last: Tensor | PackedMomentum, fresh: Tensor,
-        frozen: Tensor, decay: Tensor, betas: tuple[float, float], bias_corrections: tuple[
-            float, float], eps: float, norms: bool,
+        frozen: Tensor, decay: Tensor, betas: tuple[float, float],
+        bias_corrections: tuple[float, float], eps: float, norms: bool,
     ) -> Tensor:  # fmt: skip
         """1-bit LAMB's pass after its allreduce (:func:`_lamb_pass`): ``last`` and ``new``
         momentum (over their scaling) imply the averaged gradient, which goes into the fresh
