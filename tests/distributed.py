@@ -1,11 +1,22 @@
 """Run a function on several gloo ranks in fresh processes, and collect what each returns.
 
 The launcher is the library's own (:func:`onebit.train.launch.run_ranks`, which ``onebit train``,
-the benchmarks and the examples share); the test modules import it from here.
+the benchmarks and the examples share); here each rank is forked from a server that imported
+torch once, instead of spawned: a rank starts in a fraction of a second, not two.
 """
 
 from __future__ import annotations
 
-from onebit.train.launch import run_ranks
+import multiprocessing
+from typing import Any
+
+from onebit.train import launch
+
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
 
 __all__ = ["run_ranks"]
+
+
+def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """:func:`onebit.train.launch.run_ranks` with ``start_method="forkserver"``."""
+    return launch.run_ranks(fn, world_size, *args, start_method="forkserver", **kwargs)

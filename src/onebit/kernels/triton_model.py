@@ -20,6 +20,7 @@ per piece, added in fp64).
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -716,7 +717,7 @@ class ModelPasses:
             partials = torch.empty(2 * self.worker.pieces, device=self.device)
         beta1, beta2 = betas
         bc1, bc2 = bias_corrections
-        coefficients = (-beta1, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps)
+        coefficients = (-beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps)
         self._lamb(bases, new, frozen, decay, bc1, last=last, fresh=fresh,
                    coefficients=coefficients, maxima=out, partials=partials)  # fmt: skip
         if norms:  # each layer's pieces' sums, added in fp64: the square root of the total

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -96,9 +97,16 @@ def run_ranks(
     *args: Any,
     timeout: float | None = 180,
     collective_timeout: float = 60,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks, each in a fresh
     process; return their results, rank 0's first.
+
+    ``start_method`` is ``"spawn"`` (a new interpreter per rank, which imports torch: about a
+    second and a half of CPU each) or ``"forkserver"``, where each rank is forked from a server
+    that imported what :func:`multiprocessing.set_forkserver_preload` names once (Linux and
+    macOS; many short runs start much faster). Either way a rank starts with this process's
+    environment and ``sys.path`` as they are at the call.
 
     ``fn`` must be a module-level function, and ``args`` and the results picklable. An exception
     on any rank stops the others and raises ``torch.multiprocessing.ProcessRaisedException`` with
@@ -114,10 +122,10 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as workdir:
         context = mp.start_processes(
             _entry,
-            args=(fn, world_size, args, workdir, collective_timeout),
+            args=(fn, world_size, args, workdir, collective_timeout, dict(os.environ), sys.path),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         results = [_result_path(workdir, rank) for rank in range(world_size)]
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -145,9 +153,15 @@ def _entry(
     args: tuple,
     workdir: str,
     collective_timeout: float,
+    environ: dict[str, str],
+    path: list[str],
 ) -> None:
     """One rank of :func:`run_ranks`: run ``fn`` in the group and save what it returns, or when
-    it failed and how, before its peers can notice."""
+    it failed and how, before its peers can notice. A forked rank takes the caller's
+    ``environ`` and ``sys.path`` first (its server's are those of when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
     with gloo_process_group(rank, world_size, f"{workdir}/store", collective_timeout):
         try:
             result = fn(rank, world_size, *args)
