@@ -105,8 +105,9 @@ def run_ranks(
     ``start_method`` is ``"spawn"`` (a new interpreter per rank, which imports torch: about a
     second and a half of CPU each) or ``"forkserver"``, where each rank is forked from a server
     that imported what :func:`multiprocessing.set_forkserver_preload` names once (Linux and
-    macOS; many short runs start much faster). Either way a rank starts with this process's
-    environment and ``sys.path`` as they are at the call.
+    macOS; many short runs start much faster). Either way a rank runs ``fn`` with this
+    process's environment and ``sys.path`` as they are at the call (a forked rank imports
+    ``fn``'s module with the server's ``sys.path``, that of when it started).
 
     ``fn`` must be a module-level function, and ``args`` and the results picklable. An exception
     on any rank stops the others and raises ``torch.multiprocessing.ProcessRaisedException`` with
