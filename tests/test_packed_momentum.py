@@ -179,25 +179,29 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0
 
 
-def _run_triton(rank: int, world_size: int, whole: bool, name: str):
-    """:func:`_run` of optimizer ``name`` on the Triton kernels (under the interpreter here):
-    ``whole``, each pass over every bucket in one launch; else a bucket at a time. Returns it
-    and how many steps took the passes over every bucket."""
+def _run_triton(rank: int, world_size: int, name: str, counted: str, without: str | None):
+    """:func:`_run` of optimizer ``name`` on the Triton kernels (under the interpreter here),
+    counting the steps that called ``ModelPasses.<counted>``. ``without="stage"``: the
+    allreduce goes a bucket at a time; ``"model"``: no pass goes over every bucket (1-bit LAMB
+    takes the torch formulation after its allreduce too). Returns the run and the count."""
     from backends import use_backend
 
+    from onebit import model_allreduce
     from onebit.kernels import triton_model
 
     use_backend("triton")
     took = [0]
-    signs = triton_model.ModelPasses.signs
+    method = getattr(triton_model.ModelPasses, counted)
 
-    def counted(self, *args, **kwargs):
+    def counting(self, *args, **kwargs):
         took[0] += 1
-        return signs(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
-    triton_model.ModelPasses.signs = counted
-    if not whole:
+    setattr(triton_model.ModelPasses, counted, counting)
+    if without == "stage":
         momentum.PackedMomentumStage.passes = lambda self: None
+    elif without == "model":
+        model_allreduce.ModelAllreduce.passes = lambda self: None
     return _run(rank, world_size, name, True, True), took[0]
 
 
@@ -208,8 +212,8 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
     triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
     keeps its last momentum until its step has read it)."""
-    whole = run_ranks(_run_triton, world_size, True, name, timeout=600)
-    per_bucket = run_ranks(_run_triton, world_size, False, name, timeout=600)
+    whole = run_ranks(_run_triton, world_size, name, "signs", None, timeout=600)
+    per_bucket = run_ranks(_run_triton, world_size, name, "signs", "stage", timeout=600)
     for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
         whole, per_bucket
     ):
@@ -225,37 +229,14 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
             assert torch.equal(a["server_error"], b["server_error"])
 
 
-def _run_lamb_on_triton(rank: int, world_size: int, passes: bool):
-    """:func:`_run` of 1-bit LAMB on the Triton kernels: with ``passes``, the step after its
-    allreduce takes the passes over every bucket; else the torch formulation, a bucket at a
-    time. Returns it and how many steps took the passes."""
-    from backends import use_backend
-
-    from onebit import model_allreduce
-    from onebit.kernels import triton_model
-
-    use_backend("triton")
-    took = [0]
-    ratios = triton_model.ModelPasses.lamb_ratios
-
-    def counted(self, *args, **kwargs):
-        took[0] += 1
-        return ratios(self, *args, **kwargs)
-
-    triton_model.ModelPasses.lamb_ratios = counted
-    if not passes:
-        model_allreduce.ModelAllreduce.passes = lambda self: None
-    return _run(rank, world_size, "OnebitLamb", True, True), took[0]
-
-
 def test_lamb_after_its_allreduce_in_two_passes_follows_the_torch_formulation():
     """On Triton, what 1-bit LAMB does after its allreduce (the fresh variance, each layer's
     largest ratio and norms, the update) is two passes over every bucket, each op rounded as
     the torch formulation rounds it but the square root (torch's on the CPU is within an ulp)
     and the norms' sums (added in another order): parameters and state stay within 1e-5 of
     it through AMP, a missing gradient, a skipped step, weight decay and a resume."""
-    passes = run_ranks(_run_lamb_on_triton, 3, True, timeout=600)
-    torch_ = run_ranks(_run_lamb_on_triton, 3, False, timeout=600)
+    passes = run_ranks(_run_triton, 3, "OnebitLamb", "lamb_ratios", None, timeout=600)
+    torch_ = run_ranks(_run_triton, 3, "OnebitLamb", "lamb_ratios", "model", timeout=600)
     close = dict(rtol=1e-5, atol=1e-7)
     for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
         passes, torch_

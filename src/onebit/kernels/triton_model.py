@@ -60,6 +60,24 @@ def _bucket_block(block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
 
 
 @triton.jit
+def _block_runs(block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns,
+                first, run_columns, run_params, BLOCK: tl.constexpr):  # fmt: skip
+    """:func:`_bucket_block`, and each element's run in the worker's tiling: the block's pieces
+    ``[p0, p1)``, each element's run, its momentum column (< 0: padding), whether it has a
+    parameter's element (``present``) and that parameter (int32)."""
+    bucket, start, origin, local, valid = _bucket_block(
+        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
+    )
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    return bucket, start, origin, local, valid, p0, p1, run, column, present, param
+
+
+@triton.jit
 def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK: tl.constexpr):
     """Pack the signs of ``y`` (a block of a bucket) into the bucket's ``part`` of ``message``:
     element ``i`` of the bucket goes to row ``i // chunk``, bit ``i % 8`` of byte
@@ -88,15 +106,10 @@ def _worker_pass(
     ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
     per piece, or ``out = y - ±scales``. The packed momentum ``m`` is read from the last
     phase-2 message (``bits``, each bucket's part at ``parts2``)."""
-    bucket, start, origin, local, valid = _bucket_block(
-        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
-    )
-    block = tl.program_id(0)
-    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    bucket, start, origin, local, valid, p0, p1, run, column, present, param = _block_runs(
+        block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
+        run_columns, run_params, BLOCK,
+    )  # fmt: skip
     at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
     g = tl.load(at, mask=readable, other=0.0)
     if USE_INV:
@@ -213,15 +226,10 @@ def _update_pass(
     """``_momentum_update`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter, ``m`` read from the phase-2
     message as in :func:`_worker_pass`."""
-    bucket, start, origin, local, valid = _bucket_block(
-        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
-    )
-    block = tl.program_id(0)
-    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
-                         tl.load(first + block + 1))  # fmt: skip
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
+        block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
+        run_columns, run_params, BLOCK,
+    )  # fmt: skip
     at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
     p = tl.load(at, mask=present, other=0.0)
     d = tl.load(decay + param, mask=present, other=1.0)
@@ -255,15 +263,10 @@ def _lamb_pass(
     into ``maxima`` (zeros before); with ``NORMS``, each piece's sums of ``u²`` and of
     ``(u + decay·p)²`` at ``partials[piece]`` and ``partials[pieces + piece]``.
     With ``UPDATE``: ``p = p - sizes[layer]·(u + decay·p)``."""
-    bucket, start, origin, local, valid = _bucket_block(
-        block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
-    )
-    block = tl.program_id(0)
-    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    bucket, start, origin, local, valid, p0, p1, run, column, present, param = _block_runs(
+        block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
+        run_columns, run_params, BLOCK,
+    )  # fmt: skip
     chunk = tl.load(chunks + bucket)
     part2 = tl.load(parts2 + bucket)
     m = _packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column, start - origin,
