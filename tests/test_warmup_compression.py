@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from backends import use_backend
 from distributed import run_ranks
 from family import all_equal, loss_of, make_model, make_optimizer, params_of
 
@@ -93,6 +94,64 @@ def test_identical_on_every_rank_resumes_exactly_and_skips_non_finite(name):
     for history, _, count, _ in skipped:
         assert count == 1 and all_equal(history[1], history[0])  # step 2 changed nothing
         assert all_equal(history[1], skipped[0][0][1])
+
+
+def _on_triton(rank, world_size, bits, at_once):
+    """A warmup of OnebitAdam on the Triton kernels (under the interpreter here), every bucket
+    at once or (``at_once`` false) a bucket at a time: a missing gradient at step 3, an inf on
+    the last rank at step 4 (skipped), and from step 5 a new optimizer that loaded the state.
+    Returns the parameters after each step, the error buffers, the skipped steps and how many
+    steps went at once."""
+    from onebit.model_quantized import ModelQuantized
+
+    use_backend("triton")
+    took, start = [0], ModelQuantized.start
+
+    def counting(self, *args):
+        took[0] += 1
+        return start(self, *args)
+
+    ModelQuantized.start = counting
+    if not at_once:
+        ModelQuantized.build = classmethod(lambda cls, *args: None)
+    model = make_model()
+    make = lambda: make_optimizer(  # noqa: E731
+        "adam", model.parameters(), freeze_step=100, warmup_compression=bits, bucket_size=64
+    )
+    opt, history = make(), []
+    for step in range(1, STEPS + 1):
+        if step == 5:
+            state = opt.state_dict()
+            opt = make()
+            opt.load_state_dict(state)
+        opt.zero_grad()
+        loss = loss_of(model, step, rank) * (math.inf if (step, rank) == (4, world_size - 1) else 1)
+        loss.backward()
+        if step == 3:
+            model[-1].bias.grad = None
+        opt.step()
+        history.append(params_of(model))
+    errors = [(c.worker_error.clone(), c.server_error.clone()) for c in opt.warmup_comms]
+    return history, errors, opt.skipped_steps, took[0], len(opt.warmup_comms)
+
+
+@pytest.mark.parametrize("world_size, bits", [(1, "int4"), (3, "int8"), (3, "int4"), (2, "bf16")])
+def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, bits):
+    """On Triton, the quantized warmup of every bucket at once (a few launches and two
+    collectives a step, whatever the buckets) against the same kernels a bucket at a time, bit
+    for bit: parameters and both error buffers, through a missing gradient, a skipped step and
+    a resume."""
+    at_once = run_ranks(_on_triton, world_size, bits, True, timeout=600)
+    per_bucket = run_ranks(_on_triton, world_size, bits, False, timeout=600)
+    for (history, errors, skipped, took, buckets), (want, want_errors, *rest) in zip(
+        at_once, per_bucket
+    ):
+        assert buckets > 3 and took == STEPS and rest == [1, 0, buckets] and skipped == 1
+        for t, (got, expected) in enumerate(zip(history, want)):
+            assert all_equal(got, expected), f"step {t + 1}"
+        for (worker, server), (want_worker, want_server) in zip(errors, want_errors):
+            assert torch.equal(worker, want_worker) and torch.equal(server, want_server)
+            assert worker.abs().max() > 0
 
 
 def test_bad_value_is_refused():

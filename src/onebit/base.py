@@ -49,6 +49,7 @@ from .functional import (
 from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce
+from .model_quantized import ModelQuantized
 from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
 from .sharding import Replicated, has_dtensors, local_tensor, shards_of
@@ -801,6 +802,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if fill and kind != "compressed" and not self.overlap_backward:
             self._gather_grads()  # one multi-tensor copy, not one per bucket
             fill = False
+        if kind == "quantized" and not self.overlap_backward:
+            model = self._model_quantized()
+            if model is not None:
+                return self._reduce_quantized(model, out)
         calls = self.bucketer.launch_all(kind, fill, self._inv_scale)
         if kind == "allreduce":
             for call in calls:
@@ -892,6 +897,30 @@ class CompressedOptimizer(torch.optim.Optimizer):
             ]
         outputs = self.layout.bucket_views(flat[: self.layout.numel])
         return self._finish_compressed(calls, outputs, gradients=False)
+
+    def _reduce_quantized(self, model: ModelQuantized, out: Tensor) -> tuple[bool, int]:
+        """The quantized average of the gradient buffer, every bucket at once, into ``out``
+        (the buffer's buckets, or as long); returns (applied, bytes sent), as
+        :meth:`_communicate`."""
+        flat = self.bucketer.grads[: self.layout.padded_numel]
+        exchange = model.start(flat, self._step_headers())
+        applied, _ = self._verdict(*model.received(exchange))
+        if applied:
+            model.commit(exchange, flat)
+            if out.data_ptr() != flat.data_ptr():
+                out.copy_(flat[: self.layout.numel])
+        return applied, sum(c.bytes_per_call for c in self.warmup_comms)
+
+    _quantized: ModelQuantized | None = None
+    _quantized_for: list[QuantizedAllreduce] | None = None  # the communicators it was made for
+
+    def _model_quantized(self) -> ModelQuantized | None:
+        """The quantized warmup allreduce of every bucket at once (made at first use, for these
+        communicators), where the backend has it; ``None`` where it runs a bucket at a time."""
+        if self._quantized_for is not self.warmup_comms:
+            self._quantized = ModelQuantized.build(self.layout, self.warmup_comms)
+            self._quantized_for = self.warmup_comms
+        return self._quantized
 
     _model: ModelAllreduce | None = None
     _model_for: list[CompressedAllreduce] | None = None  # the communicators it was made for

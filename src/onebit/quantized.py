@@ -22,11 +22,12 @@ operations. Where the kernel backend has kernels of its own for the phases (Trit
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from . import kernels
 from .comm import finish_compressed_, group_size_and_rank
 from .compress import padded_numel
 from .exchange import Exchange
+from .kernels.reference import QuantizedBucket
 
 BITS = ("bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
@@ -472,7 +474,6 @@ class QuantizedAllreduce:
         self.server_error = torch.zeros(self.chunk_numel, device=device)
         self._plans = self._tile_geometry(device)
         self._blocks_per_chunk = max(plan.blocks for plan in self._plans)
-        self._short_chunks = any(plan.blocks < self._blocks_per_chunk for plan in self._plans)
         every = [t for plan in self._plans for t in plan.tiles]
         self._max_tile = max((t.hi - t.lo for t in every), default=0)
         self._max_tile_blocks = max((t.b1 - t.b0 for t in every), default=0)
@@ -483,18 +484,42 @@ class QuantizedAllreduce:
             plan.per_block(self._absmax[j * per_chunk : (j + 1) * per_chunk])
             for j, plan in enumerate(self._plans)
         ]
+        self._error_tiles()
+        self._payload = payload_bytes(self.chunk_numel, bits)
+        self._scale_count = 0 if bits == "bf16" else self._blocks_per_chunk
+        self.kernel_layout = QuantizedBucket(
+            tuple(map(tuple, self._chunk_pieces)), self.chunk_numel, numel, self._payload,
+            self._scale_count, header_numel,
+        )  # fmt: skip
+        self.kernel_block_size = 4096 if bits == "bf16" else block_size
+
+    @functools.cached_property
+    def _kernels(self) -> Any | None:
+        """The backend's kernels of this communicator's phases (made at first use), or ``None``
+        where it runs its own torch tiles."""
+        if not self.numel:
+            return None
+        return kernels.for_device(self.device).block_quantizer(
+            [self.kernel_layout], self.kernel_block_size, self.bits, self.rank, self.device
+        )
+
+    def _error_tiles(self) -> None:
+        """The error buffers' views per tile, for the torch path."""
         c = self.chunk_numel
         self._worker_error_tiles = [
             plan.elements(self.worker_error[j * c : (j + 1) * c])
             for j, plan in enumerate(self._plans)
         ]
         self._server_error_tiles = self._plans[self.rank].elements(self.server_error)
-        self._payload = payload_bytes(self.chunk_numel, bits)
-        self._scale_count = 0 if bits == "bf16" else self._blocks_per_chunk
-        self._kernels = kernels.for_device(device).block_quantizer(
-            self._chunk_pieces, 4096 if bits == "bf16" else block_size, self.chunk_numel, numel,
-            bits, self._payload, device,
-        )  # fmt: skip
+
+    def hold_errors(self, worker_error: Tensor, server_error: Tensor) -> None:
+        """Keep the error buffers in these (views of a caller's buffers, of their sizes), their
+        values copied there: the errors of many communicators in one buffer each, for kernels
+        that run them all at once."""
+        worker_error.copy_(self.worker_error)
+        server_error.copy_(self.server_error)
+        self.worker_error, self.server_error = worker_error, server_error
+        self._error_tiles()
 
     def _tile_geometry(self, device: torch.device) -> list[_Plan]:
         """The tiles of each chunk, in chunk coordinates: its pieces' blocks (bf16: plain runs
@@ -591,19 +616,19 @@ class QuantizedAllreduce:
             message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=buffer.device)
         else:
             message = exchange[0].part(exchange[1])
-        p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
-        if self._kernels is not None and self.numel:  # they take the padding as zeros
-            if self._short_chunks:
-                message[:, p:s].zero_()  # the scale slots a chunk lacks
-            absmax = self._kernels.start(message, message.stride(0), buffer, self.worker_error,
-                                         source)  # fmt: skip
+        s = self._payload + _FLOAT_BYTES * self._scale_count
+        values = None
+        if self.header_numel:
+            values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
+        if self._kernels is not None:  # they take the padding as zeros
+            self._kernels.start(message, message.stride(0), buffer, self.worker_error, source,
+                                values)  # fmt: skip
         else:
             buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
             absmax = self._quantize_chunks(buffer, source, message)
-        message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
-        if self.header_numel:
-            values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
-            message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
+            message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
+            if values is not None:
+                message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
         if exchange is not None:
             return _Call(buffer, message, message, None, exchange=exchange)
         if n == 1 or not self.numel:
@@ -735,12 +760,11 @@ class QuantizedAllreduce:
                                          self.worker_error)  # fmt: skip
             received, stride = call.received, call.received.stride(0)
             if n == 1:  # the result goes into the buffer, which y is done with
-                self._kernels.serve(rank, received, stride, self.server_error, None, call.y[:c])
+                self._kernels.serve(received, stride, self.server_error, None, call.y[:c])
                 return
             call.y = None
             message = self._phase2_message(exchange)
-            message[p:].zero_()
-            self._kernels.serve(rank, received, stride, self.server_error, message, None)
+            self._kernels.serve(received, stride, self.server_error, message, None)
             self._gather(call, message, exchange)
             return
         scratch = self._scratch()

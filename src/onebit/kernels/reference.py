@@ -12,6 +12,7 @@ backend that runs one kernel per bucket fits the same signatures.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,6 +51,33 @@ def padded(x: Tensor, numel: int) -> Tensor:
     return y
 
 
+@dataclass(frozen=True)
+class QuantizedBucket:
+    """One :class:`~onebit.quantized.QuantizedAllreduce`'s layout, as a backend's kernels for it
+    (``block_quantizer``) take it.
+
+    Attributes:
+        chunk_pieces: per chunk (one per rank), the sizes of its pieces in order: a tensor's
+            part of the chunk, the padding a piece of its own.
+        chunk_numel, numel: elements per chunk, and before the padding.
+        payload: bytes of a chunk's values in a message row; ``scale_count`` fp32 block scales
+            follow them, then (phase 1) the largest ``max |y|`` and ``header_numel`` values.
+        scale_count, header_numel: see ``payload``.
+        origin: where its buffer starts among buckets laid end to end.
+        part1, part2: its byte offset in a row of the phase-1 and the phase-2 message.
+    """
+
+    chunk_pieces: tuple[tuple[int, ...], ...]
+    chunk_numel: int
+    numel: int
+    payload: int
+    scale_count: int
+    header_numel: int
+    origin: int = 0
+    part1: int = 0
+    part2: int = 0
+
+
 class TorchKernels:
     """The kernel interface, implemented with torch ops on any device.
 
@@ -76,17 +104,16 @@ class TorchKernels:
 
     def block_quantizer(
         self,
-        chunk_pieces: list[list[int]],
+        buckets: list[QuantizedBucket],
         block_size: int,
-        chunk_numel: int,
-        numel: int,
         bits: str,
-        payload: int,
+        rank: int,
         device: torch.device,
     ) -> object | None:
-        """The kernels of a :class:`~onebit.quantized.QuantizedAllreduce`'s phases, or ``None``
-        where it runs its own torch tiles (see
-        :class:`~onebit.kernels.triton_quantized.BlockQuantizer` for the arguments)."""
+        """The kernels of the phases of one or more
+        :class:`~onebit.quantized.QuantizedAllreduce` laid end to end, or ``None`` where each
+        runs its own torch tiles (see :class:`~onebit.kernels.triton_quantized.BlockQuantizer`
+        for the arguments)."""
         return None
 
     def runs_on(self, device: torch.device) -> bool:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .. import host
 from .fused import BucketRuns, PackedMomentum
-from .reference import TorchKernels
+from .reference import QuantizedBucket, TorchKernels
 
 BLOCK = 4096
 """Elements per program (a multiple of 8, so that no byte of signs straddles two programs)."""
@@ -513,19 +513,17 @@ class TritonKernels(TorchKernels):
 
     def block_quantizer(
         self,
-        chunk_pieces: list[list[int]],
+        buckets: list[QuantizedBucket],
         block_size: int,
-        chunk_numel: int,
-        numel: int,
         bits: str,
-        payload: int,
+        rank: int,
         device: torch.device,
     ) -> object | None:
         if not self.runs_on(device):
             return None
         from .triton_quantized import BlockQuantizer  # it imports this module
 
-        return BlockQuantizer(chunk_pieces, block_size, chunk_numel, numel, bits, payload, device)
+        return BlockQuantizer(buckets, block_size, bits, rank, device)
 
     def model_passes(self, geometry: object, device: torch.device) -> object | None:
         if not self.runs_on(device):

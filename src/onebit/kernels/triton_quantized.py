@@ -1,12 +1,14 @@
 """The warmup's quantized allreduce (:class:`~onebit.quantized.QuantizedAllreduce`) in Triton
-kernels: a few launches per phase over a whole bucket, whatever its tensors and chunks.
+kernels: a few launches per phase over one bucket, or over every bucket of a step at once,
+whatever their tensors and chunks.
 
-The buffer is cut as the torch path cuts it: each chunk into pieces (a tensor's part of the
+Each buffer is cut as the torch path cuts it: each chunk into pieces (a tensor's part of the
 chunk, the padding a piece of its own), each piece into blocks of ``block_size`` elements with
 one scale each (bf16: no scales; blocks only split the finite check). Per-block kernels take the
 blocks' maxima and scales; element-wise kernels, over tiles of :data:`~.triton_kernels.BLOCK`
-elements, find each element's block through the pieces (:class:`~.triton_kernels.Tiling`) and
-read its scale where the message holds it. The bytes of every message, the errors and the
+elements, find each element's piece (:class:`~.triton_kernels.Tiling`), and from its piece's
+row of a table its chunk, its bucket's part of a message and its block's scale, with no
+division by a run-time value. The bytes of every message, the errors and the
 results are bit for bit the torch path's: divisions round as IEEE's, ``round`` is half to even,
 bf16 rounds to nearest even in integer arithmetic (so the interpreter, which truncates, agrees).
 """
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .reference import QuantizedBucket
 from .triton_kernels import BLOCK, Tiling, launched
 
 _BITS = {"bf16": 0, "int8": 1, "int4": 2}
@@ -83,40 +86,43 @@ def _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK: tl.const
 
 
 @triton.jit
-def _where(offs, valid, starts, ends, columns, first, block, piece_starts, piece_blocks,
-           block_size, chunk):  # fmt: skip
-    """Per element: its chunk, its place in the chunk and its block's index."""
+def _piece(offs, starts, ends, columns, first, block):
+    """Each element's piece: the column of the interval of this program's block that holds it."""
     piece = tl.zeros(offs.shape, dtype=tl.int64)
     for p in range(tl.load(first + block), tl.load(first + block + 1)):
         inside = (offs >= tl.load(starts + p)) & (offs < tl.load(ends + p))
         piece = tl.where(inside, tl.load(columns + p), piece)
-    start = tl.load(piece_starts + piece, mask=valid, other=0)
-    blocks = tl.load(piece_blocks + piece, mask=valid, other=0) + (offs - start) // block_size
-    j = offs // chunk
-    return j, offs - j * chunk, blocks
+    return piece
 
 
 @triton.jit
-def _elements(starts, ends, columns, first, piece_starts, piece_blocks, block_scales, block_size,
-              chunk, n, BLOCK: tl.constexpr):  # fmt: skip
-    """This program's elements of ``[0, n)``: their offsets, validity, chunk, place in the chunk
-    and block scale's float in a message row."""
+def _elements(starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
+              piece_blocks, row_bytes, n, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """This program's elements of ``[0, n)``: their offsets, validity, the first byte of their
+    message row (their chunk's row, their bucket's part), their place in their chunk, and
+    their block (its scale's float in that row, or its index: ``piece_blocks``' choice)."""
     block = tl.program_id(0).to(tl.int64)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
-    j, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
-                         piece_blocks, block_size, chunk)  # fmt: skip
-    return offs, valid, j, local, tl.load(block_scales + g, mask=valid, other=0)
+    piece = _piece(offs, starts, ends, columns, first, block)
+    d = offs - tl.load(piece_starts + piece, mask=valid, other=0)
+    local = tl.load(piece_locals + piece, mask=valid, other=0) + d
+    row = tl.load(piece_rows + piece, mask=valid, other=0) * row_bytes + tl.load(
+        piece_parts + piece, mask=valid, other=0
+    )
+    at = tl.load(piece_blocks + piece, mask=valid, other=0) + d // QBLOCK
+    return offs, valid, row, local, at
 
 
 @launched()
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel", "row_bytes"])
 def _worker_blocks(
-    source, numel, buffer, error, block_starts, block_lengths, block_rows, block_scales,
-    absmax, f32, QMAX, SPAN: tl.constexpr, SCALES: tl.constexpr,
+    source, numel, buffer, error, block_starts, block_lengths, block_rows, block_parts,
+    block_scales, absmax, f32, row_bytes, QMAX, SPAN: tl.constexpr, SCALES: tl.constexpr,
 ):  # fmt: skip
     """Per block: ``y = x + e`` into ``buffer`` (``x`` from ``source`` below ``numel``, zeros
-    past it; ``source`` may be ``buffer``), its ``max |y|`` and its scale into the message."""
+    past it; ``source`` may be ``buffer``), its ``max |y|`` and its scale into the message (a
+    block of no elements: a scale slot its chunk lacks, 0)."""
     g = tl.program_id(0)
     start, length = tl.load(block_starts + g), tl.load(block_lengths + g)
     top = tl.zeros([SPAN], dtype=tl.float32)
@@ -130,118 +136,142 @@ def _worker_blocks(
     top_max = tl.max(top, axis=0)
     tl.store(absmax + g, top_max)
     if SCALES:
-        tl.store(f32 + tl.load(block_rows + g) // 4 + tl.load(block_scales + g),
-                 tl.math.div_rn(top_max, QMAX))  # fmt: skip
+        row = tl.load(block_rows + g) * row_bytes + tl.load(block_parts + g)
+        tl.store(f32 + row // 4 + tl.load(block_scales + g), tl.math.div_rn(top_max, QMAX))
+
+
+@launched(1)
+@triton.jit(do_not_specialize=["row_bytes", "ranks"])
+def _bucket_slots(
+    absmax, bucket_blocks, slots, parts, headers, f32, row_bytes, ranks,
+    HEADER: tl.constexpr, WIDTH: tl.constexpr, SPAN: tl.constexpr,
+):  # fmt: skip
+    """Per bucket: the largest of its blocks' ``max |y|``, then its ``HEADER`` header values,
+    into every row of the phase-1 message, from float ``slots`` of its part."""
+    k = tl.program_id(0)
+    b0, b1 = tl.load(bucket_blocks + k), tl.load(bucket_blocks + k + 1)
+    top = tl.zeros([SPAN], dtype=tl.float32)
+    for at in range(b0, b1, SPAN):
+        offs = at + tl.arange(0, SPAN)
+        top = tl.maximum(top, tl.load(absmax + offs, mask=offs < b1, other=0.0))
+    i = tl.arange(0, WIDTH)
+    values = tl.load(headers + k * HEADER + i - 1, mask=(i >= 1) & (i <= HEADER), other=0.0)
+    values = tl.where(i == 0, tl.max(top, axis=0), values)
+    part, slot = tl.load(parts + k), tl.load(slots + k)
+    for j in range(ranks):
+        tl.store(f32 + (j * row_bytes + part) // 4 + slot + i, values, mask=i <= HEADER)
 
 
 @launched(16)
-@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
+@triton.jit(do_not_specialize=["row_bytes", "n"])
 def _worker_quantize(
     buffer, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
-    piece_blocks, block_scales, block_size, chunk, n, QMAX, BLOCK: tl.constexpr,
-    BITS: tl.constexpr,
+    piece_locals, piece_rows, piece_parts, piece_scales, n, QMAX, QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Element-wise: ``Q(y)`` of the buffer into each chunk's row of the phase-1 message."""
-    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
-                                                piece_blocks, block_scales, block_size, chunk,
-                                                n, BLOCK)  # fmt: skip
-    row = j * row_bytes
+    """Element-wise: ``Q(y)`` of the buffer into its chunk's row of the phase-1 message."""
+    offs, valid, row, local, scale_at = _elements(
+        starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
+        piece_scales, row_bytes, n, QBLOCK, BLOCK,
+    )  # fmt: skip
     s = tl.load(f32 + row // 4 + scale_at, mask=valid, other=0.0)
     y = tl.load(buffer + offs, mask=valid, other=0.0)
     _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK, BITS)
 
 
 @launched(16)
-@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
+@triton.jit(do_not_specialize=["row_bytes", "n"])
 def _worker_errors(
     buffer, error, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
-    piece_blocks, block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
+    piece_locals, piece_rows, piece_parts, piece_scales, n, QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     """Element-wise: ``e = y - deQ(Q(y))`` from what the phase-1 message sent."""
-    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
-                                                piece_blocks, block_scales, block_size, chunk,
-                                                n, BLOCK)  # fmt: skip
-    sent = _dequantized(i8, u8, i16, f32, j * row_bytes, local, scale_at, valid, BITS)
+    offs, valid, row, local, scale_at = _elements(
+        starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
+        piece_scales, row_bytes, n, QBLOCK, BLOCK,
+    )  # fmt: skip
+    sent = _dequantized(i8, u8, i16, f32, row, local, scale_at, valid, BITS)
     y = tl.load(buffer + offs, mask=valid, other=0.0)
     tl.store(error + offs, y - sent, mask=valid)
 
 
 @launched()
-@triton.jit(do_not_specialize=["row_bytes"])
+@triton.jit(do_not_specialize=["row_bytes", "ranks"])
 def _server_blocks(
-    i8, u8, i16, f32, row_bytes, ranks, block_starts, block_lengths, block_scales, chunk_start,
-    server_error, z, scales, absmax, out_f32, QMAX, SPAN: tl.constexpr, BITS: tl.constexpr,
-    OUT: tl.constexpr,
+    i8, u8, i16, f32, row_bytes, ranks, block_starts, block_locals, block_lengths,
+    block_scales, block_parts1, block_parts2, server_error, scales, out_f32, QMAX,
+    SPAN: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
-    """Per block of the served chunk: ``z = (sum of the ranks' deQ, in rank order) / n + se``
-    into ``z``, its ``max |z|``, and its scale (into ``scales`` and, with ``OUT``, the phase-2
-    message)."""
+    """Per served block: ``z = (sum of the ranks' deQ, in rank order) / n + se`` over the server
+    error, and its scale into ``scales`` (and, with ``OUT``, the phase-2 message)."""
     g = tl.program_id(0)
-    start, length = tl.load(block_starts + g) - chunk_start, tl.load(block_lengths + g)
-    scale_at = tl.load(block_scales + g)
+    start, length = tl.load(block_starts + g), tl.load(block_lengths + g)
+    first, scale_at = tl.load(block_locals + g), tl.load(block_scales + g)
+    part = tl.load(block_parts1 + g)
     top = tl.zeros([SPAN], dtype=tl.float32)
     for at in range(0, length, SPAN):
-        local = start + at + tl.arange(0, SPAN)
-        valid = local < start + length
+        i = at + tl.arange(0, SPAN)
+        valid = i < length
+        local = first + i
         each = scale_at + tl.zeros_like(local)
-        total = _dequantized(i8, u8, i16, f32, 0, local, each, valid, BITS)
+        total = _dequantized(i8, u8, i16, f32, part, local, each, valid, BITS)
         for r in range(1, ranks):
-            total = total + _dequantized(i8, u8, i16, f32, r * row_bytes, local, each, valid,
-                                         BITS)  # fmt: skip
+            total = total + _dequantized(i8, u8, i16, f32, r * row_bytes + part, local, each,
+                                         valid, BITS)  # fmt: skip
         if ranks != 1:
             total = tl.math.div_rn(total, tl.zeros_like(total) + ranks)
-        zz = total + tl.load(server_error + local, mask=valid, other=0.0)
-        tl.store(z + local, zz, mask=valid)
+        zz = total + tl.load(server_error + start + i, mask=valid, other=0.0)
+        tl.store(server_error + start + i, zz, mask=valid)
         top = tl.maximum(top, tl.where(valid, tl.where(zz == zz, tl.abs(zz), float("inf")), 0.0))
-    top_max = tl.max(top, axis=0)
-    tl.store(absmax + g, top_max)
-    s = tl.math.div_rn(top_max, QMAX)
-    tl.store(scales + scale_at, s)
+    s = tl.math.div_rn(tl.max(top, axis=0), QMAX)
+    tl.store(scales + g, s)
     if OUT:
-        tl.store(out_f32 + scale_at, s)
+        tl.store(out_f32 + tl.load(block_parts2 + g) // 4 + scale_at, s)
 
 
 @launched(16)
-@triton.jit(do_not_specialize=["chunk", "chunk_start", "tile0"])
+@triton.jit(do_not_specialize=["n"])
 def _server_quantize(
-    z, server_error, result, i8, u8, i16, scales, starts, ends, columns, first, piece_starts,
-    piece_blocks, block_scales, block_size, chunk, chunk_start, tile0, QMAX, BLOCK: tl.constexpr,
-    BITS: tl.constexpr, OUT: tl.constexpr, RESULT: tl.constexpr,
+    server_error, result, i8, u8, i16, scales, starts, ends, columns, first, piece_starts,
+    piece_locals, piece_rows, piece_parts, piece_blocks, n, QMAX, QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, RESULT: tl.constexpr,
 ):  # fmt: skip
-    """Element-wise over the served chunk (the buffer's tiles from ``tile0``): ``Q(z)`` into the
-    phase-2 message (``OUT``), ``se = z - deQ(Q(z))``, and ``deQ(Q(z))`` into ``result``
-    (``RESULT``: world size 1)."""
-    block = tile0 + tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    valid = (offs >= chunk_start) & (offs < chunk_start + chunk)
-    _, local, g = _where(offs, valid, starts, ends, columns, first, block, piece_starts,
-                         piece_blocks, block_size, chunk)  # fmt: skip
-    s = tl.load(scales + tl.load(block_scales + g, mask=valid, other=0), mask=valid, other=0.0)
-    zz = tl.load(z + local, mask=valid, other=0.0)
+    """Element-wise over the served chunks end to end, whose ``z`` the server error holds:
+    ``Q(z)`` into the phase-2 message (``OUT``), ``se = z - deQ(Q(z))``, and ``deQ(Q(z))`` into
+    ``result`` (``RESULT``: world size 1, where the served chunks are the buffer)."""
+    offs, valid, row, local, g = _elements(
+        starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
+        piece_blocks, 0, n, QBLOCK, BLOCK,
+    )  # fmt: skip
+    s = tl.load(scales + g, mask=valid, other=0.0)
+    zz = tl.load(server_error + offs, mask=valid, other=0.0)
     if OUT:
-        deq = _store_quantized(i8, u8, i16, 0, local, zz, s, valid, QMAX, BLOCK, BITS)
+        deq = _store_quantized(i8, u8, i16, row, local, zz, s, valid, QMAX, BLOCK, BITS)
     elif BITS == 0:
         deq = (_bf16_bits(zz) << 16).to(tl.float32, bitcast=True)
     else:
         step = _step(s)
         deq = tl.minimum(tl.maximum(_rint(tl.math.div_rn(zz, step)), -QMAX), QMAX) * step
-    tl.store(server_error + local, zz - deq, mask=valid)
+    tl.store(server_error + offs, zz - deq, mask=valid)
     if RESULT:
-        tl.store(result + local, deq, mask=valid)
+        tl.store(result + offs, deq, mask=valid)
 
 
 @launched()
-@triton.jit(do_not_specialize=["row_bytes", "chunk", "n"])
+@triton.jit(do_not_specialize=["row_bytes", "n"])
 def _results(
-    out, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts, piece_blocks,
-    block_scales, block_size, chunk, n, BLOCK: tl.constexpr, BITS: tl.constexpr,
+    out, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts, piece_locals,
+    piece_rows, piece_parts, piece_scales, n, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
 ):  # fmt: skip
-    """Element-wise below numel: the result, ``deQ`` of each server's phase-2 row."""
-    offs, valid, j, local, scale_at = _elements(starts, ends, columns, first, piece_starts,
-                                                piece_blocks, block_scales, block_size, chunk,
-                                                n, BLOCK)  # fmt: skip
-    tl.store(out + offs, _dequantized(i8, u8, i16, f32, j * row_bytes, local, scale_at, valid,
-                                      BITS), mask=valid)  # fmt: skip
+    """Element-wise below ``n``: the result, ``deQ`` of each server's phase-2 row."""
+    offs, valid, row, local, scale_at = _elements(
+        starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
+        piece_scales, row_bytes, n, QBLOCK, BLOCK,
+    )  # fmt: skip
+    tl.store(out + offs, _dequantized(i8, u8, i16, f32, row, local, scale_at, valid, BITS),
+             mask=valid)  # fmt: skip
 
 
 def _views(message: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -253,123 +283,186 @@ def _views(message: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return flat.view(torch.int8), flat, flat.view(torch.int16), flat.view(torch.float32)
 
 
+class _Table:
+    """Rows of :data:`_COLUMNS` (pieces or blocks), as one int64 tensor on the CPU, and its
+    columns on a device."""
+
+    def __init__(self, rows: Tensor | list[list[int]]) -> None:
+        self.rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1, len(_COLUMNS))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def on(self, device: torch.device, *names: str) -> tuple[Tensor, ...]:
+        return tuple(self.rows[:, _COLUMNS.index(c)].to(device, copy=True) for c in names)
+
+    def blocks(self, block_size: int) -> tuple[_Table, Tensor]:
+        """Its pieces cut into blocks of ``block_size`` elements, the last of a piece shorter
+        (a block's row is its piece's, at the block's start, length and slot), and each
+        piece's first block."""
+        counts = -(-self.rows[:, 1] // block_size)
+        first = counts.cumsum(0) - counts
+        piece = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
+        skip = (torch.arange(len(piece)) - first[piece]) * block_size
+        rows = self.rows[piece]
+        rows[:, 0] += skip
+        rows[:, 1] = torch.clamp(rows[:, 1] - skip, max=block_size)
+        rows[:, 3] += skip
+        rows[:, 6] += skip // block_size
+        return _Table(rows), first
+
+    def __add__(self, other: _Table) -> _Table:
+        return _Table(torch.cat([self.rows, other.rows]))
+
+
+_COLUMNS = ("start", "size", "row", "local", "part1", "part2", "slot")
+"""A piece's (or block's) table row: its first element (in the buffer, or in the served chunks),
+its elements, its chunk's message row, its place in the chunk, its bucket's byte offset in a
+phase-1 and in a phase-2 row, and the float of its (first block's) scale in its part of a row."""
+
+
 class BlockQuantizer:
-    """The phases of one :class:`~onebit.quantized.QuantizedAllreduce` as Triton kernels.
+    """The phases of the quantized allreduce of one or more buckets as Triton kernels: a few
+    launches per phase, whatever the number of buckets, tensors and chunks.
+
+    A bucket is one :class:`~onebit.quantized.QuantizedAllreduce`. Several lie end to end in one
+    buffer, each from its ``origin``, their worker errors in another, their server errors (the
+    chunks this rank serves) end to end in a third, and their messages are the parts of each
+    phase's :class:`~onebit.exchange.Exchange`. What a kernel needs per piece, block or bucket
+    (where it lies, its chunk's row, its part of a message, its scale's slot) comes from tables
+    made here.
 
     Args:
-        chunk_pieces: per chunk, the sizes of its pieces in order (they cover the chunk).
-        block_size: elements per scale (int8, int4); bf16 blocks only split the finite check.
-        chunk_numel, numel: elements per chunk, and below the padding.
+        buckets: each bucket's layout, in order, laid end to end.
+        block_size: elements per scale (bf16: per block of the finite check).
         bits: ``"bf16"``, ``"int8"`` or ``"int4"``.
-        payload: bytes of one chunk's values in a message row; scales follow them.
+        rank: the chunk this rank serves.
         device: where the buffers are.
     """
 
     def __init__(
         self,
-        chunk_pieces: list[list[int]],
+        buckets: list[QuantizedBucket],
         block_size: int,
-        chunk_numel: int,
-        numel: int,
         bits: str,
-        payload: int,
+        rank: int,
         device: torch.device,
     ) -> None:
         self.bits, self.code, self.qmax = bits, _BITS[bits], _QMAX[bits]
-        self.block_size, self.chunk, self.numel, self.payload = (
-            block_size, chunk_numel, numel, payload,
-        )  # fmt: skip
-        sizes = torch.tensor([size for pieces in chunk_pieces for size in pieces])
-        piece_chunks = torch.repeat_interleave(
-            torch.arange(len(chunk_pieces)), torch.tensor([len(p) for p in chunk_pieces])
-        )
-        edges = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-        counts = -(-sizes // block_size)  # blocks per piece
-        piece_blocks = counts.cumsum(0) - counts
-        piece = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # of each block
-        within = (torch.arange(len(piece)) - piece_blocks[piece]) * block_size
-        chunks = piece_chunks[piece]
-        per_chunk = torch.bincount(chunks, minlength=len(chunk_pieces))
-        chunk_first = per_chunk.cumsum(0) - per_chunk
-        self.chunk_blocks = list(zip(chunk_first.tolist(), (chunk_first + per_chunk).tolist()))
-        on = dict(dtype=torch.int64, device=device)
-        self.tiling = Tiling(edges, torch.arange(len(sizes)), int(edges[-1]), device)
-        self.piece_starts = edges[:-1].to(**on)
-        self.piece_blocks = piece_blocks.to(**on)
-        self.block_starts = (edges[piece] + within).to(**on)
-        self.block_lengths = torch.minimum(sizes[piece] - within, torch.tensor(block_size)).to(**on)
-        self.block_chunks = chunks.to(**on)
-        local = torch.arange(len(piece)) - chunk_first[chunks]
-        self.scale_at = (local + payload // 4).to(**on)  # floats into a row
-        self.blocks = len(piece)
+        self.block_size, self.world_size = block_size, len(buckets[0].chunk_pieces)
+        self.header_numel = buckets[0].header_numel
+        self.numel = buckets[-1].origin + buckets[-1].numel  # the padding is the last bucket's
         self.span = 1024 if block_size > 1024 else max(16, triton.next_power_of_2(block_size))
-        self.absmax = torch.zeros(max(self.blocks, 1), device=device)
-        self._rows: tuple[int, Tensor] | None = None  # each block's row, in bytes, by row width
+        pieces, served, lacking, served_lacking, bucket_pieces = [], [], [], [], []
+        end = store = 0  # the buffer's elements, and the served chunks'
+        for b in buckets:
+            bucket_pieces.append(len(pieces))
+            for j, sizes in enumerate(b.chunk_pieces):
+                local, slot = 0, b.payload // 4
+                for size in sizes:
+                    rest = [local, b.part1, b.part2, slot]
+                    pieces.append([b.origin + j * b.chunk_numel + local, size, j, *rest])
+                    if j == rank:
+                        served.append([store + local, size, 0, *rest])
+                    local, slot = local + size, slot + -(-size // block_size)
+                if bits != "bf16":  # the scale slots this chunk lacks: blocks of no elements
+                    top = b.payload // 4 + b.scale_count
+                    none = [[0, 0, j, 0, b.part1, b.part2, s] for s in range(slot, top)]
+                    lacking += none
+                    served_lacking += none if j == rank else []
+            end, store = b.origin + len(b.chunk_pieces) * b.chunk_numel, store + b.chunk_numel
+        self.padded_numel, self.served_numel = end, store
 
-    def _pieces(self) -> tuple:
-        t = self.tiling
-        return (*t.table(), self.piece_starts, self.piece_blocks, self.scale_at)
+        pieces, served = _Table(pieces), _Table(served)
+        blocks, first = pieces.blocks(block_size)
+        self.bucket_table = (
+            torch.tensor(first[bucket_pieces].tolist() + [len(blocks)], device=device),
+            torch.tensor([b.payload // 4 + b.scale_count for b in buckets], device=device),
+            torch.tensor([b.part1 for b in buckets], device=device),
+        )
+        blocks = blocks + _Table(lacking)  # after every bucket's own: their max |y| is 0
+        self.blocks = len(blocks)
+        self.block_table = blocks.on(device, "start", "size", "row", "part1", "slot")
+        self.absmax = torch.zeros(max(self.blocks, 1), device=device)
+        self.tiling = _tiling(pieces, self.padded_numel, device)
+        self.phase1 = (*self.tiling.table(), *pieces.on(device, "start", "local", "row", "part1",
+                                                        "slot"))  # fmt: skip
+        self.phase2 = (*self.tiling.table(), *pieces.on(device, "start", "local", "row", "part2",
+                                                        "slot"))  # fmt: skip
+
+        served_blocks, first = served.blocks(block_size)
+        self.served_tiling = _tiling(served, store, device)
+        self.served_pieces = (*self.served_tiling.table(),
+                              *served.on(device, "start", "local", "row", "part2"),
+                              first.to(device))  # fmt: skip
+        served_blocks = served_blocks + _Table(served_lacking)
+        self.served_blocks = len(served_blocks)
+        self.served_table = served_blocks.on(device, "start", "local", "size", "slot", "part1",
+                                             "part2")  # fmt: skip
+        self._scales = torch.empty(max(self.served_blocks, 1), device=device)
 
     def start(self, message: Tensor, row_bytes: int, buffer: Tensor, error: Tensor,
-              source: Tensor | None) -> Tensor:  # fmt: skip
-        """Phase 1's payload and scales of ``y = x + e`` (into ``buffer``; ``x`` from
-        ``source`` if given, zeros past ``numel``); returns the whole buffer's ``max |y|`` (+inf
-        where there is a NaN)."""
+              source: Tensor | None, headers: Tensor | None) -> None:  # fmt: skip
+        """Phase 1: ``y = x + e`` into ``buffer`` (``x`` from ``source`` if given, zeros past
+        ``numel``), its payload and scales into ``message`` (rows ``row_bytes`` apart), and
+        after each bucket's scales the largest ``max |y|`` of its blocks (+inf where there is
+        a NaN) and its row of ``headers`` (``[buckets, header_numel]``)."""
         i8, u8, i16, f32 = _views(message)
-        if self._rows is None or self._rows[0] != row_bytes:
-            self._rows = (row_bytes, self.block_chunks * row_bytes)
-        rows = self._rows[1]
         _worker_blocks[(self.blocks,)](
-            buffer if source is None else source, self.numel, buffer, error, self.block_starts,
-            self.block_lengths, rows, self.scale_at, self.absmax, f32, self.qmax,
-            SPAN=self.span, SCALES=self.code != 0,
+            buffer if source is None else source, self.numel, buffer, error, *self.block_table,
+            self.absmax, f32, row_bytes, self.qmax, SPAN=self.span, SCALES=self.code != 0,
+        )  # fmt: skip
+        h = self.header_numel
+        _bucket_slots[(len(self.bucket_table[1]),)](
+            self.absmax, *self.bucket_table, self.absmax if headers is None else headers, f32,
+            row_bytes, self.world_size, HEADER=h, WIDTH=triton.next_power_of_2(h + 1), SPAN=1024,
         )  # fmt: skip
         _worker_quantize[(self.tiling.blocks,)](
-            buffer, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size, self.chunk,
-            buffer.numel(), self.qmax, BLOCK=BLOCK, BITS=self.code,
+            buffer, i8, u8, i16, f32, row_bytes, *self.phase1, self.padded_numel, self.qmax,
+            QBLOCK=self.block_size, BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
-        return self.absmax[: self.blocks].amax()
 
     def commit_workers(self, sent: Tensor, row_bytes: int, buffer: Tensor,
                        error: Tensor) -> None:  # fmt: skip
         """Every chunk's worker error, ``y - deQ(Q(y))``, from the phase-1 message it sent."""
         i8, u8, i16, f32 = _views(sent)
         _worker_errors[(self.tiling.blocks,)](
-            buffer, error, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size,
-            self.chunk, buffer.numel(), BLOCK=BLOCK, BITS=self.code,
+            buffer, error, i8, u8, i16, f32, row_bytes, *self.phase1, self.padded_numel,
+            QBLOCK=self.block_size, BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
 
-    def serve(self, rank: int, received: Tensor, row_bytes: int, server_error: Tensor,
+    def serve(self, received: Tensor, row_bytes: int, server_error: Tensor,
               message: Tensor | None, result: Tensor | None) -> None:  # fmt: skip
-        """Chunk ``rank``'s average of ``received`` plus the server error, quantized into the
-        phase-2 ``message`` (``None`` at world size 1, where ``deQ(Q(z))`` goes into
-        ``result``); the server error becomes ``z - deQ(Q(z))``."""
-        g0, g1 = self.chunk_blocks[rank]
-        device = server_error.device
-        z = torch.empty(self.chunk, device=device)
-        scales = torch.empty(self.payload // 4 + g1 - g0, device=device)  # the blocks' written
+        """The average of this rank's chunks in ``received`` (the phase-1 message, rows
+        ``row_bytes`` apart) plus the server error, quantized into the phase-2 ``message``
+        (``None`` at world size 1, where ``deQ(Q(z))`` goes into ``result``, the buffer); the
+        server error becomes ``z - deQ(Q(z))``."""
         i8, u8, i16, f32 = _views(received)
-        out = scales if message is None else _views(message)[3]
-        start = rank * self.chunk
-        _server_blocks[(g1 - g0,)](
-            i8, u8, i16, f32, row_bytes, received.shape[0], self.block_starts[g0:],
-            self.block_lengths[g0:], self.scale_at[g0:], start, server_error, z, scales,
-            self.absmax[g0:], out, self.qmax, SPAN=self.span, BITS=self.code,
+        out = self._scales if message is None else _views(message)[3]
+        _server_blocks[(self.served_blocks,)](
+            i8, u8, i16, f32, row_bytes, self.world_size, *self.served_table, server_error,
+            self._scales, out, self.qmax, SPAN=self.span, BITS=self.code,
             OUT=message is not None and self.code != 0,
         )  # fmt: skip
         q8, qu, q16, _ = _views(received if message is None else message)
-        tile0, tile1 = start // BLOCK, -(-(start + self.chunk) // BLOCK)
-        _server_quantize[(tile1 - tile0,)](
-            z, server_error, z if result is None else result, q8, qu, q16, scales,
-            *self._pieces(), self.block_size, self.chunk, start, tile0, self.qmax, BLOCK=BLOCK,
-            BITS=self.code, OUT=message is not None, RESULT=result is not None,
+        _server_quantize[(self.served_tiling.blocks,)](
+            server_error, server_error if result is None else result, q8, qu, q16, self._scales,
+            *self.served_pieces, self.served_numel, self.qmax, QBLOCK=self.block_size,
+            BLOCK=BLOCK, BITS=self.code, OUT=message is not None, RESULT=result is not None,
         )  # fmt: skip
 
     def finish(self, gathered: Tensor, row_bytes: int, out: Tensor) -> None:
-        """The result below numel from every server's phase-2 row."""
+        """The result below ``numel`` from every server's phase-2 row (rows ``row_bytes``
+        apart)."""
         i8, u8, i16, f32 = _views(gathered)
-        blocks = -(-self.numel // BLOCK)
-        _results[(blocks,)](
-            out, i8, u8, i16, f32, row_bytes, *self._pieces(), self.block_size, self.chunk,
-            self.numel, BLOCK=BLOCK, BITS=self.code,
+        _results[(-(-self.numel // BLOCK),)](
+            out, i8, u8, i16, f32, row_bytes, *self.phase2, self.numel, QBLOCK=self.block_size,
+            BLOCK=BLOCK, BITS=self.code,
         )  # fmt: skip
+
+
+def _tiling(pieces: _Table, numel: int, device: torch.device) -> Tiling:
+    """:class:`~.triton_kernels.Tiling` of ``numel`` elements cut by ``pieces`` (which start at
+    0 and cover them), each piece's column its index."""
+    edges = torch.cat([pieces.rows[:, 0], torch.tensor([numel])])
+    return Tiling(edges, torch.arange(len(pieces)), numel, device)
