@@ -404,7 +404,8 @@ class Tiling:
     ``[edges[i], edges[i+1])``) into pieces, an interval's part of a block, on ``device``.
 
     ``columns`` gives each interval's scale column, ``segments`` the segment its sums go to
-    (nondecreasing; default: each interval is its own).
+    (nondecreasing; default: each interval is its own). Fewer than 2**31 elements, unless
+    ``wide`` (for kernels whose offsets are int64).
 
     Attributes:
         starts, ends, columns: per piece, its elements and its interval's column, in order.
@@ -421,8 +422,9 @@ class Tiling:
         numel: int,
         device: torch.device,
         segments: Tensor | None = None,
+        wide: bool = False,
     ) -> None:
-        if numel >= 2**31:
+        if numel >= 2**31 and not wide:
             raise ValueError(
                 f"the Triton kernels take buffers of fewer than 2**31 elements, got {numel}: "
                 "split it (an optimizer's bucket_size)"

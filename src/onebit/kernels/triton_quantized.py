@@ -107,7 +107,7 @@ def _elements(starts, ends, columns, first, piece_starts, piece_locals, piece_ro
     piece = _piece(offs, starts, ends, columns, first, block)
     d = offs - tl.load(piece_starts + piece, mask=valid, other=0)
     local = tl.load(piece_locals + piece, mask=valid, other=0) + d
-    row = tl.load(piece_rows + piece, mask=valid, other=0) * row_bytes + tl.load(
+    row = tl.load(piece_rows + piece, mask=valid, other=0).to(tl.int64) * row_bytes + tl.load(
         piece_parts + piece, mask=valid, other=0
     )
     at = tl.load(piece_blocks + piece, mask=valid, other=0) + d // QBLOCK
@@ -136,7 +136,7 @@ def _worker_blocks(
     top_max = tl.max(top, axis=0)
     tl.store(absmax + g, top_max)
     if SCALES:
-        row = tl.load(block_rows + g) * row_bytes + tl.load(block_parts + g)
+        row = tl.load(block_rows + g).to(tl.int64) * row_bytes + tl.load(block_parts + g)
         tl.store(f32 + row // 4 + tl.load(block_scales + g), tl.math.div_rn(top_max, QMAX))
 
 
@@ -158,8 +158,10 @@ def _bucket_slots(
     values = tl.load(headers + k * HEADER + i - 1, mask=(i >= 1) & (i <= HEADER), other=0.0)
     values = tl.where(i == 0, tl.max(top, axis=0), values)
     part, slot = tl.load(parts + k), tl.load(slots + k)
-    for j in range(ranks):
-        tl.store(f32 + (j * row_bytes + part) // 4 + slot + i, values, mask=i <= HEADER)
+    row = part  # int64: a message may pass 2**31 bytes
+    for _ in range(ranks):
+        tl.store(f32 + row // 4 + slot + i, values, mask=i <= HEADER)
+        row += row_bytes
 
 
 @launched(16)
@@ -216,9 +218,10 @@ def _server_blocks(
         local = first + i
         each = scale_at + tl.zeros_like(local)
         total = _dequantized(i8, u8, i16, f32, part, local, each, valid, BITS)
-        for r in range(1, ranks):
-            total = total + _dequantized(i8, u8, i16, f32, r * row_bytes + part, local, each,
-                                         valid, BITS)  # fmt: skip
+        row = part  # int64: a message may pass 2**31 bytes
+        for _ in range(1, ranks):
+            row += row_bytes
+            total = total + _dequantized(i8, u8, i16, f32, row, local, each, valid, BITS)
         if ranks != 1:
             total = tl.math.div_rn(total, tl.zeros_like(total) + ranks)
         zz = total + tl.load(server_error + start + i, mask=valid, other=0.0)
@@ -294,7 +297,11 @@ class _Table:
         return len(self.rows)
 
     def on(self, device: torch.device, *names: str) -> tuple[Tensor, ...]:
-        return tuple(self.rows[:, _COLUMNS.index(c)].to(device, copy=True) for c in names)
+        """Columns ``names`` on ``device``: int64 where a value may pass 2**31, else int32."""
+        return tuple(
+            self.rows[:, _COLUMNS.index(c)].to(device, _WIDE.get(c, torch.int32), copy=True)
+            for c in names
+        )
 
     def blocks(self, block_size: int) -> tuple[_Table, Tensor]:
         """Its pieces cut into blocks of ``block_size`` elements, the last of a piece shorter
@@ -316,6 +323,7 @@ class _Table:
 
 
 _COLUMNS = ("start", "size", "row", "local", "part1", "part2", "slot")
+_WIDE = dict.fromkeys(("start", "part1", "part2"), torch.int64)
 """A piece's (or block's) table row: its first element (in the buffer, or in the served chunks),
 its elements, its chunk's message row, its place in the chunk, its bucket's byte offset in a
 phase-1 and in a phase-2 row, and the float of its (first block's) scale in its part of a row."""
@@ -465,4 +473,4 @@ def _tiling(pieces: _Table, numel: int, device: torch.device) -> Tiling:
     """:class:`~.triton_kernels.Tiling` of ``numel`` elements cut by ``pieces`` (which start at
     0 and cover them), each piece's column its index."""
     edges = torch.cat([pieces.rows[:, 0], torch.tensor([numel])])
-    return Tiling(edges, torch.arange(len(pieces)), numel, device)
+    return Tiling(edges, torch.arange(len(pieces)), numel, device, wide=True)
