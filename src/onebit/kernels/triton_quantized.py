@@ -117,8 +117,8 @@ def _elements(starts, ends, columns, first, piece_starts, piece_locals, piece_ro
 @launched()
 @triton.jit(do_not_specialize=["numel", "row_bytes"])
 def _worker_blocks(
-    source, numel, buffer, error, block_starts, block_lengths, block_rows, block_parts,
-    block_scales, absmax, f32, row_bytes, QMAX, SPAN: tl.constexpr, SCALES: tl.constexpr,
+    source, numel, buffer, error, block_starts, block_lengths, block_rows, block_buckets,
+    block_scales, parts, absmax, f32, row_bytes, QMAX, SPAN: tl.constexpr, SCALES: tl.constexpr,
 ):  # fmt: skip
     """Per block: ``y = x + e`` into ``buffer`` (``x`` from ``source`` below ``numel``, zeros
     past it; ``source`` may be ``buffer``), its ``max |y|`` and its scale into the message (a
@@ -136,7 +136,8 @@ def _worker_blocks(
     top_max = tl.max(top, axis=0)
     tl.store(absmax + g, top_max)
     if SCALES:
-        row = tl.load(block_rows + g).to(tl.int64) * row_bytes + tl.load(block_parts + g)
+        part = tl.load(parts + tl.load(block_buckets + g))
+        row = tl.load(block_rows + g).to(tl.int64) * row_bytes + part
         tl.store(f32 + row // 4 + tl.load(block_scales + g), tl.math.div_rn(top_max, QMAX))
 
 
@@ -201,16 +202,16 @@ def _worker_errors(
 @launched()
 @triton.jit(do_not_specialize=["row_bytes", "ranks"])
 def _server_blocks(
-    i8, u8, i16, f32, row_bytes, ranks, block_starts, block_locals, block_lengths,
-    block_scales, block_parts1, block_parts2, server_error, scales, out_f32, QMAX,
+    i8, u8, i16, f32, row_bytes, ranks, block_locals, block_lengths, block_scales,
+    block_buckets, stores, parts1, parts2, server_error, scales, out_f32, QMAX,
     SPAN: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
     """Per served block: ``z = (sum of the ranks' deQ, in rank order) / n + se`` over the server
     error, and its scale into ``scales`` (and, with ``OUT``, the phase-2 message)."""
     g = tl.program_id(0)
-    start, length = tl.load(block_starts + g), tl.load(block_lengths + g)
-    first, scale_at = tl.load(block_locals + g), tl.load(block_scales + g)
-    part = tl.load(block_parts1 + g)
+    bucket, first = tl.load(block_buckets + g), tl.load(block_locals + g)
+    start, length = tl.load(stores + bucket) + first, tl.load(block_lengths + g)
+    scale_at, part = tl.load(block_scales + g), tl.load(parts1 + bucket)
     top = tl.zeros([SPAN], dtype=tl.float32)
     for at in range(0, length, SPAN):
         i = at + tl.arange(0, SPAN)
@@ -230,7 +231,7 @@ def _server_blocks(
     s = tl.math.div_rn(tl.max(top, axis=0), QMAX)
     tl.store(scales + g, s)
     if OUT:
-        tl.store(out_f32 + tl.load(block_parts2 + g) // 4 + scale_at, s)
+        tl.store(out_f32 + tl.load(parts2 + bucket) // 4 + scale_at, s)
 
 
 @launched(16)
@@ -286,6 +287,12 @@ def _views(message: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return flat.view(torch.int8), flat, flat.view(torch.int16), flat.view(torch.float32)
 
 
+_COLUMNS = ("start", "size", "row", "local", "bucket", "slot")
+"""A piece's (or block's) table row: its first element (in the buffer, or in the served chunks),
+its elements, its chunk's message row, its place in the chunk, its bucket, and the float of its
+(first block's) scale in its bucket's part of a message row."""
+
+
 class _Table:
     """Rows of :data:`_COLUMNS` (pieces or blocks), as one int64 tensor on the CPU, and its
     columns on a device."""
@@ -296,10 +303,17 @@ class _Table:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __getitem__(self, name: str) -> Tensor:
+        return self.rows[:, _COLUMNS.index(name)]
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        self.rows[:, _COLUMNS.index(name)] = value
+
     def on(self, device: torch.device, *names: str) -> tuple[Tensor, ...]:
-        """Columns ``names`` on ``device``: int64 where a value may pass 2**31, else int32."""
+        """Columns ``names`` on ``device``: int64 for ``start`` (it may pass 2**31), else
+        int32."""
         return tuple(
-            self.rows[:, _COLUMNS.index(c)].to(device, _WIDE.get(c, torch.int32), copy=True)
+            self[c].to(device, torch.int64 if c == "start" else torch.int32, copy=True)
             for c in names
         )
 
@@ -311,22 +325,14 @@ class _Table:
         first = counts.cumsum(0) - counts
         piece = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
         skip = (torch.arange(len(piece)) - first[piece]) * block_size
-        rows = self.rows[piece]
-        rows[:, 0] += skip
-        rows[:, 1] = torch.clamp(rows[:, 1] - skip, max=block_size)
-        rows[:, 3] += skip
-        rows[:, 6] += skip // block_size
-        return _Table(rows), first
+        blocks = _Table(self.rows[piece])
+        for name, add in (("start", skip), ("local", skip), ("slot", skip // block_size)):
+            blocks[name] += add
+        blocks["size"] = torch.clamp(blocks["size"] - skip, max=block_size)
+        return blocks, first
 
     def __add__(self, other: _Table) -> _Table:
         return _Table(torch.cat([self.rows, other.rows]))
-
-
-_COLUMNS = ("start", "size", "row", "local", "part1", "part2", "slot")
-_WIDE = dict.fromkeys(("start", "part1", "part2"), torch.int64)
-"""A piece's (or block's) table row: its first element (in the buffer, or in the served chunks),
-its elements, its chunk's message row, its place in the chunk, its bucket's byte offset in a
-phase-1 and in a phase-2 row, and the float of its (first block's) scale in its part of a row."""
 
 
 class BlockQuantizer:
@@ -363,50 +369,60 @@ class BlockQuantizer:
         self.span = 1024 if block_size > 1024 else max(16, triton.next_power_of_2(block_size))
         pieces, served, lacking, served_lacking, bucket_pieces = [], [], [], [], []
         end = store = 0  # the buffer's elements, and the served chunks'
-        for b in buckets:
+        stores = []  # where each bucket's served chunk starts among them
+        for k, b in enumerate(buckets):
             bucket_pieces.append(len(pieces))
+            stores.append(store)
             for j, sizes in enumerate(b.chunk_pieces):
                 local, slot = 0, b.payload // 4
                 for size in sizes:
-                    rest = [local, b.part1, b.part2, slot]
-                    pieces.append([b.origin + j * b.chunk_numel + local, size, j, *rest])
+                    pieces.append([b.origin + j * b.chunk_numel + local, size, j, local, k, slot])
                     if j == rank:
-                        served.append([store + local, size, 0, *rest])
+                        served.append([store + local, size, 0, local, k, slot])
                     local, slot = local + size, slot + -(-size // block_size)
                 if bits != "bf16":  # the scale slots this chunk lacks: blocks of no elements
                     top = b.payload // 4 + b.scale_count
-                    none = [[0, 0, j, 0, b.part1, b.part2, s] for s in range(slot, top)]
+                    none = [[0, 0, j, 0, k, s] for s in range(slot, top)]
                     lacking += none
                     served_lacking += none if j == rank else []
             end, store = b.origin + len(b.chunk_pieces) * b.chunk_numel, store + b.chunk_numel
         self.padded_numel, self.served_numel = end, store
+        parts1 = torch.tensor([b.part1 for b in buckets])
+        parts2 = torch.tensor([b.part2 for b in buckets])
+        on = dict(device=device, dtype=torch.int64)
 
         pieces, served = _Table(pieces), _Table(served)
         blocks, first = pieces.blocks(block_size)
         self.bucket_table = (
-            torch.tensor(first[bucket_pieces].tolist() + [len(blocks)], device=device),
-            torch.tensor([b.payload // 4 + b.scale_count for b in buckets], device=device),
-            torch.tensor([b.part1 for b in buckets], device=device),
+            torch.tensor(first[bucket_pieces].tolist() + [len(blocks)], **on),
+            torch.tensor([b.payload // 4 + b.scale_count for b in buckets], **on),
+            parts1.to(**on),
         )
         blocks = blocks + _Table(lacking)  # after every bucket's own: their max |y| is 0
         self.blocks = len(blocks)
-        self.block_table = blocks.on(device, "start", "size", "row", "part1", "slot")
+        self.block_table = (*blocks.on(device, "start", "size", "row", "bucket", "slot"),
+                            parts1.to(**on))  # fmt: skip
         self.absmax = torch.zeros(max(self.blocks, 1), device=device)
         self.tiling = _tiling(pieces, self.padded_numel, device)
-        self.phase1 = (*self.tiling.table(), *pieces.on(device, "start", "local", "row", "part1",
-                                                        "slot"))  # fmt: skip
-        self.phase2 = (*self.tiling.table(), *pieces.on(device, "start", "local", "row", "part2",
-                                                        "slot"))  # fmt: skip
+        starts, locals_, rows = pieces.on(device, "start", "local", "row")
+        slots = pieces.on(device, "slot")[0]
+        self.phase1, self.phase2 = (
+            (*self.tiling.table(), starts, locals_, rows, parts[pieces["bucket"]].to(**on), slots)
+            for parts in (parts1, parts2)
+        )
 
         served_blocks, first = served.blocks(block_size)
         self.served_tiling = _tiling(served, store, device)
-        self.served_pieces = (*self.served_tiling.table(),
-                              *served.on(device, "start", "local", "row", "part2"),
-                              first.to(device))  # fmt: skip
+        self.served_pieces = (
+            *self.served_tiling.table(), *served.on(device, "start", "local", "row"),
+            parts2[served["bucket"]].to(**on), first.to(**on),
+        )  # fmt: skip
         served_blocks = served_blocks + _Table(served_lacking)
         self.served_blocks = len(served_blocks)
-        self.served_table = served_blocks.on(device, "start", "local", "size", "slot", "part1",
-                                             "part2")  # fmt: skip
+        self.served_table = (
+            *served_blocks.on(device, "local", "size", "slot", "bucket"),
+            torch.tensor(stores, **on), parts1.to(**on), parts2.to(**on),
+        )  # fmt: skip
         self._scales = torch.empty(max(self.served_blocks, 1), device=device)
 
     def start(self, message: Tensor, row_bytes: int, buffer: Tensor, error: Tensor,
