@@ -17,7 +17,8 @@ where the blocks have one length (block maxima are one ``amax``, scales broadcas
 for the blocks of small pieces, gathered into one tile, rows of the lengths' common divisor (row
 maxima, then a ``segment_reduce`` over each block's rows), so many small tensors cost few
 operations. Where the kernel backend has kernels of its own for the phases (Triton, on CUDA:
-:mod:`onebit.kernels.triton_quantized`), they run instead, with the same bits.
+:mod:`onebit.kernels.triton_quantized`), they run instead, with the same bits; an optimizer then
+runs every bucket's at once (:mod:`onebit.model_quantized`).
 """
 
 from __future__ import annotations
