@@ -94,6 +94,20 @@ def _piece_columns(local, start, starts, ends, columns, p0, p1):
 
 
 @triton.jit
+def _runs(local, start, valid, starts, ends, columns, first, run_columns, run_params):
+    """This program's pieces ``[p0, p1)`` (parts of runs), and per element its run, its
+    momentum column (< 0: padding), whether it has a parameter's element (``present``) and that
+    parameter (int32)."""
+    block = tl.program_id(0)
+    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
+    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
+    present = valid & (column >= 0)
+    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    return p0, p1, run, column, present, param
+
+
+@triton.jit
 def _signed(bit, s):
     return tl.where(bit, s, -s)
 
@@ -227,12 +241,8 @@ def _momentum_pass(
     ``post[param]``), momentum column (< 0: padding, ``y = e``) and segment. A bucket's length
     ``n`` is a multiple of 8."""
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
-    block = tl.program_id(0)
-    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
+                                                run_columns, run_params)  # fmt: skip
     at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
     g = tl.load(at, mask=readable, other=0.0)
     if USE_INV:
@@ -267,12 +277,8 @@ def _momentum_update(
     ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1). A bucket's
     length ``n`` is a multiple of 8."""
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
-    block = tl.program_id(0)
-    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
-                         tl.load(first + block + 1))  # fmt: skip
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    _, _, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
+                                              run_columns, run_params)  # fmt: skip
     at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
     p = tl.load(at, mask=present, other=0.0)
     d = tl.load(decay + param, mask=present, other=1.0)

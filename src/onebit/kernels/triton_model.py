@@ -39,6 +39,7 @@ from .triton_kernels import (
     _piece_columns,
     _rows,
     _run_pointers,
+    _runs,
     _segment_scale,
     _segment_scales,
     _signed,
@@ -68,12 +69,8 @@ def _block_runs(block_starts, block_buckets, bucket_starts, bucket_ends, starts,
     bucket, start, origin, local, valid = _bucket_block(
         block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
     )
-    block = tl.program_id(0)
-    p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    run = _piece_columns(local, start, starts, ends, columns, p0, p1)
-    column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
-    present = valid & (column >= 0)
-    param = tl.load(run_params + run, mask=present, other=0).to(tl.int32)
+    p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
+                                                run_columns, run_params)  # fmt: skip
     return bucket, start, origin, local, valid, p0, p1, run, column, present, param
 
 
