@@ -321,7 +321,7 @@ class _Table:
         """Its pieces cut into blocks of ``block_size`` elements, the last of a piece shorter
         (a block's row is its piece's, at the block's start, length and slot), and each
         piece's first block."""
-        counts = -(-self.rows[:, 1] // block_size)
+        counts = -(-self["size"] // block_size)
         first = counts.cumsum(0) - counts
         piece = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
         skip = (torch.arange(len(piece)) - first[piece]) * block_size
