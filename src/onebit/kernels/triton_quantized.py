@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import QuantizedBucket
-from .triton_kernels import BLOCK, Tiling, launched
+from .triton_kernels import BLOCK, Tiling, _piece_columns, launched
 
 _BITS = {"bf16": 0, "int8": 1, "int4": 2}
 _QMAX = {"bf16": 1.0, "int8": 127.0, "int4": 7.0}
@@ -86,25 +86,17 @@ def _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK: tl.const
 
 
 @triton.jit
-def _piece(offs, starts, ends, columns, first, block):
-    """Each element's piece: the column of the interval of this program's block that holds it."""
-    piece = tl.zeros(offs.shape, dtype=tl.int64)
-    for p in range(tl.load(first + block), tl.load(first + block + 1)):
-        inside = (offs >= tl.load(starts + p)) & (offs < tl.load(ends + p))
-        piece = tl.where(inside, tl.load(columns + p), piece)
-    return piece
-
-
-@triton.jit
 def _elements(starts, ends, columns, first, piece_starts, piece_locals, piece_rows, piece_parts,
               piece_blocks, row_bytes, n, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """This program's elements of ``[0, n)``: their offsets, validity, the first byte of their
     message row (their chunk's row, their bucket's part), their place in their chunk, and
     their block (its scale's float in that row, or its index: ``piece_blocks``' choice)."""
-    block = tl.program_id(0).to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
+    block = tl.program_id(0)
+    start, local = block.to(tl.int64) * BLOCK, tl.arange(0, BLOCK)
+    offs = start + local
     valid = offs < n
-    piece = _piece(offs, starts, ends, columns, first, block)
+    piece = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
+                           tl.load(first + block + 1))  # fmt: skip
     d = offs - tl.load(piece_starts + piece, mask=valid, other=0)
     local = tl.load(piece_locals + piece, mask=valid, other=0) + d
     row = tl.load(piece_rows + piece, mask=valid, other=0).to(tl.int64) * row_bytes + tl.load(
@@ -390,18 +382,19 @@ class BlockQuantizer:
         parts1 = torch.tensor([b.part1 for b in buckets])
         parts2 = torch.tensor([b.part2 for b in buckets])
         on = dict(device=device, dtype=torch.int64)
+        parts1_on, parts2_on = parts1.to(**on), parts2.to(**on)
 
         pieces, served = _Table(pieces), _Table(served)
         blocks, first = pieces.blocks(block_size)
         self.bucket_table = (
             torch.tensor(first[bucket_pieces].tolist() + [len(blocks)], **on),
             torch.tensor([b.payload // 4 + b.scale_count for b in buckets], **on),
-            parts1.to(**on),
+            parts1_on,
         )
         blocks = blocks + _Table(lacking)  # after every bucket's own: their max |y| is 0
         self.blocks = len(blocks)
         self.block_table = (*blocks.on(device, "start", "size", "row", "bucket", "slot"),
-                            parts1.to(**on))  # fmt: skip
+                            parts1_on)  # fmt: skip
         self.absmax = torch.zeros(max(self.blocks, 1), device=device)
         self.tiling = _tiling(pieces, self.padded_numel, device)
         starts, locals_, rows = pieces.on(device, "start", "local", "row")
@@ -421,7 +414,7 @@ class BlockQuantizer:
         self.served_blocks = len(served_blocks)
         self.served_table = (
             *served_blocks.on(device, "local", "size", "slot", "bucket"),
-            torch.tensor(stores, **on), parts1.to(**on), parts2.to(**on),
+            torch.tensor(stores, **on), parts1_on, parts2_on,
         )  # fmt: skip
         self._scales = torch.empty(max(self.served_blocks, 1), device=device)
 
