@@ -99,6 +99,14 @@ LARGE_CASES = {
 }
 
 
+def _large_start(split: bool = False) -> torch.Tensor | list[torch.Tensor]:
+    """The parameters ``_large_trajectory`` starts from, on the CPU: one per shape of ``LARGE``,
+    or (``split=False``) laid end to end."""
+    torch.manual_seed(0)
+    params = [torch.randn(s) * 0.1 for s in LARGE]
+    return params if split else torch.cat([p.reshape(-1) for p in params])
+
+
 def _large_trajectory(name: str, device: str = "cuda", steps: int = 8) -> tuple[list, int]:
     """``LARGE_CASES[name]`` on ``device`` at world size 1: each step's stage and parameters (on the
     CPU), and how many passes over every bucket ran."""
@@ -113,8 +121,7 @@ def _large_trajectory(name: str, device: str = "cuda", steps: int = 8) -> tuple[
         took[0] += 1
         return originals[_method](self, *args, **kwargs)
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.1) for s in LARGE]
+    params = [torch.nn.Parameter(p.to(device)) for p in _large_start(split=True)]
     opt = getattr(onebit, optimizer)(params, lr=1e-3, bucket_size=2**16, **options)
     trace = []
     try:
@@ -140,7 +147,11 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
     writes would corrupt whole blocks of elements, which the interpreter (one block after the
     other) cannot show. A compiled reduction sums a block in its own order, so a scale may
     differ in its last bit, and the parameters then by about 1e-7 (an H100 after 8 steps:
-    at most 1.2e-7); an element whose sign flips on such a difference moves by about ``lr``."""
+    at most 1.2e-7); an element whose sign flips on such a difference moves by about ``lr``.
+    In 1-bit LAMB a flipped sign also changes its tensor's fresh-variance factor (a maximum over
+    the tensor, which may move by ``factor_threshold`` a step), and so every update of that
+    tensor by up to 10% (an H100: 46 elements apart by up to 1.8e-5 after 4 steps). There an
+    element passes if it stays within a quarter of the distance it travelled."""
     from onebit import base, momentum
 
     monkeypatch.delenv(kernels.ENV, raising=False)
@@ -149,7 +160,12 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
     monkeypatch.setattr(momentum.PackedMomentumStage, "passes", lambda self: None)
     per_bucket, none = _large_trajectory(name)
     assert took >= 5 and none == 0
+    travelled = torch.zeros_like(per_bucket[0][1])
+    previous = _large_start()
     for t, ((stage, params), (want_stage, want)) in enumerate(zip(whole, per_bucket)):
         assert stage == want_stage, t
+        travelled += (want - previous).abs()
+        previous = want
         apart = (params - want).abs()
-        assert int((apart > 1e-6).sum()) <= 16, (t, stage, float(apart.max()))
+        bound = 1e-6 + (0.25 * travelled if name.startswith("lamb") else 0)
+        assert int((apart > bound).sum()) <= 16, (t, stage, float(apart.max()))
