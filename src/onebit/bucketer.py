@@ -217,18 +217,22 @@ class Bucketer:
         of the parameters ``indices``, which hold every one that overlaps it (a bucket's own,
         so that a step's Python does not grow with buckets times parameters)."""
         layout, sparse = self.layout, False
+        views = layout.views(self.grads)
         zeros, sources, targets, scaled = [], [], [], []  # one multi-tensor op each
         for i in indices:
             p, offset, numel = layout.params[i], layout.offsets[i], layout.numels[i]
             lo, hi = max(start, offset), min(end, offset + numel)
             if lo >= hi:
                 continue
-            view = self.grads[lo:hi]
-            if p.grad is None or p.grad.is_sparse:
-                sparse |= p.grad is not None
+            whole = hi - lo == numel
+            view = views[i] if whole else self.grads[lo:hi]
+            grad = p.grad
+            if grad is None or grad.is_sparse:
+                sparse |= grad is not None
                 zeros.append(view)
                 continue
-            grad = p.grad.reshape(-1)[lo - offset : hi - offset]
+            if not whole:
+                grad = grad.reshape(-1)[lo - offset : hi - offset]
             if grad.data_ptr() != view.data_ptr():  # not this view already (grads_as_views)
                 sources.append(grad)
                 targets.append(view)
