@@ -88,7 +88,7 @@ def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK:
     tl.store(message + part + row * row_stride + at // 8, packed, mask=bytes_ < limit)
 
 
-@launched(16)
+@launched(4)
 @triton.jit(do_not_specialize=["row_stride", "bits_stride"])
 def _worker_pass(
     grads, inv, dense, bits, bits_stride, momentum_scales, coeff, post, error,
@@ -137,7 +137,7 @@ def _worker_pass(
           BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
-@launched(16)
+@launched(4)
 @triton.jit(do_not_specialize=["row_stride"])
 def _input_pass(
     x, nx, post, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
@@ -170,7 +170,7 @@ def _input_pass(
           BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
-@launched(16)
+@launched(4)
 @triton.jit(do_not_specialize=["row_stride", "k", "scale_stride"])
 def _serve_pass(
     rows, row_stride, k, row_scales, scale_stride, last, error, piece_segments,
@@ -213,7 +213,7 @@ def _serve_pass(
           BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
 
 
-@launched(16)
+@launched(8)
 @triton.jit(do_not_specialize=["bits_stride"])
 def _update_pass(
     bases, bits, bits_stride, momentum_scales, denominator, decay, value, run_starts,
@@ -240,7 +240,7 @@ def _update_pass(
     tl.store(at, p + u, mask=present)
 
 
-@launched(16)
+@launched(8)
 @triton.jit(do_not_specialize=["new_stride", "last_stride"])
 def _lamb_pass(
     bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, fresh, frozen,
@@ -306,7 +306,7 @@ def _lamb_pass(
                 tl.store(partials + pieces + piece, tl.sum(total))
 
 
-@launched(16)
+@launched(4)
 @triton.jit(do_not_specialize=["bits_stride"])
 def _decompress_pass(
     bits, bits_stride, momentum_scales, run_columns, starts, ends, columns, first, block_starts,

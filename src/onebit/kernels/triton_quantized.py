@@ -157,7 +157,7 @@ def _bucket_slots(
         row += row_bytes
 
 
-@launched(16)
+@launched(8)
 @triton.jit(do_not_specialize=["row_bytes", "n"])
 def _worker_quantize(
     buffer, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
@@ -174,7 +174,7 @@ def _worker_quantize(
     _store_quantized(i8, u8, i16, row, local, y, s, valid, QMAX, BLOCK, BITS)
 
 
-@launched(16)
+@launched(8)
 @triton.jit(do_not_specialize=["row_bytes", "n"])
 def _worker_errors(
     buffer, error, i8, u8, i16, f32, row_bytes, starts, ends, columns, first, piece_starts,
@@ -226,7 +226,7 @@ def _server_blocks(
         tl.store(out_f32 + tl.load(parts2 + bucket) // 4 + scale_at, s)
 
 
-@launched(16)
+@launched(4)
 @triton.jit(do_not_specialize=["n"])
 def _server_quantize(
     server_error, result, i8, u8, i16, scales, starts, ends, columns, first, piece_starts,
