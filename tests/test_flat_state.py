@@ -1,5 +1,7 @@
 """FlatState shows flat buffers per parameter in optimizer.state and splits them per group."""
 
+import gc
+import weakref
 from collections import defaultdict
 
 import torch
@@ -51,3 +53,26 @@ def test_bucket_params_lists_each_buckets_parameters_with_elements_in_it():
         want.append([i for i, (o, n) in enumerate(spans) if max(start, o) < min(end, o + n)])
     assert layout.bucket_params == want
     assert want == [[0, 2], [2, 3, 5], [5], [5], [6]]  # empty tensors in none; 40 spans three
+
+
+def test_a_buffers_views_are_made_once_and_go_with_the_buffer():
+    """A step asks for the same buffers' views again and again: they are made once, for the
+    buffer and any slice of it from its start, and freed with the buffer (a new buffer, which
+    may reuse the memory, gets views of its own)."""
+    flat, (a, b, c) = _flat_state()
+    layout = flat.layout
+    m = flat.zeros(padded=True)
+    views = layout.views(m)
+    assert all(x is y for x, y in zip(views, layout.views(m)))
+    assert all(x is y for x, y in zip(views, layout.views(m[: layout.numel])))
+    assert [v.shape for v in views] == [a.shape, b.shape, c.shape]
+    m[6:10] = 7.0
+    assert torch.equal(views[1], torch.full((4,), 7.0))
+    other = layout.views(m[1:16])  # another start: other views
+    assert torch.equal(other[0].reshape(-1)[5:], torch.full((1,), 7.0))
+    kept = weakref.ref(views[0])
+    del m, views, other
+    gc.collect()
+    assert kept() is None
+    fresh = torch.arange(15.0)
+    assert torch.equal(layout.views(fresh)[2], torch.arange(10.0, 15.0).view(1, 5))
