@@ -58,7 +58,7 @@ def test_bucket_params_lists_each_buckets_parameters_with_elements_in_it():
 def test_a_buffers_views_are_made_once_and_go_with_the_buffer():
     """A step asks for the same buffers' views again and again: they are made once, for the
     buffer and any slice of it from its start, and freed with the buffer (a new buffer, which
-    may reuse the memory, gets views of its own)."""
+    may reuse the memory, gets views of its own); new ones are made when the parameters change."""
     flat, (a, b, c) = _flat_state()
     layout = flat.layout
     m = flat.zeros(padded=True)
@@ -76,3 +76,5 @@ def test_a_buffers_views_are_made_once_and_go_with_the_buffer():
     assert kept() is None
     fresh = torch.arange(15.0)
     assert torch.equal(layout.views(fresh)[2], torch.arange(10.0, 15.0).view(1, 5))
+    layout.params[1] = torch.zeros(2, 2)  # a new local shard, as FSDP2 may give
+    assert layout.views(fresh)[1].shape == (2, 2)

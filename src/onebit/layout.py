@@ -8,6 +8,7 @@ Parameters are laid out in ``param_groups`` order and parameter order in one fla
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -35,7 +36,7 @@ class FlatLayout:
     ) -> None:
         self.params = params
         self.keys = params if keys is None else keys
-        self._views: dict[tuple, list[Tensor]] = {}
+        self._views: dict[tuple, tuple[tuple[Tensor, ...], list[Tensor]]] = {}
         self.numels = [p.numel() for p in params]
         self.offsets = []
         offset = 0
@@ -70,22 +71,20 @@ class FlatLayout:
 
         A step asks for the views of the same few buffers again and again, and on a GPU making
         hundreds of views costs milliseconds of CPU a step. So they are made once per buffer
-        and kept until the buffer is freed: they view a detached alias of it, which holds its
-        memory but not the tensor, and the entry goes when the buffer's tensor does."""
+        (and again if :attr:`params` changed) and kept until the buffer is freed: they view a
+        detached alias of it, which holds its memory but not the tensor, and the entry goes
+        when the buffer's tensor does."""
         base = flat if flat._base is None else flat._base
-        key = (id(base), flat.storage_offset(), flat.dtype, tuple(map(id, self.params)))
-        views = self._views.get(key)
-        if views is None:
+        key = (id(base), flat.storage_offset(), flat.dtype)
+        cached = self._views.get(key)
+        if cached is None or not all(map(operator.is_, cached[0], self.params)):
             alias = flat.detach()
             views = [alias[o : o + n].view(p.shape)
                      for p, o, n in zip(self.params, self.offsets, self.numels)]  # fmt: skip
-            if not self._views_of(base):
+            if not any(k[0] == id(base) for k in self._views):
                 weakref.finalize(base, self._forget, id(base))
-            self._views[key] = views
-        return list(views)
-
-    def _views_of(self, base: Tensor) -> bool:
-        return any(key[0] == id(base) for key in self._views)
+            cached = self._views[key] = (tuple(self.params), views)
+        return list(cached[1])
 
     def _forget(self, base_id: int) -> None:
         for key in [key for key in self._views if key[0] == base_id]:
