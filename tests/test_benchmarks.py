@@ -132,3 +132,16 @@ def test_profile_step_finds_what_it_builds_on():
     their builder, shared with ``step.py`` and ``launches.py``) and arguments must resolve."""
     out = _run("profile_step.py", "--help")
     assert "--bucket-size" in out
+
+
+def test_blocks_benchmark_names_every_per_element_kernel(monkeypatch):
+    """``blocks.py`` needs a GPU to measure; here its arguments must resolve, its per-element
+    kernels must all exist (a renamed kernel would silently keep its warps), and its steps must
+    be steps of ``step.py``."""
+    assert "--configs" in _run("blocks.py", "--help")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import blocks
+    import step
+
+    assert blocks.PER_ELEMENT <= set(blocks._kernels())
+    assert set(blocks.STEPS.split(";")) <= {name.strip() for name, *_ in step.VARIANTS}
