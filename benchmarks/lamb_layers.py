@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.build_parser("lamb_layers.py")
     args = parser.parse_args(argv)
     plan = cli.resolve(args, torchrun=False, warn=lambda m: print(m, file=sys.stderr))
+    others = [c.label for c in plan.configs if c.optimizer not in ("lamb", "onebit-lamb")]
+    if others:
+        parser.error(f"LAMB rows only (lamb, onebit-lamb), not {others}")
     out = Path(plan.configs[0].out)
     out = out.parent if args.compare else out  # --compare: a folder per row, inside --out
     out.mkdir(parents=True, exist_ok=True)

@@ -193,10 +193,12 @@ def test_bert_masks_and_gpt_shifts() -> None:
     assert logits.shape == (4, 64, 257) and 5.0 < loss.item() < 6.0
 
 
-def test_cnn_is_causal_and_learns_the_next_byte() -> None:
-    """The convolutional model: no logit sees a later byte, and a few steps fit a batch."""
+@pytest.mark.parametrize("kind", ["cnn", "rnn"])
+def test_the_other_architectures_are_causal_and_learn_the_next_byte(kind: str) -> None:
+    """The convolutional and the recurrent model: no logit sees a later byte, and a few steps
+    fit a batch."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig("cnn", block_size=32, n_layer=3, n_embd=32))
+    model = build_model(ModelConfig(kind, block_size=32, n_layer=3, n_embd=32))
     x = torch.randint(256, (2, 32))
     changed = x.clone()
     changed[:, 20] = (changed[:, 20] + 1) % 256

@@ -212,7 +212,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MODELS,
         default="gpt",
         help="gpt: causal byte-level LM; bert: masked LM, the papers' workload; cnn: causal "
-        "convolutional LM, without attention (gpt)",
+        "convolutional LM, without attention; rnn: an LSTM LM (gpt)",
     )
     model.add_argument(
         "--block-size", type=_positive, default=128, metavar="N", help="context in bytes (128)"

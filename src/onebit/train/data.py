@@ -152,7 +152,7 @@ def get_batch(
 ) -> tuple[Tensor, Tensor]:
     """A batch of random windows: ``(inputs, targets)`` of shape ``(batch_size, block_size)``.
 
-    For ``kind="gpt"`` or ``"cnn"`` the targets are the inputs shifted by one byte. For
+    For ``kind="gpt"``, ``"cnn"`` or ``"rnn"`` the targets are the inputs shifted by one byte. For
     ``kind="bert"`` 15% of the positions are chosen; of those 80% become ``[MASK]``, 10% a random
     byte, 10% stay; targets are the original bytes there and -100 elsewhere.
     """

@@ -1,5 +1,6 @@
 """Small byte-level language models: a transformer, as a GPT (causal LM) or a BERT-style
-masked LM, and a causal convolutional LM (``cnn``), a second architecture to check convergence on.
+masked LM, a causal convolutional LM (``cnn``) and a recurrent one (``rnn``, an LSTM): other
+architectures to check convergence on.
 
 Written after nanoGPT: pre-LayerNorm blocks, fused attention, GELU MLP, token embedding tied to
 the output head, and biases in the linear layers and LayerNorms unless ``bias=False`` (as
@@ -23,8 +24,9 @@ MASK_TOKEN = 256
 
 @dataclass
 class ModelConfig:
-    """Shape of the model. ``kind`` is ``"gpt"`` (causal), ``"bert"`` (bidirectional, masked) or
-    ``"cnn"`` (causal, convolutional; ``n_head`` unused)."""
+    """Shape of the model. ``kind`` is ``"gpt"`` (causal), ``"bert"`` (bidirectional, masked),
+    ``"cnn"`` (causal, convolutional) or ``"rnn"`` (an LSTM); the last two do not use
+    ``n_head``."""
 
     kind: str = "gpt"
     block_size: int = 128
@@ -169,13 +171,47 @@ class ConvNet(nn.Module):
         ]
 
 
-MODELS = ("gpt", "bert", "cnn")
+class RecurrentNet(nn.Module):
+    """A byte-level LSTM LM: an embedding, an ``n_layer``-layer LSTM of width ``n_embd``, a final
+    LayerNorm and an untied head. Its recurrent matrices (the four gates of each layer stacked,
+    ``4·n_embd x n_embd``) and its pairs of gate biases are shapes neither other model has, and
+    its gradients flow through time rather than through depth."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.lstm = nn.LSTM(
+            config.n_embd, config.n_embd, config.n_layer, bias=config.bias, batch_first=True
+        )
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.head.weight, std=0.02)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits for every position, and the mean cross-entropy of the next byte."""
+        x, _ = self.lstm(self.wte(idx))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices only, not on biases or LayerNorms."""
+        return ConvNet.param_groups(self, weight_decay)
+
+
+MODELS = ("gpt", "bert", "cnn", "rnn")
 """The models ``onebit train --model`` builds."""
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    """The model ``config.kind`` names: a :class:`Transformer` or a :class:`ConvNet`."""
-    return ConvNet(config) if config.kind == "cnn" else Transformer(config)
+    """The model ``config.kind`` names: a :class:`Transformer`, a :class:`ConvNet` or a
+    :class:`RecurrentNet`."""
+    if config.kind == "cnn":
+        return ConvNet(config)
+    return RecurrentNet(config) if config.kind == "rnn" else Transformer(config)
 
 
 def _init_weights(module: nn.Module) -> None:
