@@ -186,4 +186,4 @@ def test_create_optimizer_tells_the_optimizer_the_run_length(tmp_path):
     assert create_optimizer(model, args(max_steps=400), freeze_step=FREEZE).freeze_step == FREEZE
     zero_one = create_optimizer(model, args(max_steps=600), onebit.ZeroOneAdam, var_freeze_step=120)
     assert (zero_one.local_step_scaler, zero_one.local_step_clipper) == (240, 2)
-    assert zero_one.var_update_scaler == 60
+    assert zero_one.var_update_scaler == 120

@@ -266,15 +266,15 @@ def test_state_names_follow_the_phase():
 def test_the_schedule_is_sized_to_the_run_when_told_its_length():
     """``total_steps`` scales ``var_update_scaler``, ``local_step_scaler`` and
     ``local_step_clipper`` (:func:`run_schedule`); explicit knobs win; without it, the paper's."""
-    assert run_schedule(600, 120) == (60, 240, 2)  # local intervals 1, then 2
-    assert run_schedule(118_000, 23_000) == (64, 19_000, 16)  # the paper's BERT-Base run
-    assert run_schedule(300, 60) == (30, 240, 1)  # too short for local steps
-    assert run_schedule(5_000, 1_000) == (64, 800, 16)
+    assert run_schedule(600, 120) == (120, 240, 2)  # phase A in fp32; local intervals 1, 2
+    assert run_schedule(118_000, 23_000) == (128, 19_000, 16)  # the paper's BERT-Base run
+    assert run_schedule(300, 60) == (60, 240, 1)  # too short for local steps
+    assert run_schedule(5_000, 1_000) == (128, 800, 16)
     assert run_schedule(100, 10).var_update_scaler == 16
     params = [torch.nn.Parameter(torch.zeros(8))]
     told = onebit.ZeroOneAdam(params, var_freeze_step=120, total_steps=600)
     knobs = (told.var_update_scaler, told.local_step_scaler, told.local_step_clipper)
-    assert knobs == (60, 240, 2)
+    assert knobs == (120, 240, 2)
     mixed = onebit.ZeroOneAdam(
         params, var_freeze_step=120, total_steps=600, local_step_clipper=8, var_update_scaler=4
     )
