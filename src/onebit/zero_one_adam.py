@@ -67,8 +67,8 @@ def run_schedule(
 
     A run of 600 steps that freezes at 120 gets ``(120, 240, 2)``: no 1-bit steps in phase A,
     local intervals 1, then 2. The paper's BERT-Base run (118k steps, 23k of them phase A) gets
-    ``(128, 19000, 16)``. Given
-    ``local_step_clipper``, the doubling is sized to reach it instead.
+    ``(128, 19000, 16)``. Given ``local_step_clipper``, the doubling is sized to reach it
+    instead.
     """
     phase_b = max(1, total_steps - var_freeze_step)
     clipper = local_step_clipper
