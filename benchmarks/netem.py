@@ -120,11 +120,14 @@ def namespaces_available() -> tuple[bool, str]:
     return True, ""
 
 
-def tx_bytes(interface: str) -> int:
-    """Bytes ``interface`` has sent so far, from ``/proc/net/dev`` of this process's namespace."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, fields = line.partition(":")
-            if name.strip() == interface:
-                return int(fields.split()[8])
+def tx_bytes(interface: str, dev: str | None = None) -> int:
+    """Bytes ``interface`` has sent so far, from ``dev`` (the text of a ``/proc/net/dev``; by
+    default this process's namespace's)."""
+    if dev is None:
+        with open("/proc/net/dev") as f:
+            dev = f.read()
+    for line in dev.splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == interface:
+            return int(fields.split()[8])
     raise RuntimeError(f"interface {interface} not in /proc/net/dev")

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from netem import INTERFACE, Network, namespaces_available, parse_rate, rate_name
+from netem import INTERFACE, Network, namespaces_available, parse_rate, rate_name, tx_bytes
 
 PORT = 29611
 ONEBIT = [sys.executable, "-m", "onebit.train"]
@@ -42,14 +42,10 @@ ONEBIT = [sys.executable, "-m", "onebit.train"]
 
 def _wire_bytes(network: Network, k: int) -> int:
     """Bytes host ``k``'s link has sent so far."""
-    text = subprocess.run(
+    dev = subprocess.run(
         network.command(k, ["cat", "/proc/net/dev"]), capture_output=True, text=True, check=True
     ).stdout
-    for line in text.splitlines():
-        name, _, fields = line.partition(":")
-        if name.strip() == INTERFACE:
-            return int(fields.split()[8])
-    raise RuntimeError(f"{INTERFACE} not found in host {k}'s /proc/net/dev")
+    return tx_bytes(INTERFACE, dev)
 
 
 def run_one(
