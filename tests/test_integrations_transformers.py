@@ -166,7 +166,7 @@ def test_create_optimizer_takes_the_settings_trainer_gives_adamw(tmp_path):
 
 
 def test_create_optimizer_tells_the_optimizer_the_run_length(tmp_path):
-    """With ``max_steps``, ``"auto"`` freezes by a quarter of the run and 0/1 Adam's local steps
+    """With ``max_steps``, ``"auto"`` freezes by a fifth of the run and 0/1 Adam's local steps
     are sized to it; an explicit ``auto_freeze`` wins; without ``max_steps`` nothing is told."""
     from transformers import TrainingArguments
 
@@ -178,7 +178,7 @@ def test_create_optimizer_tells_the_optimizer_the_run_length(tmp_path):
 
     model = tiny_gpt2()
     told = create_optimizer(model, args(max_steps=400), freeze_step="auto")
-    assert told.freeze.auto_freeze.total_steps == 400 and told.freeze.auto_freeze.last_step == 100
+    assert told.freeze.auto_freeze.total_steps == 400 and told.freeze.auto_freeze.last_step == 80
     own = onebit.AutoFreeze(max_step=30)
     mine = create_optimizer(model, args(max_steps=400), freeze_step="auto", auto_freeze=own)
     assert mine.freeze.auto_freeze is own

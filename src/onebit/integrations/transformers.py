@@ -86,7 +86,7 @@ def create_optimizer(
     ``weight_decay`` (two param groups, as Trainer's) and ``max_grad_norm`` from ``args``;
     ``kwargs`` (``freeze_step``, ``bucket_size``...) are passed on and take precedence. With
     ``args.max_steps`` set, it tells the optimizer the run's length: ``freeze_step="auto"``
-    then freezes by a quarter of it at the latest (``AutoFreeze(total_steps=max_steps)``), and
+    then freezes by a fifth of it at the latest (``AutoFreeze(total_steps=max_steps)``), and
     0/1 Adam sizes its local steps to it (``total_steps``). It sets up ``torch.distributed``
     first, as Trainer would, so that under ``torchrun`` every rank builds the optimizer in the
     same process group.

@@ -167,7 +167,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=_freeze_step,
         metavar="N|auto",
         help="warmup steps of onebit-adam and onebit-lamb (default auto: watch Adam's variance "
-        "and freeze it once stable, by 25%% of --steps at the latest), and zero-one-adam's "
+        "and freeze it once stable, by 20%% of --steps at the latest), and zero-one-adam's "
         "var_freeze_step (default 20%% of --steps)",
     )
     run.add_argument(

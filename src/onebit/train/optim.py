@@ -96,7 +96,7 @@ def default_freeze_step(name: str, steps: int) -> int:
 
 def auto_freeze(steps: int) -> onebit.AutoFreeze:
     """``freeze_step="auto"`` told the run's length: the library's rule, with the warmup capped
-    at a quarter of the run."""
+    at a fifth of the run."""
     return onebit.AutoFreeze(total_steps=steps)
 
 
