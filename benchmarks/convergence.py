@@ -188,15 +188,15 @@ def summarize(runs, times) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], first) -> str:
     rates = list(times)
     head = (
-        "| run | seeds | final val loss | vs reference (per seed) | bytes per rank | fewer bytes "
-        "| steps per stage | freeze step, per seed | "
+        "| run | seeds | final val loss | vs reference, per seed (mean) | bytes per rank "
+        "| fewer bytes | steps per stage | freeze step, per seed | "
         + " | ".join(f"whole run at {r} (vs AdamW+DDP)" for r in rates)
         + " |"
     )
     lines = [
         f"{first['model']} model, {first['parameters']:,} parameters, {first['workers']} workers, "
         f"{first['steps']} steps of {first['batch_size']} x {first['block_size']} bytes per "
-        f"worker ({first['samples']:,} samples). Mean ± standard deviation over the seeds.",
+        f"worker ({first['samples']:,} samples). Losses: mean ± standard deviation over the seeds.",
         "",
         head,
         "|" + "|".join([" --- "] + [" ---: "] * (7 + len(rates))) + "|",
@@ -205,8 +205,8 @@ def markdown(rows: list[dict[str, Any]], times: dict[str, dict[str, float]], fir
         loss, sd = r["final_val_loss"]
         vs = ""
         if r["gap_pct"] is not None:
-            gap, gap_sd = r["gap_pct"]
-            vs = f"{gap:+.2f}% ± {gap_sd:.2f} vs {r['reference']}"
+            seeds = ", ".join(f"{g:+.2f}" for g in r["gap_pct_per_seed"])
+            vs = f"{seeds}% ({r['gap_pct'][0]:+.2f}) vs {r['reference']}"
         stages = ", ".join(f"{n} {stage}" for stage, n in r["stages"].items())
         freezes = ", ".join(str(f) for f in r["freeze_steps"] if f is not None)
         speed = [_time_and_speedup(r["whole_run"].get(rate)) for rate in rates]
