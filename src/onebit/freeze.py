@@ -70,8 +70,8 @@ class AutoFreeze:
         total_steps: the run's length in optimizer steps, when known (``None``: unknown).
         max_fraction: with ``total_steps`` and no ``max_step``, the largest share of the run the
             warmup may take (default 0.2, within the 15-25% the papers warm up for). A short run
-            whose variance never settles freezes there; a quarter of the run was measured to
-            cost up to 2 points of final loss against a fifth with an int4 warmup.
+            whose variance never settles freezes there: with an int4 warmup, a fifth kept every
+            seed of the measured tasks within 1% of AdamW's loss, a quarter did not.
 
     Raises:
         ValueError: for a knob out of range, or a ``min_step`` above ``max_step``: the message
