@@ -206,7 +206,9 @@ def _read_wandb_history(run_dir: Path) -> list[dict]:
     """The history rows of an offline W&B run, read from its ``.wandb`` file with W&B's own
     protobuf messages (W&B writes no ``wandb-summary.json`` offline and has no public reader).
     The file is a LevelDB log: a 7-byte header, then 32 KiB blocks of chunks, each with a
-    7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last). A record that
+    ``wandb-core`` is still writing ends the rows read so far; the caller reads again."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     paths = list(run_dir.glob("run-*.wandb"))
@@ -219,12 +221,15 @@ def _read_wandb_history(run_dir: Path) -> list[dict]:
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):
             break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
-            rec = wandb_internal_pb2.Record.FromString(pending)
+            try:
+                rec = wandb_internal_pb2.Record.FromString(pending)
+            except DecodeError:
+                break
             pending = b""
             if rec.WhichOneof("record_type") == "history":
                 items = {"/".join(i.nested_key) or i.key: i.value_json for i in rec.history.item}
