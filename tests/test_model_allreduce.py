@@ -1,7 +1,8 @@
 """The compressed allreduce of every bucket at once (:mod:`onebit.model_allreduce`, on the Triton
 kernels, under the interpreter here) against the same kernels a bucket at a time: the same
 bits, on real gloo ranks, through non-finite gradients on the last rank (skipped steps, 0/1
-Adam's skipped sync) and the error buffers read mid-run."""
+Adam's skipped sync) and the error buffers read mid-run. Every bucket at once, 0/1 Adam's sync
+step is its Triton passes (``ModelPasses.sync_progress``); a bucket at a time, torch ops."""
 
 import dataclasses
 
@@ -24,6 +25,7 @@ RUNS = {
     "adam, one scale per bucket": _with("adam", scale_per="bucket"),
     "adam, one scale per bucket, clip": _with("adam", scale_per="bucket", max_grad_norm=0.05),
     "zero_one, one scale per bucket": _with("zero_one", scale_per="bucket"),
+    "zero_one, clip": _with("zero_one", max_grad_norm=0.05),
     "lamb, clip": _with("lamb", max_grad_norm=0.05),
 }
 """The runs checked: 1-bit Adam with ``max_grad_norm`` (clipping every step) keeps its momentum
@@ -41,7 +43,7 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
     from onebit.kernels import triton_model
 
     use_backend("triton")
-    took, apart = [0], [0]
+    took, apart, fused = [0], [0], [0]
     communicate = base.CompressedOptimizer._communicate
 
     def counted_apart(self, kind, *args, **kwargs):
@@ -57,12 +59,19 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
             return _original(self, *args, **kwargs)
 
         setattr(triton_model.ModelPasses, method, counted)
+    progress = triton_model.ModelPasses.sync_progress
+
+    def counted_sync(self, *args, **kwargs):
+        fused[0] += 1
+        return progress(self, *args, **kwargs)
+
+    triton_model.ModelPasses.sync_progress = counted_sync
     if not whole:
         base.CompressedOptimizer._model_allreduce = lambda self: None
         momentum.PackedMomentumStage.passes = lambda self: None
     calls, skipped, dropped, steps = _non_finite(RUNS[name], rank, world_size)
     trace = [(c.stage, c.params_after, c.state_after) for c in calls]
-    return trace, skipped, dropped, took[0], apart[0]
+    return trace, skipped, dropped, took[0], apart[0], fused[0]
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
@@ -71,11 +80,14 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
     whole = run_ranks(_run, world_size, name, True, timeout=600)
     per_bucket = run_ranks(_run, world_size, name, False, timeout=600)
-    for (calls, skipped, dropped, took, apart), (want, want_skipped, want_dropped, none, _) in zip(
-        whole, per_bucket
-    ):
+    for (calls, skipped, dropped, took, apart, fused), apart_run in zip(whole, per_bucket):
+        want, want_skipped, want_dropped, none, _, none_fused = apart_run
         sent = sum(stage in ("compression", "sync") for stage, _, _ in calls)
-        assert none == 0 and took > 0 and (name.startswith("zero_one") or took == sent)
+        syncs = sum(stage == "sync" for stage, _, _ in calls)
+        assert (
+            none == none_fused == 0 and took > 0 and (name.startswith("zero_one") or took == sent)
+        )
+        assert fused == (syncs if name.startswith("zero_one") else 0)  # 0/1 Adam's fused sync
         assert apart == 0  # no compressed allreduce went a bucket at a time
         assert (skipped, dropped) == (want_skipped, want_dropped) and skipped > 0
         for i, ((stage, params, state), (want_stage, want_params, want_state)) in enumerate(
@@ -84,6 +96,57 @@ def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, n
             assert stage == want_stage, i
             assert torch.equal(params, want_params), (i, stage)
             assert torch.equal(state, want_state), (i, stage)
+
+
+def _sync_run(rank: int, world_size: int, fused: bool) -> tuple[list, int]:
+    """0/1 Adam with two param groups (weight decay in one), local steps, a sync step every
+    interval and ``synchronize()`` between syncs, with its sync step's Triton passes or
+    (``fused`` false) torch ops: the parameters and momentum after each call, and how many
+    syncs took the passes."""
+    import onebit
+    from onebit.kernels import triton_model
+
+    use_backend("triton")
+    took = [0]
+    progress = triton_model.ModelPasses.sync_progress
+
+    def counted(self, *args, **kwargs):
+        took[0] += 1
+        return progress(self, *args, **kwargs)
+
+    triton_model.ModelPasses.sync_progress = counted
+    if not fused:
+        onebit.ZeroOneAdam._sync_passes = lambda self, grads: None
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((9, 7), (40,), (5, 3))]
+    groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3}]
+    opt = onebit.ZeroOneAdam(groups, lr=1e-2, bucket_size=64, var_freeze_step=3,
+                             local_step_scaler=2, local_step_clipper=4)  # fmt: skip
+    trace = []
+    for t in range(14):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        if t in (6, 10):  # between syncs: parameters apart, no local step to take
+            opt.synchronize()
+        state = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
+        trace.append((opt.stage, torch.cat([p.detach().reshape(-1) for p in params]), state))
+    return trace, took[0]
+
+
+@pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
+def test_zero_one_sync_passes_give_the_bits_of_torch_ops():
+    fused = run_ranks(_sync_run, 2, True, timeout=600)
+    torch_ops = run_ranks(_sync_run, 2, False, timeout=600)
+    for (trace, took), (want, none) in zip(fused, torch_ops):
+        assert none == 0 and took >= 6  # the syncs of steps and both synchronize() calls
+        assert [stage for stage, _, _ in trace] == [stage for stage, _, _ in want]
+        for t, ((stage, params, m), (_, want_params, want_m)) in enumerate(zip(trace, want)):
+            assert torch.equal(params, want_params), (t, stage)
+            assert torch.equal(m, want_m), (t, stage)
+    for t in (6, 10):  # after synchronize(): the same on every rank
+        assert torch.equal(fused[0][0][t][1], fused[1][0][t][1])
 
 
 LARGE = [(3001, 64), (64,), (64, 192), (192,), (256, 64), (256,), (64, 256), (777, 33)] * 5
@@ -150,8 +213,11 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
     at most 1.2e-7); an element whose sign flips on such a difference moves by about ``lr``.
     In 1-bit LAMB a flipped sign also changes its tensor's fresh-variance factor (a maximum over
     the tensor, which may move by ``factor_threshold`` a step), and so every update of that
-    tensor by up to 10% (an H100: 46 elements apart by up to 1.8e-5 after 4 steps). There an
-    element passes if it stays within a quarter of the distance it travelled."""
+    tensor by up to 10% (an H100: 46 elements apart by up to 1.8e-5 after 4 steps). 0/1 Adam's
+    sync step is Triton passes over every bucket, and torch ops a bucket at a time, whose
+    ``addcdiv`` rounds ``p + value·(m/d)`` on CUDA (``(value·m)/d`` on the CPU, as the passes
+    do), so its parameters differ in their last bits and a sign of the progress may flip. In
+    both an element passes if it stays within a quarter of the distance it travelled."""
     from onebit import base, momentum
 
     monkeypatch.delenv(kernels.ENV, raising=False)
@@ -167,5 +233,5 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
         travelled += (want - previous).abs()
         previous = want
         apart = (params - want).abs()
-        bound = 1e-6 + (0.25 * travelled if name.startswith("lamb") else 0)
+        bound = 1e-6 + (0.25 * travelled if name.startswith(("lamb", "zero_one")) else 0)
         assert int((apart > bound).sum()) <= 16, (t, stage, float(apart.max()))

@@ -29,6 +29,8 @@ from .functional import (
     layer_norms,
     momentum_from_grads_,
 )
+from .kernels.fused import gradient_addresses
+from .momentum import fused_parameters
 
 
 class Schedule(NamedTuple):
@@ -244,6 +246,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
+        self._param_bases = host.Uploaded(torch.int64)
+        self._grad_bases = host.Uploaded(torch.int64)
 
     def _allocate_state(self) -> None:
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
@@ -296,7 +300,7 @@ class ZeroOneAdam(CompressedOptimizer):
         phase A, or if no step was taken since the last sync.
         """
         if self._frozen and any(lrs > 0 for lrs in self._lrs):
-            synced, nbytes = self._sync()
+            synced, nbytes = self._sync(self._sync_passes([]))
             self._close_step()
             self.comm_stats.record("synchronize", nbytes)
             self.skipped_steps += not synced
@@ -351,18 +355,20 @@ class ZeroOneAdam(CompressedOptimizer):
             problem = _STATUS[self._status] + self._status_detail()
             raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
         finite, scale = self._local_verdict(grads)
-        if finite:
+        sync = t % self.local_step_interval == 0
+        passes = self._sync_passes(grads) if sync else None
+        if finite and passes is None:
             momentum_from_grads_(self.layout.views(m), grads, beta1, scale)
             self._apply_mask_(m)
             self._adamw_update_(m, denom, t)
-        else:
+        elif not finite:
             self.local_skipped_steps += 1
         step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
+        local = (step_scale, scale) if finite and passes is not None else None
         for i, group in enumerate(self.param_groups):
             self._lrs[i] += group["lr"] * step_scale
             self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
-        sync = t % self.local_step_interval == 0
-        synced, nbytes = self._sync() if sync else (True, 0)
+        synced, nbytes = self._sync(passes, local) if sync else (True, 0)
         self._local_step_counter += 1
         if self._local_step_counter == self.local_step_scaler:
             self._local_step_counter = 0
@@ -409,13 +415,30 @@ class ZeroOneAdam(CompressedOptimizer):
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
         self.flat.expose("sync_params", self._grads if frozen else None)
 
-    def _sync(self) -> tuple[bool, int]:
+    def _sync_passes(self, grads: list[Tensor | None]) -> Any | None:
+        """The Triton passes that take a sync step in three launches and its allreduce
+        (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
+        parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
+        model = self._model_allreduce()
+        if model is None or self._masks or not fused_parameters(self.layout.params):
+            return None
+        if any(g is not None and g.is_sparse for g in grads):
+            return None
+        return model.passes()
+
+    def _sync(
+        self, passes: Any | None = None, local: tuple[float, float | None] | None = None
+    ) -> tuple[bool, int]:
         """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.
 
         The progress of a rank is ``p - decay·anchor``: where it is, less where weight decay alone
         would have taken the last synced parameters ``anchor``. The new parameters are computed
         from the anchor and the averaged progress only, so they are identical on every rank.
+        With ``passes`` (:meth:`_sync_passes`) it runs as :meth:`_fused_sync`, which also takes
+        the local step ``local`` of this step first.
         """
+        if passes is not None:
+            return self._fused_sync(passes, local)
         n = self.layout.numel
         params = self.layout.params
         progress, anchor, denom = self._exp_avg[:n], self._grads, self._exp_avg_sq
@@ -438,6 +461,39 @@ class ZeroOneAdam(CompressedOptimizer):
         low_precision = [(a, p) for a, p in zip(anchors, params) if p.dtype != torch.float32]
         if low_precision:
             torch._foreach_copy_([a for a, _ in low_precision], [p for _, p in low_precision])
+        self._lrs = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        return synced, nbytes
+
+    def _fused_sync(
+        self, passes: Any, local: tuple[float, float | None] | None
+    ) -> tuple[bool, int]:
+        """:meth:`_sync` with the local step ``local`` (``(1/bias_correction1, gradient
+        scale)``, ``None``: none) in the Triton passes of ``passes``: one launch up to the
+        allreduce (the local step, the progress and its preconditioning, reading each ``.grad``
+        and parameter in place) and one after it (the anchor, the momentum and the parameters),
+        with the same bits as the torch ops."""
+        params, device = self.layout.params, self.device
+        rows: list[list[float]] = [[], [], [], []]
+        step_scale = 1.0 if local is None else local[0]
+        for group, lrs, decay in zip(self.param_groups, self._lrs, self._decay):
+            lr, wd, count = group["lr"], group["weight_decay"], len(group["params"])
+            rows[0] += [1 - lr * wd if wd else 1.0] * count
+            rows[1] += [-lr * step_scale] * count
+            rows[2] += [decay] * count
+            rows[3] += [-1 / lrs if lrs > 0 else 0.0] * count
+        step_decay, value, since, factor = host.upload(rows, device, torch.float32)
+        bases = self._param_bases([p.data_ptr() for p in params], device)
+        step, keep = None, []
+        if local is not None:
+            addresses, keep, _ = gradient_addresses(params)
+            grads = self._grad_bases(addresses, device)
+            step = (grads, local[1], 1 - self._beta1, step_decay, value)
+        denom, anchor = self._exp_avg_sq, self._grads
+        passes.sync_progress(bases, self._exp_avg, denom, anchor, since, step)
+        del keep
+        synced, nbytes = self._reduce_compressed(self._exp_avg)
+        passes.sync_apply(bases, self._exp_avg, denom, anchor, since, factor if synced else None)
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         return synced, nbytes

@@ -241,6 +241,76 @@ def _update_pass(
 
 
 @launched(8)
+@triton.jit
+def _sync_progress_pass(
+    grads, inv, coeff, bases, momentum, denominator, anchor, decay, value, since,
+    run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
+    block_buckets, bucket_starts, bucket_ends,
+    BLOCK: tl.constexpr, STEP: tl.constexpr, USE_INV: tl.constexpr, SMALL: tl.constexpr,
+):  # fmt: skip
+    """0/1 Adam's sync step up to its allreduce, on a block of any bucket: with ``STEP``, the
+    local step ``m = lerp(m, g·inv, w)``, ``p' = p·decay + (value·m) / denominator`` (not
+    stored: the sync replaces ``p``); then ``momentum = (p' - since·anchor)·denominator``, the
+    preconditioned progress the allreduce sends. Each op rounds as the torch ops it replaces
+    (``lerp_``, ``mul_``, ``addcdiv_``, ``sub_(alpha=)``: an FMA, and the allreduce's
+    ``post``)."""
+    bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
+        block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
+        run_columns, run_params, BLOCK,
+    )  # fmt: skip
+    at, has = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
+    p = tl.load(at, mask=has, other=0.0)
+    d = tl.load(denominator + start + local, mask=present, other=1.0)
+    if STEP:
+        g_at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local,
+                                       present)  # fmt: skip
+        g = tl.load(g_at, mask=readable, other=0.0)
+        if USE_INV:
+            g = g * inv
+        m = tl.load(momentum + start + local, mask=present, other=0.0)
+        if SMALL:
+            m = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
+        else:
+            m = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+        w = tl.load(decay + param, mask=present, other=1.0)
+        p = tl.where(w != 1.0, p * w, p)
+        v = tl.load(value + param, mask=present, other=0.0)
+        p = p + tl.math.div_rn(v * m, d)
+    a = tl.load(anchor + start + local, mask=present, other=0.0)
+    s = tl.load(since + param, mask=present, other=1.0)
+    tl.store(momentum + start + local, tl.fma(-s, a, p) * d, mask=present)
+
+
+@launched(8)
+@triton.jit
+def _sync_apply_pass(
+    bases, average, denominator, anchor, since, factor, run_starts, run_columns, run_params,
+    run_offsets, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
+    bucket_ends, BLOCK: tl.constexpr, APPLIED: tl.constexpr,
+):  # fmt: skip
+    """0/1 Adam's sync step after its allreduce, on a block of any bucket: where ``APPLIED``,
+    ``anchor = anchor·since + average / denominator`` and ``momentum = average·factor`` (the
+    momentum is the ``average`` buffer), else ``momentum = 0``; then ``p = anchor``."""
+    bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
+        block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
+        run_columns, run_params, BLOCK,
+    )  # fmt: skip
+    at, has = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
+    a = tl.load(anchor + start + local, mask=present, other=0.0)
+    if APPLIED:
+        s = tl.load(since + param, mask=present, other=1.0)
+        a = tl.where(s != 1.0, a * s, a)
+        u = tl.load(average + start + local, mask=present, other=0.0)
+        a = a + tl.math.div_rn(u, tl.load(denominator + start + local, mask=present, other=1.0))
+        tl.store(anchor + start + local, a, mask=present)
+        m = u * tl.load(factor + param, mask=present, other=0.0)
+    else:
+        m = tl.zeros_like(a)
+    tl.store(average + start + local, m, mask=present)
+    tl.store(at, a, mask=has)
+
+
+@launched(8)
 @triton.jit(do_not_specialize=["new_stride", "last_stride"])
 def _lamb_pass(
     bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, fresh, frozen,
@@ -676,6 +746,48 @@ class ModelPasses:
             self.run_tables[4], blocks.starts, blocks.ends, blocks.columns, blocks.first,
             blocks.block_starts, blocks.block_buckets, *self.worker_bounds, self.chunks,
             self.parts2, BLOCK=BLOCK,
+        )  # fmt: skip
+
+    # 0/1 Adam's sync step.
+
+    def sync_progress(
+        self, bases: Tensor, momentum: Tensor, denominator: Tensor, anchor: Tensor,
+        since: Tensor, step: tuple[Tensor, float | None, float, Tensor, Tensor] | None,
+    ) -> None:  # fmt: skip
+        """Write 0/1 Adam's preconditioned progress ``(p' - since·anchor)·denominator`` over
+        ``momentum`` (the flat fp32 buffers, every bucket end to end), ``p'`` the parameters
+        (at ``bases``, fp32 addresses) after the local step ``step``: ``(gradient addresses,
+        inverse scale or None, lerp weight 1 - β1, decay, value)``, as :meth:`update` takes
+        them (``None``: no local step). ``since``: each parameter's weight decay since the
+        last sync."""
+        grads, inv, w, decay, value = step or (bases, None, 0.0, since, since)
+        w = struct.unpack("f", struct.pack("f", w))[0]  # as an fp32 kernel argument
+        small = abs(w) < 0.5
+        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
+        blocks = self.worker
+        _sync_progress_pass[(blocks.blocks,)](
+            grads, 1.0 if inv is None else inv, coeff, bases, momentum, denominator, anchor,
+            decay, value, since, self.run_tables[0], self.run_tables[1], self.run_tables[3],
+            self.run_tables[4], blocks.starts, blocks.ends, blocks.columns, blocks.first,
+            blocks.block_starts, blocks.block_buckets, *self.worker_bounds,
+            BLOCK=BLOCK, STEP=step is not None, USE_INV=inv is not None, SMALL=small,
+        )  # fmt: skip
+
+    def sync_apply(
+        self, bases: Tensor, average: Tensor, denominator: Tensor, anchor: Tensor, since: Tensor,
+        factor: Tensor | None,
+    ) -> None:  # fmt: skip
+        """After 0/1 Adam's allreduce of :meth:`sync_progress`'s buffer (now ``average``): the
+        new ``anchor``, ``anchor·since + average / denominator``, into ``anchor`` and the
+        parameters, and the momentum ``average·factor`` over ``average``; ``factor`` ``None``
+        (the allreduce was not applied): the parameters go back to ``anchor``, the momentum to
+        zero."""
+        blocks = self.worker
+        _sync_apply_pass[(blocks.blocks,)](
+            bases, average, denominator, anchor, since, since if factor is None else factor,
+            self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
+            blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
+            blocks.block_buckets, *self.worker_bounds, BLOCK=BLOCK, APPLIED=factor is not None,
         )  # fmt: skip
 
     # 1-bit LAMB's step after its allreduce.
