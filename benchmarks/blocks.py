@@ -27,7 +27,8 @@ MODULES = (triton_kernels, triton_model, triton_quantized)
 PER_ELEMENT = {
     "_y_pass", "_momentum_pass", "_momentum_update", "_decompress", "_solo_pass", "_worker_pass",
     "_input_pass", "_serve_pass", "_update_pass", "_lamb_pass", "_decompress_pass",
-    "_worker_quantize", "_worker_errors", "_server_quantize",
+    "_worker_quantize", "_worker_errors", "_server_quantize", "_sync_progress_pass",
+    "_sync_apply_pass",
 }  # fmt: skip
 STEPS = "OnebitAdam warmup, int8;OnebitAdam compression step;OnebitLamb compression step"
 CONFIGS = "4096:16,2048:8,1024:4,1024:8,default"
