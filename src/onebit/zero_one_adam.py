@@ -416,7 +416,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.flat.expose("sync_params", self._grads if frozen else None)
 
     def _sync_passes(self, grads: list[Tensor | None]) -> Any | None:
-        """The Triton passes that take a sync step in three launches and its allreduce
+        """The Triton passes that take a sync step in two launches around its allreduce
         (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
         parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
         model = self._model_allreduce()
