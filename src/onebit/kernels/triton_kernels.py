@@ -227,6 +227,26 @@ def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, pres
     return first.to(tl.pointer_type(tl.float32)) + into, present & (base != 0)
 
 
+@triton.jit
+def _lerp(m, g, coeff, SMALL: tl.constexpr):
+    """``torch.lerp(m, g, w)`` as torch rounds it, one FMA: ``coeff`` and ``SMALL`` are
+    :func:`lerp_coefficient`'s."""
+    if SMALL:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
+    else:
+        y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+    return y
+
+
+def lerp_coefficient(weight: float) -> tuple[float, bool]:
+    """A lerp weight ``w`` as :func:`_lerp` takes it, rounded to fp32 as torch's ``lerp`` does:
+    ``(w, True)`` where ``|w| < 0.5``, else ``(w - 1, False)``."""
+    w = struct.unpack("f", struct.pack("f", weight))[0]
+    if abs(w) < 0.5:
+        return w, True
+    return struct.unpack("f", struct.pack("f", w - 1.0))[0], False
+
+
 @launched(4)
 @triton.jit(do_not_specialize=["stride", "chunk", "n"])
 def _momentum_pass(
@@ -255,10 +275,7 @@ def _momentum_pass(
     else:
         m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
                              BLOCK)  # fmt: skip
-    if SMALL:
-        y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
-    else:
-        y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+    y = _lerp(m, g, coeff, SMALL)
     if HAS_POST:
         y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
@@ -839,9 +856,7 @@ class TritonKernels(TorchKernels):
         device = tables.starts.device
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
-        w = struct.unpack("f", struct.pack("f", weight))[0]  # as an fp32 kernel argument
-        small = abs(w) < 0.5
-        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
+        coeff, small = lerp_coefficient(weight)
         any_ = bits
         _momentum_pass[(tables.tiling.blocks,)](
             grads.to(device), 1.0 if inv_scale is None else inv_scale, momentum if dense else any_,

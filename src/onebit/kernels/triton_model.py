@@ -21,7 +21,6 @@ per piece, added in fp64).
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 import triton
@@ -35,6 +34,7 @@ from .triton_kernels import (
     Tiling,
     _bit,
     _emit,
+    _lerp,
     _packed_momentum,
     _piece_columns,
     _rows,
@@ -44,6 +44,7 @@ from .triton_kernels import (
     _segment_scales,
     _signed,
     launched,
+    lerp_coefficient,
 )
 
 
@@ -119,10 +120,7 @@ def _worker_pass(
             bits + tl.load(parts2 + bucket), bits_stride, chunk, momentum_scales, column,
             start - origin, local, present, BLOCK,
         )  # fmt: skip
-    if SMALL:
-        y = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
-    else:
-        y = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+    y = _lerp(m, g, coeff, SMALL)
     if HAS_POST:
         y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
@@ -268,10 +266,7 @@ def _sync_progress_pass(
         if USE_INV:
             g = g * inv
         m = tl.load(momentum + start + local, mask=present, other=0.0)
-        if SMALL:
-            m = tl.fma(tl.zeros_like(g) + coeff, g - m, m)
-        else:
-            m = tl.fma(tl.zeros_like(g) + coeff, g - m, g)
+        m = _lerp(m, g, coeff, SMALL)
         w = tl.load(decay + param, mask=present, other=1.0)
         p = tl.where(w != 1.0, p * w, p)
         v = tl.load(value + param, mask=present, other=0.0)
@@ -592,9 +587,7 @@ class ModelPasses:
     ) -> None:  # fmt: skip
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
-        w = struct.unpack("f", struct.pack("f", weight))[0]  # as an fp32 kernel argument
-        small = abs(w) < 0.5
-        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
+        coeff, small = lerp_coefficient(weight)
         any_ = bits
         blocks = self.worker
         _worker_pass[(blocks.blocks,)](
@@ -760,10 +753,8 @@ class ModelPasses:
         inverse scale or None, lerp weight 1 - β1, decay, value)``, as :meth:`update` takes
         them (``None``: no local step). ``since``: each parameter's weight decay since the
         last sync."""
-        grads, inv, w, decay, value = step or (bases, None, 0.0, since, since)
-        w = struct.unpack("f", struct.pack("f", w))[0]  # as an fp32 kernel argument
-        small = abs(w) < 0.5
-        coeff = w if small else struct.unpack("f", struct.pack("f", w - 1.0))[0]
+        grads, inv, weight, decay, value = step or (bases, None, 0.0, since, since)
+        coeff, small = lerp_coefficient(weight)
         blocks = self.worker
         _sync_progress_pass[(blocks.blocks,)](
             grads, 1.0 if inv is None else inv, coeff, bases, momentum, denominator, anchor,
