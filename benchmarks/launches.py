@@ -124,22 +124,29 @@ def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int, i
     return rows
 
 
-def _variants() -> int:
-    """How many Triton kernel variants this process has compiled (for any device)."""
+def _launched_kernels() -> list:
+    """Every Triton kernel onebit launches (their ``JITFunction``)."""
     from onebit.kernels import triton_kernels, triton_model, triton_quantized
 
     modules = (triton_kernels, triton_model, triton_quantized)
-    kernels_ = [k.kernel for m in modules for k in vars(m).values()
-                if isinstance(k, triton_kernels._Launched)]  # fmt: skip
-    return sum(len(cache[0]) for k in kernels_ for cache in k.device_caches.values())
+    return [k.kernel for m in modules for k in vars(m).values()
+            if isinstance(k, triton_kernels._Launched)]  # fmt: skip
 
 
-def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, int, float]]:
+def _variants() -> int:
+    """How many Triton kernel variants this process has compiled (for any device)."""
+    return sum(len(cache[0]) for k in _launched_kernels() for cache in k.device_caches.values())
+
+
+def count_cuda(shapes, bucket_size: int) -> dict[str, tuple]:
     """Per step variant, on CUDA with the Triton kernels: (CUDA kernels of its third step, as
     the profiler lists them; host synchronisations of that step, as
     ``torch.cuda.set_sync_debug_mode`` warns of them; the reads :mod:`onebit.host` counted in
-    it; Triton variants its first two steps compiled; their time less two steady steps', in
-    seconds)."""
+    it; then for its first step (the last warmup step, and the rehearsal that compiles the
+    stage's kernels ahead) and its second (the first of its stage) the Triton variants each
+    compiled and its time less a steady step's, in seconds). Each variant starts from an empty
+    Triton cache, in memory and on disk."""
+    import tempfile
     import time
     import warnings
 
@@ -149,18 +156,20 @@ def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, int, 
     cuda = torch.device("cuda")
     rows = {}
     for name, optimizer, stage, options in VARIANTS:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="onebit-triton-")
+        for kernel in _launched_kernels():
+            kernel.device_caches.clear()
         opt = built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size}, cuda)
-        before, start = _variants(), time.perf_counter()
-        opt.step()
-        opt.step()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        compiled = _variants() - before
-        start = time.perf_counter()
+        first = []
         for _ in range(2):
+            before, start = _variants(), time.perf_counter()
             opt.step()
+            torch.cuda.synchronize()
+            first.append((_variants() - before, time.perf_counter() - start))
+        start = time.perf_counter()
+        opt.step()
         torch.cuda.synchronize()
-        compile_s = first - (time.perf_counter() - start)
+        steady = time.perf_counter() - start
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             opt.step()
             torch.cuda.synchronize()
@@ -175,7 +184,8 @@ def count_cuda(shapes, bucket_size: int) -> dict[str, tuple[int, int, int, int, 
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        rows[name] = launched, syncs, transfers.reads, compiled, compile_s
+        compiles = [(n, max(0.0, seconds - steady)) for n, seconds in first]
+        rows[name] = (launched, syncs, transfers.reads, *compiles)
     return rows
 
 
@@ -210,25 +220,24 @@ def main() -> None:
 
 
 def main_cuda(args: argparse.Namespace) -> None:
-    """The counts on CUDA, with Triton compiling into a cache of its own (a first run)."""
-    import tempfile
-
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="onebit-triton-")
+    """The counts on CUDA, each step variant compiling from empty Triton caches (a first run)."""
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; per step on CUDA: "
           "kernels (profiler), host synchronisations (sync debug mode), and the Triton "
-          "variants the first two steps compiled, with their time")  # fmt: skip
-    print("| layout | buckets | step | CUDA kernels | host syncs | host reads | variants "
-          "| compile s |")  # fmt: skip
+          "variants compiled, with their time, by the first step (the last warmup step and "
+          "the rehearsal that compiles the stage's kernels ahead) and by the second (the "
+          "first of the stage)")  # fmt: skip
+    print("| layout | buckets | step | CUDA kernels | host syncs | host reads | variants, "
+          "step 1 / 2 | compile s, step 1 / 2 |")  # fmt: skip
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for layout, shapes in LAYOUTS.items():
         numel = sum(torch.Size(s).numel() for s in shapes)
         for bucket_size in map(int, args.bucket_sizes.split(",")):
             buckets = -(-numel // bucket_size)
-            for name, (kernels_, syncs, reads, variants, seconds) in count_cuda(
+            for name, (kernels_, syncs, reads, (n1, s1), (n2, s2)) in count_cuda(
                 shapes, bucket_size
             ).items():
                 print(f"| {layout} | {buckets} | {name.strip()} | {kernels_} | {syncs} "
-                      f"| {reads} | {variants} | {seconds:.1f} |", flush=True)  # fmt: skip
+                      f"| {reads} | {n1} / {n2} | {s1:.1f} / {s2:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

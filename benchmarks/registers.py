@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -45,19 +46,16 @@ TARGET_REGISTERS = 128
 ADAMW_BYTES = 28
 
 
-def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dict:
-    """Pass 1, under the interpreter: per step variant, its launches and its bytes, on the
-    parameters of ``shapes`` (default: :data:`LAYOUT`)."""
+@contextlib.contextmanager
+def recording():
+    """Under the interpreter: record each Triton launch into the yielded list (the kernel, its
+    arguments, tensors by dtype and alignment, and the bytes it moves, each address read
+    counted once and each written once)."""
     import numpy as np
-    import torch
     import triton.runtime.interpreter as interpreter
-    from launches import LAYOUTS, _Counting, _counting_triton, built
-    from step import VARIANTS
 
-    from onebit import kernels
     from onebit.kernels import triton_kernels
 
-    os.environ[kernels.ENV] = "triton"
     touched: list[tuple[np.ndarray, int, str]] = []
     builder = interpreter.InterpreterBuilder
     load, store = builder.create_masked_load, builder.create_masked_store
@@ -95,15 +93,32 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
 
         return run
 
-    shapes = LAYOUTS[LAYOUT] if shapes is None else shapes
-    numel = sum(torch.Size(s).numel() for s in shapes)
     builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
     triton_kernels._Launched.__getitem__ = recorded
+    try:
+        yield launches
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+        triton_kernels._Launched.__getitem__ = getitem
+
+
+def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """Pass 1, under the interpreter: per step variant, its launches and its bytes, on the
+    parameters of ``shapes`` (default: :data:`LAYOUT`)."""
+    import torch
+    from launches import LAYOUTS, _Counting, _counting_triton, built
+    from step import VARIANTS
+
+    from onebit import kernels
+
+    os.environ[kernels.ENV] = "triton"
+    shapes = LAYOUTS[LAYOUT] if shapes is None else shapes
+    numel = sum(torch.Size(s).numel() for s in shapes)
     rows = []
     steps = [(name, built(shapes, optimizer, stage, {**options, "bucket_size": bucket_size}).step)
              for name, optimizer, stage, options in VARIANTS]  # fmt: skip
     steps.append(("CompressedAllreduce(out=)", _public_call(numel)))
-    try:
+    with recording() as launches:
         for name, step in steps:
             launches.clear()
             step()
@@ -114,9 +129,6 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
                 step()
             rows.append({"step": name.strip(), "numel": numel, "first": first,
                          "measured": list(launches), "torch_bytes": ops.bytes})  # fmt: skip
-    finally:
-        builder.create_masked_load, builder.create_masked_store = load, store
-        triton_kernels._Launched.__getitem__ = getitem
     return {"bucket_size": bucket_size, "numel": numel, "rows": rows}
 
 
@@ -149,16 +161,29 @@ def _rebuild(arg):
     return storage[arg["align"] : arg["align"] + 16].view(dtype)
 
 
-def compile_all(recorded: list[dict]) -> dict:
-    """Pass 2, without the interpreter: each launch's variant (its compile key for sm_90), and
-    per variant its registers, spill bytes and compile time."""
+def _bind(launch: dict, backend):
+    """``launch`` through Triton's own binder for ``backend``'s target, as a launch there
+    would: its JITFunction, the key of its variant, and what compiling it takes."""
     import importlib
 
+    from triton.runtime import jit
+
+    module = importlib.import_module(launch["module"])
+    fn = getattr(module, launch["kernel"]).kernel  # a JITFunction: no interpreter here
+    binder = jit.create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch["kwargs"])
+    bound, specialization, options = binder(*[_rebuild(a) for a in launch["args"]], **kwargs)
+    key = launch["kernel"] + str(jit.compute_cache_key({}, specialization, options))
+    return fn, key, (kwargs, bound, specialization, options)
+
+
+def compile_all(recorded: list[dict], build: bool = True) -> dict:
+    """Pass 2, without the interpreter: each launch's variant (its compile key for sm_90), and
+    (``build``) per variant its registers, spill bytes and compile time."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler.compiler import make_backend
-    from triton.runtime import jit
 
     ptxas = Path(get_ptxas(90).path)  # the one Triton compiles sm_90 with
     target = GPUTarget("cuda", 90, 32)
@@ -166,15 +191,9 @@ def compile_all(recorded: list[dict]) -> dict:
     variants: dict[str, dict] = {}
     keys = []
     for launch in recorded:
-        module = importlib.import_module(launch["module"])
-        fn = getattr(module, launch["kernel"]).kernel  # a JITFunction: no interpreter here
-        binder = jit.create_function_from_signature(fn.signature, fn.params, backend)
-        args = [_rebuild(a) for a in launch["args"]]
-        kwargs = dict(launch["kwargs"])
-        bound, specialization, options = binder(*args, **kwargs)
-        key = launch["kernel"] + str(jit.compute_cache_key({}, specialization, options))
+        fn, key, (kwargs, bound, specialization, options) = _bind(launch, backend)
         keys.append(key)
-        if key in variants:
+        if key in variants or not build:
             continue
         options, signature, constexprs, attrs = fn._pack_args(
             backend, kwargs, bound, specialization, options
@@ -205,22 +224,36 @@ def compile_all(recorded: list[dict]) -> dict:
     return {"triton": triton.__version__, "variants": variants, "keys": keys}
 
 
-def compile_recorded(results: list[dict], python: str) -> tuple[dict, str]:
-    """Compile every launch of :func:`record`'s ``results`` in a fresh process of ``python``
-    without the interpreter or Triton's cache (:func:`compile_all`); name each launch's variant
-    in its ``"key"``. Returns the variants and that Triton's version."""
-    launches = [launch for r in results for row in r["rows"] for launch in row["first"]]
-    launches += [launch for r in results for row in r["rows"] for launch in row["measured"]]
+def _in_fresh_process(launches: list[dict], python: str, build: bool) -> dict:
+    """:func:`compile_all` of ``launches`` in a fresh process of ``python``, without the
+    interpreter or Triton's cache."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.json"
         path.write_text(json.dumps(launches))
         env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "c")}
+        mode = "--compile" if build else "--keys"
         out = subprocess.run(
-            [python, __file__, "--compile", str(path)], env=env, capture_output=True, text=True
+            [python, __file__, mode, str(path)], env=env, capture_output=True, text=True
         )
     if out.returncode:
-        raise RuntimeError(f"compiling for sm_90 failed:\n{out.stderr}")
-    compiled = json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"binding for sm_90 failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def variant_keys(launches: list[dict], python: str = sys.executable) -> list[str]:
+    """The variant each of ``launches`` (:func:`recording`'s) compiles on an H100: its key
+    from Triton's binder for sm_90, as a launch there would bind it. Equal keys are one
+    compiled variant."""
+    return _in_fresh_process(launches, python, build=False)["keys"]
+
+
+def compile_recorded(results: list[dict], python: str) -> tuple[dict, str]:
+    """Compile every launch of :func:`record`'s ``results`` in a fresh process of ``python``
+    (:func:`compile_all`); name each launch's variant in its ``"key"``. Returns the variants
+    and that Triton's version."""
+    launches = [launch for r in results for row in r["rows"] for launch in row["first"]]
+    launches += [launch for r in results for row in r["rows"] for launch in row["measured"]]
+    compiled = _in_fresh_process(launches, python, build=True)
     keys = iter(compiled["keys"])
     for part in ("first", "measured"):
         for r in results:
@@ -234,10 +267,11 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the Python that compiles")
     parser.add_argument("--json", metavar="FILE", help="also write every launch and variant")
     parser.add_argument("--compile", metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--keys", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.compile:  # pass 2, in its own process
-        recorded = json.loads(Path(args.compile).read_text())
-        print(json.dumps(compile_all(recorded)))
+    if args.compile or args.keys:  # pass 2, in its own process
+        recorded = json.loads(Path(args.compile or args.keys).read_text())
+        print(json.dumps(compile_all(recorded, build=bool(args.compile))))
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.execve(sys.executable, [sys.executable, *sys.argv],

@@ -103,6 +103,8 @@ class OnebitAdam(CompressedOptimizer):
     where the warmup stands.
     """
 
+    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None}
+
     def __init__(
         self,
         params: Iterable,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host, kernels
+from . import host, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
@@ -200,6 +200,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
     """Whether the subclass keeps data in the bucketer's gradient buffer from one step to the
     next (0/1 Adam its sync parameters). If not, a sharded optimizer frees the buffer after each
     step: FSDP2 owns the gradients, and between steps the buffer would be one more copy."""
+
+    _compiles_ahead = True
+    """Whether the first warmup step compiles the kernels of the stage to come (not in the
+    rehearsal's own copy)."""
+
+    _rehearsal_options: dict[str, Any] = {}
+    """What :func:`~onebit.rehearsal.rehearse` changes in the keyword arguments of its copy, so
+    that the copy's warmup ends after its first step."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CompressedOptimizer:
+        self = super().__new__(cls)
+        self._constructor_options = dict(kwargs)  # for rehearsal.rehearse's copy
+        return self
 
     def __init__(
         self,
@@ -1141,6 +1154,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
+        first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
         self._step_open = False
         self._calls += 1
         self.shards.release(self.layout.params)
@@ -1152,6 +1166,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.num_steps += 1
         else:
             self.skipped_steps += 1
+        if first_warmup:
+            self._compile_ahead()
+
+    def _compile_ahead(self) -> None:
+        """After the first warmup step: compile the kernels of the stage to come now, where
+        they compile at their first launch (:mod:`onebit.rehearsal`), if every rank can."""
+        can = rehearsal.applies(self)
+        if self.device.type == "cuda" and self.world_size > 1:
+            can = not self._any_rank(not can)
+        if can:
+            rehearsal.rehearse(self)
 
     # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum), where it applies.
 

@@ -89,6 +89,19 @@ def upload(
     return values.to(device)
 
 
+def upload_rows(
+    rows: Sequence[Sequence[float]], device: torch.device, dtype: torch.dtype
+) -> list[Tensor]:
+    """Rows of numbers, all of one length, as tensors on ``device`` in one :func:`upload`, each
+    starting on a 16-byte boundary: Triton compiles a variant of a kernel per alignment of its
+    pointer arguments, so that the number of values would otherwise choose the variant."""
+    width = len(rows[0])
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    padded = -(-width // per) * per
+    table = upload([[*row, *[0] * (padded - width)] for row in rows], device, dtype)
+    return [row[:width] for row in table]
+
+
 class Uploaded:
     """Values on a device, uploaded again only when they change: the addresses of parameters
     (and usually of their gradients) and per-layer settings keep theirs from step to step."""

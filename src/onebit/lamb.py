@@ -109,6 +109,8 @@ class OnebitLamb(CompressedOptimizer):
     where the warmup stands.
     """
 
+    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None}
+
     def __init__(
         self,
         params: Iterable,
@@ -333,7 +335,7 @@ class OnebitLamb(CompressedOptimizer):
         layers = len(self.layout.params)
         if passes is not None:
             values = host.read(self._model_ratios(passes, new, t, decays))  # the step's one
-            maxima, norms = values[:layers], values[layers:]  # read after its verdict
+            maxima, norms = values[:layers], values[-2 * layers :]  # read after its verdict
         else:
             parts = [self._fresh_variance_(new, t)]
             if any(decays):

@@ -286,7 +286,7 @@ class PackedMomentumStage:
         bases = self._bases([p.data_ptr() for p in self.layout.params], device)
         decay = [1 - lr * wd if wd else 1.0 for lr, wd in zip(lrs, weight_decays)]
         value = [-lr * step_scale for lr in lrs]
-        decay, value = host.upload([decay, value], device, torch.float32)
+        decay, value = host.upload_rows([decay, value], device, torch.float32)
         passes = self.passes()
         if passes is not None:
             passes.update(bases, self._momentum_source(), denominator, decay, value)

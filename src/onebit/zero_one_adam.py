@@ -182,6 +182,14 @@ class ZeroOneAdam(CompressedOptimizer):
 
     _keeps_gradient_buffer = True  # phase B's sync parameters live there
 
+    _rehearsal_options = {
+        "var_freeze_step": 3,
+        "var_update_scaler": 1,
+        "local_step_scaler": 1,
+        "local_step_clipper": 2,
+        "total_steps": None,
+    }
+
     def __init__(
         self,
         params: Iterable,
@@ -482,7 +490,7 @@ class ZeroOneAdam(CompressedOptimizer):
             rows[1] += [-lr * step_scale] * count
             rows[2] += [decay] * count
             rows[3] += [-1 / lrs if lrs > 0 else 0.0] * count
-        step_decay, value, since, factor = host.upload(rows, device, torch.float32)
+        step_decay, value, since, factor = host.upload_rows(rows, device, torch.float32)
         bases = self._param_bases([p.data_ptr() for p in params], device)
         step, keep = None, []
         if local is not None:

@@ -136,7 +136,7 @@ def _worker_pass(
 
 
 @launched(4)
-@triton.jit(do_not_specialize=["row_stride"])
+@triton.jit(do_not_specialize=["nx", "row_stride"])
 def _input_pass(
     x, nx, post, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
     bucket_ends, chunks, parts1, message, row_stride, partials, scales, out,
@@ -306,7 +306,7 @@ def _sync_apply_pass(
 
 
 @launched(8)
-@triton.jit(do_not_specialize=["new_stride", "last_stride"])
+@triton.jit(do_not_specialize=["new_stride", "last_stride", "pieces"])
 def _lamb_pass(
     bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, fresh, frozen,
     decay, sizes, maxima, partials, pieces, neg_beta1, keep1, beta2, keep2, root_bc2, eps, bc1,
@@ -810,11 +810,14 @@ class ModelPasses:
         """1-bit LAMB's pass after its allreduce (:func:`_lamb_pass`): ``last`` and ``new``
         momentum (over their scaling) imply the averaged gradient, which goes into the fresh
         variance ``fresh`` (flat fp32, in place). Returns, fp32 on the device, each layer's
-        largest ratio of the ``frozen`` denominator to the fresh one; with ``norms``, followed
-        by each layer's ``||u||`` and ``||u + decay·p||`` (``u = new / frozen / bc1``, Adam's
-        update; the parameters at ``bases``, their weight decays ``decay``)."""
+        largest ratio of the ``frozen`` denominator to the fresh one; with ``norms``, the last
+        ``2·layers`` values are each layer's ``||u||`` and ``||u + decay·p||`` (``u = new /
+        frozen / bc1``, Adam's update; the parameters at ``bases``, their weight decays
+        ``decay``), from a 16-byte boundary, so that the number of layers does not choose the
+        variant of the kernel that writes them."""
         layers = decay.numel()
-        out = torch.zeros((3 if norms else 1) * layers, device=self.device)
+        at = -(-layers // 4) * 4
+        out = torch.zeros(at + 2 * layers if norms else layers, device=self.device)
         partials = None
         if norms:
             partials = torch.empty(2 * self.worker.pieces, device=self.device)
@@ -825,7 +828,7 @@ class ModelPasses:
                    coefficients=coefficients, maxima=out, partials=partials)  # fmt: skip
         if norms:  # each layer's pieces' sums, added in fp64: the square root of the total
             first, ones = self._layer_pieces(layers)
-            _segment_scales[(2 * layers,)](partials, first, ones, out[layers:], CHUNK=1024,
+            _segment_scales[(2 * layers,)](partials, first, ones, out[at:], CHUNK=1024,
                                            MEAN_ABS=False)  # fmt: skip
         return out
 
