@@ -48,7 +48,7 @@ from .functional import (
 )
 from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
-from .model_allreduce import ModelAllreduce
+from .model_allreduce import ModelAllreduce, ModelCall
 from .model_quantized import ModelQuantized
 from .momentum import PackedMomentumStage, fused_parameters
 from .quantized import QuantizedAllreduce
@@ -885,18 +885,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._begin_step()
         model = self._model_allreduce()
         if model is not None:  # every bucket at once
-            headers = self._step_headers()
-            if norms2 is not None:  # the header, sent once, carries the sum of the buckets'
-                headers = headers.clone()
-                headers[:, 3] = norms2.reshape(1, -1).sum(1)
-            call = model.start(flat, headers, post)
-            header, largest = model.received(call)
-            total = None if norms2 is None else self.shards.sum_(header[:, 3].clone())
-            applied, norms = self._verdict(header, largest, total)
+            applied, call = self._phase1_at_once(
+                model, lambda headers: model.start(flat, headers, post), norms2
+            )
             if applied:
                 model.commit(call)
-            if applied and norms is not None:
-                self.grad_norm = float(norms.sqrt().mean())
             return applied, sum(c.bytes_per_call for c in self.comms)
         if norms2 is not None:
             raise RuntimeError("norms2 needs every bucket at once (_model_allreduce)")
@@ -910,6 +903,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
             ]
         outputs = self.layout.bucket_views(flat[: self.layout.numel])
         return self._finish_compressed(calls, outputs, gradients=False)
+
+    def _phase1_at_once(
+        self,
+        model: ModelAllreduce,
+        start: Callable[[Tensor], ModelCall],
+        norms2: Tensor | None = None,
+    ) -> tuple[bool, ModelCall]:
+        """Phase 1 of every bucket at once, ``start(headers)``, and its verdict: whether every
+        rank's scales are finite and the headers agree (``norms2``: see
+        :meth:`_reduce_compressed`, which notes the norm clipped with). The caller commits."""
+        headers = self._step_headers()
+        if norms2 is not None:  # the header, sent once, carries the sum of the buckets'
+            headers = headers.clone()
+            headers[:, 3] = norms2.reshape(1, -1).sum(1)
+        call = start(headers)
+        header, largest = model.received(call)
+        total = None if norms2 is None else self.shards.sum_(header[:, 3].clone())
+        applied, norms = self._verdict(header, largest, total)
+        if applied and norms is not None:
+            self.grad_norm = float(norms.sqrt().mean())
+        return applied, call
 
     def _reduce_quantized(self, model: ModelQuantized, out: Tensor) -> tuple[bool, int]:
         """The quantized average of the gradient buffer, every bucket at once, into ``out``

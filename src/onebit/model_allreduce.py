@@ -7,13 +7,16 @@ end to end, and each phase one collective (:class:`~onebit.exchange.Exchange`) w
 the passes write and read in place. The bits are those of a bucket at a time: the communicators
 keep their error buffers, as slices of one buffer each, and their state as before.
 
-Two callers: :class:`~onebit.momentum.PackedMomentumStage` (1-bit Adam's compression step,
-whose worker side is its own fused pass) and the optimizers' compressed allreduce of a flat
-buffer that is not a gradient (0/1 Adam's sync: :meth:`ModelAllreduce.start`).
+Callers: :class:`~onebit.momentum.PackedMomentumStage` (1-bit Adam's compression step,
+whose worker side is its own fused pass), the optimizers' compressed allreduce of a flat
+buffer that is not a gradient (:meth:`ModelAllreduce.start`), and 0/1 Adam's sync, whose
+worker pass takes its local step (:meth:`ModelAllreduce.start_from`) and whose pass after it
+reads the result as it arrives (``commit(decompress=False)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +53,11 @@ def bucket_runs(layout: FlatLayout, comms: list[CompressedAllreduce]) -> list[fu
                                      comm.server_scale_count, params, offsets,
                                      per_chunk=comm.segments is None))  # fmt: skip
     return runs
+
+
+Worker = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""A worker pass over every bucket: ``(errors, headers, message) -> scales``
+(:meth:`ModelAllreduce.start_from`)."""
 
 
 class ModelAllreduce:
@@ -119,10 +127,23 @@ class ModelAllreduce:
         (``[buckets, header_numel]``)."""
         if flat.numel() != self.layout.padded_numel:
             raise ValueError(f"expected {self.layout.padded_numel} elements, got {flat.numel()}")
+
+        def compress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
+            scale = self.comms[0].scale
+            return self.passes().compress(flat, errors, scale, headers, message, post)
+
+        return self.start_from(flat, headers, compress)
+
+    def start_from(self, flat: Tensor, headers: Tensor, worker: Worker) -> ModelCall:
+        """:meth:`start` with the caller's own worker pass (0/1 Adam's sync takes its step in
+        it): ``worker(errors, headers, message)`` writes ``y`` (``flat``'s values plus the
+        worker ``errors``, every bucket end to end) over ``flat``, and its signs, scales and
+        the last row of ``headers`` into the phase-1 ``message``, as
+        :meth:`~onebit.kernels.triton_model.ModelPasses.compress` does; it returns the
+        scales."""
         call = ModelCall(phase_exchange(self.comms, 1), flat)
         with call.exchange.filling() as exchange:
-            call.scales = self.passes().compress(flat, self._worker_errors(), self.comms[0].scale,
-                                                 headers, exchange.message, post)  # fmt: skip
+            call.scales = worker(self._worker_errors(), headers, exchange.message)
         return call
 
     def received(self, call: ModelCall) -> tuple[Tensor, Tensor]:
@@ -132,13 +153,16 @@ class ModelAllreduce:
         call.rank_scales, headers, largest = self.passes().received(call.received)
         return headers, largest
 
-    def commit(self, call: ModelCall) -> None:
+    def commit(self, call: ModelCall, decompress: bool = True) -> tuple[Tensor, Tensor]:
         """After :meth:`received` found every scale finite: commit the worker errors, serve and
-        send phase 2, and write the result over ``flat``'s buckets (not its padding)."""
+        send phase 2, and (``decompress``) write the result over ``flat``'s buckets (not its
+        padding). Returns the phase-2 message as received and its scales (:meth:`serve`)."""
         passes = self.passes()
         passes.subtract(call.flat, call.scales, self._worker_errors())
         received, scales = self.serve(call)
-        passes.decompress(received, scales, call.flat)
+        if decompress:
+            passes.decompress(received, scales, call.flat)
+        return received, scales
 
     def _worker_errors(self) -> Tensor:
         """Every communicator's worker error as a slice of one buffer (moved there at first)."""

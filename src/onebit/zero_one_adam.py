@@ -477,10 +477,10 @@ class ZeroOneAdam(CompressedOptimizer):
         self, passes: Any, local: tuple[float, float | None] | None
     ) -> tuple[bool, int]:
         """:meth:`_sync` with the local step ``local`` (``(1/bias_correction1, gradient
-        scale)``, ``None``: none) in the Triton passes of ``passes``: one launch up to the
-        allreduce (the local step, the progress and its preconditioning, reading each ``.grad``
-        and parameter in place) and one after it (the anchor, the momentum and the parameters),
-        with the same bits as the torch ops."""
+        scale)``, ``None``: none) in the Triton passes of ``passes``: the allreduce's worker
+        pass takes the local step, the progress and its preconditioning (reading each
+        ``.grad`` and parameter in place), and one pass after it the anchor, the momentum and
+        the parameters (reading the average as it arrived), with the bits of the torch ops."""
         params, device = self.layout.params, self.device
         rows: list[list[float]] = [[], [], [], []]
         step_scale = 1.0 if local is None else local[0]
@@ -497,11 +497,21 @@ class ZeroOneAdam(CompressedOptimizer):
             addresses, keep, _ = gradient_addresses(params)
             grads = self._grad_bases(addresses, device)
             step = (grads, local[1], 1 - self._beta1, step_decay, value)
-        denom, anchor = self._exp_avg_sq, self._grads
-        passes.sync_progress(bases, self._exp_avg, denom, anchor, since, step)
+        m, denom, anchor = self._exp_avg, self._exp_avg_sq, self._grads
+        model, scale = self._model_allreduce(), self.comms[0].scale
+
+        def progress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
+            return passes.sync_progress(bases, m, denom, anchor, since, step, errors, scale,
+                                        headers, message)  # fmt: skip
+
+        self._begin_step()
+        synced, call = self._phase1_at_once(
+            model, lambda headers: model.start_from(m, headers, progress)
+        )
         del keep
-        synced, nbytes = self._reduce_compressed(self._exp_avg)
-        passes.sync_apply(bases, self._exp_avg, denom, anchor, since, factor if synced else None)
+        result = model.commit(call, decompress=False) if synced else None
+        passes.sync_apply(bases, result, m, denom, anchor, since, factor)
+        nbytes = sum(c.bytes_per_call for c in self.comms)
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         return synced, nbytes

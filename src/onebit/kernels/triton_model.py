@@ -239,19 +239,23 @@ def _update_pass(
 
 
 @launched(8)
-@triton.jit
+@triton.jit(do_not_specialize=["row_stride"])
 def _sync_progress_pass(
-    grads, inv, coeff, bases, momentum, denominator, anchor, decay, value, since,
+    grads, inv, coeff, bases, momentum, denominator, anchor, decay, value, since, error,
     run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
-    block_buckets, bucket_starts, bucket_ends,
+    block_buckets, bucket_starts, bucket_ends, piece_starts, piece_ends, piece_first, chunks,
+    parts1, message, row_stride, partials,
     BLOCK: tl.constexpr, STEP: tl.constexpr, USE_INV: tl.constexpr, SMALL: tl.constexpr,
+    MEAN_ABS: tl.constexpr,
 ):  # fmt: skip
     """0/1 Adam's sync step up to its allreduce, on a block of any bucket: with ``STEP``, the
     local step ``m = lerp(m, g·inv, w)``, ``p' = p·decay + (value·m) / denominator`` (not
-    stored: the sync replaces ``p``); then ``momentum = (p' - since·anchor)·denominator``, the
-    preconditioned progress the allreduce sends. Each op rounds as the torch ops it replaces
-    (``lerp_``, ``mul_``, ``addcdiv_``, ``sub_(alpha=)``: an FMA, and the allreduce's
-    ``post``)."""
+    stored: the sync replaces ``p``); then the preconditioned progress the allreduce sends,
+    ``(p' - since·anchor)·denominator``, plus the worker ``error``: ``y``, over ``momentum``,
+    its signs into the phase-1 ``message`` and its sums per piece of the buckets cut by their
+    segments (``piece_*``, as :func:`_input_pass` sums them). Each op rounds as the torch ops
+    it replaces (``lerp_``, ``mul_``, ``addcdiv_``, ``sub_(alpha=)``: an FMA, the allreduce's
+    ``post``, and :func:`_input_pass`)."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
@@ -273,19 +277,29 @@ def _sync_progress_pass(
         p = p + tl.math.div_rn(v * m, d)
     a = tl.load(anchor + start + local, mask=present, other=0.0)
     s = tl.load(since + param, mask=present, other=1.0)
-    tl.store(momentum + start + local, tl.fma(-s, a, p) * d, mask=present)
+    y = tl.where(present, tl.fma(-s, a, p) * d, 0.0)
+    y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    tl.store(momentum + start + local, y, mask=valid)
+    _store_signs(y, message, row_stride, tl.load(parts1 + bucket), tl.load(chunks + bucket),
+                 start, origin, tl.load(bucket_ends + bucket), BLOCK)  # fmt: skip
+    block = tl.program_id(0)
+    p0, p1 = tl.load(piece_first + block), tl.load(piece_first + block + 1)
+    _emit(y, start, local, valid, p0, p1, piece_starts, piece_ends, 0, message, partials,
+          partials, message, 0, BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
 
 
 @launched(8)
-@triton.jit
+@triton.jit(do_not_specialize=["bits_stride"])
 def _sync_apply_pass(
-    bases, average, denominator, anchor, since, factor, run_starts, run_columns, run_params,
-    run_offsets, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
-    bucket_ends, BLOCK: tl.constexpr, APPLIED: tl.constexpr,
+    bases, bits, bits_stride, momentum_scales, momentum, denominator, anchor, since, factor,
+    run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
+    block_buckets, bucket_starts, bucket_ends, chunks, parts2,
+    BLOCK: tl.constexpr, APPLIED: tl.constexpr,
 ):  # fmt: skip
     """0/1 Adam's sync step after its allreduce, on a block of any bucket: where ``APPLIED``,
-    ``anchor = anchor·since + average / denominator`` and ``momentum = average·factor`` (the
-    momentum is the ``average`` buffer), else ``momentum = 0``; then ``p = anchor``."""
+    with ``u`` the average read from the phase-2 message as :func:`_update_pass` reads the
+    momentum, ``anchor = anchor·since + u / denominator`` and ``momentum = u·factor``, else
+    ``momentum = 0``; then ``p = anchor``."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
@@ -295,13 +309,16 @@ def _sync_apply_pass(
     if APPLIED:
         s = tl.load(since + param, mask=present, other=1.0)
         a = tl.where(s != 1.0, a * s, a)
-        u = tl.load(average + start + local, mask=present, other=0.0)
+        u = _packed_momentum(
+            bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket),
+            momentum_scales, column, start - origin, local, present, BLOCK,
+        )  # fmt: skip
         a = a + tl.math.div_rn(u, tl.load(denominator + start + local, mask=present, other=1.0))
         tl.store(anchor + start + local, a, mask=present)
         m = u * tl.load(factor + param, mask=present, other=0.0)
     else:
         m = tl.zeros_like(a)
-    tl.store(average + start + local, m, mask=present)
+    tl.store(momentum + start + local, m, mask=present)
     tl.store(at, a, mask=has)
 
 
@@ -746,39 +763,50 @@ class ModelPasses:
     def sync_progress(
         self, bases: Tensor, momentum: Tensor, denominator: Tensor, anchor: Tensor,
         since: Tensor, step: tuple[Tensor, float | None, float, Tensor, Tensor] | None,
-    ) -> None:  # fmt: skip
-        """Write 0/1 Adam's preconditioned progress ``(p' - since·anchor)·denominator`` over
-        ``momentum`` (the flat fp32 buffers, every bucket end to end), ``p'`` the parameters
-        (at ``bases``, fp32 addresses) after the local step ``step``: ``(gradient addresses,
-        inverse scale or None, lerp weight 1 - β1, decay, value)``, as :meth:`update` takes
-        them (``None``: no local step). ``since``: each parameter's weight decay since the
-        last sync."""
+        error: Tensor, scale: str, headers: Tensor, message: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """0/1 Adam's sync step up to its allreduce, as :meth:`compress` of its buffer: ``y``,
+        the preconditioned progress ``(p' - since·anchor)·denominator`` plus the worker
+        ``error``, over ``momentum`` (the flat fp32 buffers, every bucket end to end), and its
+        signs, scales and the last row of ``headers`` into the phase-1 ``message``. ``p'``: the
+        parameters (at ``bases``, fp32 addresses) after the local step ``step``: ``(gradient
+        addresses, inverse scale or None, lerp weight 1 - β1, decay, value)``, as
+        :meth:`update` takes them (``None``: no local step). ``since``: each parameter's weight
+        decay since the last sync. Returns the scales."""
         grads, inv, weight, decay, value = step or (bases, None, 0.0, since, since)
         coeff, small = lerp_coefficient(weight)
-        blocks = self.worker
+        blocks, pieces = self.worker, self._inputs()  # the same blocks, cut two ways
+        partials = torch.empty(pieces.pieces, dtype=torch.float32, device=self.device)
         _sync_progress_pass[(blocks.blocks,)](
             grads, 1.0 if inv is None else inv, coeff, bases, momentum, denominator, anchor,
-            decay, value, since, self.run_tables[0], self.run_tables[1], self.run_tables[3],
-            self.run_tables[4], blocks.starts, blocks.ends, blocks.columns, blocks.first,
-            blocks.block_starts, blocks.block_buckets, *self.worker_bounds,
+            decay, value, since, error, self.run_tables[0], self.run_tables[1],
+            self.run_tables[3], self.run_tables[4], blocks.starts, blocks.ends, blocks.columns,
+            blocks.first, blocks.block_starts, blocks.block_buckets, *self.worker_bounds,
+            pieces.starts, pieces.ends, pieces.first, self.chunks, self.parts1, message,
+            message.stride(0), partials,
             BLOCK=BLOCK, STEP=step is not None, USE_INV=inv is not None, SMALL=small,
+            MEAN_ABS=scale == "mean_abs",
         )  # fmt: skip
+        return self._scales(pieces, partials, scale, message, self.scale_places, headers)
 
     def sync_apply(
-        self, bases: Tensor, average: Tensor, denominator: Tensor, anchor: Tensor, since: Tensor,
-        factor: Tensor | None,
+        self, bases: Tensor, result: tuple[Tensor, Tensor] | None, momentum: Tensor,
+        denominator: Tensor, anchor: Tensor, since: Tensor, factor: Tensor,
     ) -> None:  # fmt: skip
-        """After 0/1 Adam's allreduce of :meth:`sync_progress`'s buffer (now ``average``): the
-        new ``anchor``, ``anchor·since + average / denominator``, into ``anchor`` and the
-        parameters, and the momentum ``average·factor`` over ``average``; ``factor`` ``None``
-        (the allreduce was not applied): the parameters go back to ``anchor``, the momentum to
-        zero."""
+        """After 0/1 Adam's allreduce of :meth:`sync_progress`'s buffer, from its ``result``
+        (the phase-2 message as received and its scales, :meth:`~onebit.model_allreduce.
+        ModelAllreduce.commit`), the average ``u``: the new ``anchor``, ``anchor·since + u /
+        denominator``, into ``anchor`` and the parameters, and the ``momentum`` ``u·factor``;
+        ``result`` ``None`` (the allreduce was not applied): the parameters go back to
+        ``anchor``, the momentum to zero."""
         blocks = self.worker
+        bits, scales = (anchor.view(torch.uint8).view(1, -1), anchor) if result is None else result
         _sync_apply_pass[(blocks.blocks,)](
-            bases, average, denominator, anchor, since, since if factor is None else factor,
+            bases, bits, bits.stride(0), scales, momentum, denominator, anchor, since, factor,
             self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
             blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
-            blocks.block_buckets, *self.worker_bounds, BLOCK=BLOCK, APPLIED=factor is not None,
+            blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts2,
+            BLOCK=BLOCK, APPLIED=result is not None,
         )  # fmt: skip
 
     # 1-bit LAMB's step after its allreduce.
