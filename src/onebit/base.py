@@ -207,7 +207,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     _rehearsal_options: dict[str, Any] = {}
     """What :func:`~onebit.rehearsal.rehearse` changes in the keyword arguments of its copy, so
-    that the copy's warmup ends after its first step."""
+    that the copy goes through every kind of step within its few steps."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CompressedOptimizer:
         self = super().__new__(cls)
