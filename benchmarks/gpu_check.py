@@ -15,7 +15,8 @@ not stop the rest; the summary gives each part's status, time and the end of its
   ``AdamW(fused=True)`` on both GPU layouts, with state and peak memory;
 * ``kernels``: ``benchmarks/kernels.py``, the kernels' GB/s against a copy;
 * ``launches``: ``benchmarks/launches.py --device cuda``, per step the CUDA kernels, the host
-  synchronisations, and the Triton variants the first steps compile, with their time;
+  synchronisations, and the Triton variants its first step (with the rehearsal that compiles
+  the stage's kernels ahead) and its second compile, with their time;
 * ``frameworks``: the FSDP2 hybrid-sharding examples of Lightning, HF Trainer and (with two
   GPUs or more) Accelerate, through each framework's CUDA code path, a rank per GPU (one GPU
   holds one NCCL rank), each saving a checkpoint;
