@@ -93,8 +93,8 @@ def upload_rows(
     rows: Sequence[Sequence[float]], device: torch.device, dtype: torch.dtype
 ) -> list[Tensor]:
     """Rows of numbers, all of one length, as tensors on ``device`` in one :func:`upload`, each
-    starting on a 16-byte boundary: Triton compiles a variant of a kernel per alignment of its
-    pointer arguments, so that the number of values would otherwise choose the variant."""
+    starting on a 16-byte boundary. Triton compiles a variant of a kernel per alignment of its
+    pointer arguments: rows end to end would make the number of values choose the variant."""
     width = len(rows[0])
     per = 16 // torch.empty((), dtype=dtype).element_size()
     padded = -(-width // per) * per
