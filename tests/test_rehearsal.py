@@ -63,7 +63,8 @@ def _optimizer(name: str, model: torch.nn.Module, options: dict):
         return onebit.ZeroOneAdam(params, lr=1e-3, weight_decay=0.01, var_freeze_step=8,
                                   var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
                                   **settings)  # fmt: skip
-    return getattr(onebit, name)(params, lr=1e-3, weight_decay=0.01, freeze_step=3, **settings)
+    return getattr(onebit, name)(params=params, lr=1e-3, weight_decay=0.01, freeze_step=3,
+                                 **settings)  # fmt: skip
 
 
 def _train(name: str, options: dict, steps: int, rank: int = 0):

@@ -59,8 +59,9 @@ def rehearse(optimizer: CompressedOptimizer) -> None:
         if params:
             groups.append({**group, "params": params, "lr": LR})
     first = groups[0]["params"][0]
+    given = {k: v for k, v in optimizer._constructor_options.items() if k != "params"}
     options: dict[str, Any] = {
-        **optimizer._constructor_options,
+        **given,
         **type(optimizer)._rehearsal_options,
         "process_group": optimizer.process_group,
     }
