@@ -35,6 +35,17 @@ with or without clipping, as 0/1 Adam's compressed steps and syncs do. 1-bit LAM
 bucket at once where its momentum is not packed (here: clipping); packed, a bucket at a time."""
 
 
+def _count(cls: type, method: str, calls: list[int]) -> None:
+    """Count the calls of ``cls.method`` in ``calls[0]`` (in a rank's own process)."""
+    original = getattr(cls, method)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    setattr(cls, method, counted)
+
+
 def _run(rank: int, world_size: int, name: str, whole: bool):
     """``RUNS[name]``'s run with non-finite gradients, every bucket at once or (``whole``
     false) a bucket at a time; with how many steps sent every bucket at once, and how many
@@ -51,21 +62,9 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
         return communicate(self, kind, *args, **kwargs)
 
     base.CompressedOptimizer._communicate = counted_apart
-    for method in ("compress", "signs"):  # 0/1 Adam's sync; 1-bit Adam's compression step
-        original = getattr(triton_model.ModelPasses, method)
-
-        def counted(self, *args, _original=original, **kwargs):
-            took[0] += 1
-            return _original(self, *args, **kwargs)
-
-        setattr(triton_model.ModelPasses, method, counted)
-    progress = triton_model.ModelPasses.sync_progress
-
-    def counted_sync(self, *args, **kwargs):
-        fused[0] += 1
-        return progress(self, *args, **kwargs)
-
-    triton_model.ModelPasses.sync_progress = counted_sync
+    for method in ("compress", "signs"):  # the allreduce's input; 1-bit Adam's compression
+        _count(triton_model.ModelPasses, method, took)
+    _count(triton_model.ModelPasses, "sync_progress", fused)  # 0/1 Adam's sync
     if not whole:
         base.CompressedOptimizer._model_allreduce = lambda self: None
         momentum.PackedMomentumStage.passes = lambda self: None
@@ -108,13 +107,7 @@ def _sync_run(rank: int, world_size: int, fused: bool) -> tuple[list, int]:
 
     use_backend("triton")
     took = [0]
-    progress = triton_model.ModelPasses.sync_progress
-
-    def counted(self, *args, **kwargs):
-        took[0] += 1
-        return progress(self, *args, **kwargs)
-
-    triton_model.ModelPasses.sync_progress = counted
+    _count(triton_model.ModelPasses, "sync_progress", took)
     if not fused:
         onebit.ZeroOneAdam._sync_passes = lambda self, grads: None
     torch.manual_seed(0)

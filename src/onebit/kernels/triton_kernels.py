@@ -228,6 +228,18 @@ def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, pres
 
 
 @triton.jit
+def _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
+              USE_INV: tl.constexpr):  # fmt: skip
+    """Each element's gradient, read in place through its run's tensor (:func:`_run_pointers`;
+    zeros without one), times ``inv`` where ``USE_INV`` (a GradScaler's inverse scale)."""
+    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
+    g = tl.load(at, mask=readable, other=0.0)
+    if USE_INV:
+        g = g * inv
+    return g
+
+
+@triton.jit
 def _lerp(m, g, coeff, SMALL: tl.constexpr):
     """``torch.lerp(m, g, w)`` as torch rounds it, one FMA: ``coeff`` and ``SMALL`` are
     :func:`lerp_coefficient`'s."""
@@ -266,10 +278,7 @@ def _momentum_pass(
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
     p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
                                                 run_columns, run_params)  # fmt: skip
-    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
-    g = tl.load(at, mask=readable, other=0.0)
-    if USE_INV:
-        g = g * inv
+    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV)
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:

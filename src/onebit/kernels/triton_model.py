@@ -34,6 +34,7 @@ from .triton_kernels import (
     Tiling,
     _bit,
     _emit,
+    _gradient,
     _lerp,
     _packed_momentum,
     _piece_columns,
@@ -108,10 +109,7 @@ def _worker_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
-    g = tl.load(at, mask=readable, other=0.0)
-    if USE_INV:
-        g = g * inv
+    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV)
     chunk = tl.load(chunks + bucket)
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
@@ -264,11 +262,8 @@ def _sync_progress_pass(
     p = tl.load(at, mask=has, other=0.0)
     d = tl.load(denominator + start + local, mask=present, other=1.0)
     if STEP:
-        g_at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local,
-                                       present)  # fmt: skip
-        g = tl.load(g_at, mask=readable, other=0.0)
-        if USE_INV:
-            g = g * inv
+        g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
+                      USE_INV)  # fmt: skip
         m = tl.load(momentum + start + local, mask=present, other=0.0)
         m = _lerp(m, g, coeff, SMALL)
         w = tl.load(decay + param, mask=present, other=1.0)
