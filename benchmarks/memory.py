@@ -3,6 +3,7 @@
     python benchmarks/memory.py                      # 2 gloo ranks, a 16.8M-parameter MLP
     python benchmarks/memory.py --world-size 4 --width 1024
     python benchmarks/memory.py --world-size 4 --shard 2   # and sharded by FSDP2, 2 x 2
+    python benchmarks/memory.py --loops                    # in the loops users run
 
 Each optimizer runs in fresh processes, one per rank, through its warmup and into its
 compression stage (ZeroOneAdam: through phase A into phase B, with local steps and syncs). Each
@@ -30,6 +31,11 @@ rows ``+HSDP`` follow: ``AdamW+HSDP`` is torch's own (``fully_shard`` on the 2-D
 optimizers shard on the mesh's shard dimension and average across nodes themselves
 (:mod:`onebit.fsdp`). Their state is per rank, for its shards; the model size stays the whole
 model's. Then the state of a 1B and a 7B model is computed from the measured fractions.
+
+With ``--loops``, AdamW+DDP, OnebitAdam and OnebitLamb run in each loop of :data:`LOOPS`
+(clipping, a GradScaler, ``overlap_backward``, ``exp_avg_mask``, the DDP comm hook, bf16
+parameters), each row against its targets; a onebit row whose momentum is not kept packed says
+why. The bf16 rows count bytes per parameter, next to AdamW's on the same bf16 parameters.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ import onebit
 from onebit.train.launch import run_ranks
 
 OPTIMIZERS = ("AdamW", "AdamW+DDP", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
+
+LOOPS = ("plain", "max_grad_norm", "GradScaler", "overlap_backward", "exp_avg_mask",
+         "ddp_comm_hook", "bf16")  # fmt: skip
+"""The training loops of ``--loops``: ``max_grad_norm=1.0`` (``clip_grad_norm_`` for AdamW), a
+``GradScaler``, ``overlap_backward=True`` (OnebitAdam only), an all-ones ``exp_avg_mask`` on the
+first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters."""
+
+UNPACKED = {
+    "overlap_backward": "fp32 momentum: the fused passes run in step(), not in backward's hooks",
+    "exp_avg_mask": "fp32 momentum: a masked momentum is not +-scale everywhere",
+    "bf16": "fp32 momentum: the fused passes update fp32 parameters only",
+}
+"""Why a loop keeps the onebit momentum in fp32 (:func:`onebit.momentum.applies`)."""
 
 
 def _rss() -> int:
@@ -102,14 +121,24 @@ def _storage_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _make(
-    name: str, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None
+    name: str,
+    params: list[torch.nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    loop: str = "plain",
 ) -> tuple[torch.optim.Optimizer, int]:
-    """The optimizer (the onebit ones across ``group``) and how many steps take it well into
-    its compression stage."""
+    """The optimizer (the onebit ones across ``group``, with what ``loop`` asks of them) and
+    how many steps take it well into its compression stage."""
     if name == "AdamW":
         return torch.optim.AdamW(params, lr=1e-3), 4
+    options: dict = {}
+    if loop == "max_grad_norm":
+        options["max_grad_norm"] = 1.0
+    elif loop == "overlap_backward":
+        options["overlap_backward"] = True
+    elif loop == "exp_avg_mask":
+        options["exp_avg_mask"] = {params[0]: torch.ones_like(params[0])}
     if name == "OnebitAdam":
-        return onebit.OnebitAdam(params, lr=1e-3, freeze_step=2, process_group=group), 5
+        return onebit.OnebitAdam(params, lr=1e-3, freeze_step=2, process_group=group, **options), 5
     if name == "ZeroOneAdam":
         opt = onebit.ZeroOneAdam(
             params,
@@ -120,7 +149,7 @@ def _make(
             process_group=group,
         )
         return opt, 12
-    return onebit.OnebitLamb(params, lr=1e-3, freeze_step=2, process_group=group), 5
+    return onebit.OnebitLamb(params, lr=1e-3, freeze_step=2, process_group=group, **options), 5
 
 
 def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGroup:
@@ -140,57 +169,74 @@ def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGr
 
 
 def _run(
-    name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1
-) -> tuple[dict[str, int], dict[str, int]]:
-    """Step ``name`` through its stages; return its largest state and peak per stage.
+    name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1, loop: str = "plain"
+) -> tuple[dict[str, int], dict[str, int], bool]:
+    """Step ``name`` through its stages in ``loop``; return its largest state and peak per
+    stage, and whether a onebit optimizer kept its momentum packed.
 
     ``AdamW+DDP`` runs forward and backward under ``DistributedDataParallel`` (whose gradient
     buckets are not optimizer state: they show in its peak only); ``+HSDP`` shards the model
     with FSDP2 over ``shards`` ranks per node.
     """
     model = torch.nn.Sequential(*layers)
-    x = torch.randn(4, layers[0].in_features)
+    if loop == "bf16":
+        model.bfloat16()
+    x = torch.randn(4, layers[0].in_features, dtype=next(model.parameters()).dtype)
     group = None
     if name.endswith("+HSDP"):
         group = _shard(model, name.removesuffix("+HSDP"), shards)
-    forward = torch.nn.parallel.DistributedDataParallel(model) if name == "AdamW+DDP" else model
     params = list(model.parameters())
-    opt, steps = _make(name.split("+")[0], params, group)
+    opt, steps = _make(name.split("+")[0], params, group, loop)
+    forward = model
+    if name == "AdamW+DDP" or (loop == "ddp_comm_hook" and name.startswith("Onebit")):
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        if name != "AdamW+DDP":
+            forward.register_comm_hook(opt, onebit.ddp_comm_hook)
     if group is not None and name != "AdamW+HSDP":
         onebit.fsdp.attach(model, opt)
+    scaler = torch.amp.GradScaler("cpu") if loop == "GradScaler" else None
     state: dict[str, int] = {}
     peaks: dict[str, int] = {}
     for _ in range(steps):
         stage = getattr(opt, "stage", "-")
         _reset_peak_rss()
         opt.zero_grad()
-        forward(x).sum().backward()
-        opt.step()
+        loss = forward(x).float().sum()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if loop == "max_grad_norm" and name.startswith("AdamW"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         peaks[stage] = max(peaks.get(stage, 0), _peak_rss() - before)
         state[stage] = max(state.get(stage, 0), _storage_bytes(opt))
-    return state, peaks
+    return state, peaks, getattr(opt, "_fused", None) is not None
 
 
 def _rank(
-    rank: int, world_size: int, name: str, width: int, depth: int, shards: int = 1
-) -> tuple[int, dict[str, int], dict[str, int]]:
-    """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage."""
-    _run(name, [torch.nn.Linear(64, 64)], shards=shards)  # page code in, warm pools
+    rank: int, world_size: int, name: str, width: int, depth: int, shards: int = 1,
+    loop: str = "plain",
+) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
+    """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage,
+    and whether the momentum was kept packed."""
+    _run(name, [torch.nn.Linear(64, 64)], shards=shards, loop=loop)  # page code in, warm pools
     torch.manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(depth)]
     model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
-    state, peaks = _run(name, layers, before, shards)
-    return model_bytes, state, peaks
+    return model_bytes, *_run(name, layers, before, shards, loop)
 
 
 def measure(
-    name: str, world_size: int, width: int, depth: int, shards: int = 1
-) -> tuple[int, int, dict]:
-    """Rank 0's model bytes, largest optimizer state and peak per stage, in fresh processes."""
+    name: str, world_size: int, width: int, depth: int, shards: int = 1, loop: str = "plain"
+) -> tuple[int, dict[str, int], dict[str, int], bool]:
+    """Rank 0's model bytes, largest optimizer state and peak per stage, and whether the
+    momentum was kept packed, in fresh processes."""
     return run_ranks(
-        _rank, world_size, name, width, depth, shards, timeout=None, collective_timeout=300
+        _rank, world_size, name, width, depth, shards, loop, timeout=None, collective_timeout=300
     )[0]
 
 
@@ -202,7 +248,10 @@ def main() -> None:
     parser.add_argument(
         "--shard", type=int, default=1, metavar="S", help="also shard with FSDP2, S ranks per node"
     )
+    parser.add_argument("--loops", action="store_true", help="one row per training loop")
     args = parser.parse_args()
+    if args.loops:
+        return _loops(args.world_size, args.width, args.depth)
     numel = args.depth * (args.width * args.width + args.width)
     print(
         f"model: {args.depth} x Linear({args.width}, {args.width}), {numel / 1e6:.1f}M parameters, "
@@ -215,7 +264,7 @@ def main() -> None:
         names += [f"{name}+HSDP" for name in OPTIMIZERS if name != "AdamW+DDP"]
     largest = {}
     for name in names:
-        model_bytes, state, peaks = measure(
+        model_bytes, state, peaks, _ = measure(
             name, args.world_size, args.width, args.depth, args.shard
         )
         cells = ", ".join(
@@ -231,6 +280,38 @@ def main() -> None:
         target = (2 + 1 / r + 1 / 16) / s
         print(f"OnebitAdam+HSDP's target (issue 22): at most (2 + 1/R + 1/16)/S = {target:.3f}")
         _computed(largest, r, s)
+
+
+def _loops(world_size: int, width: int, depth: int) -> None:
+    """A row per optimizer and training loop: the largest state after the warmup (AdamW: its
+    state) and the largest peak of a step, with the targets: OnebitAdam's state at most
+    2 + 1/n + 1/16 model sizes, OnebitLamb's 3 + 1/n + 1/16, and each peak within 0.5 of
+    AdamW+DDP's in the same loop."""
+    n = world_size
+    targets = {"OnebitAdam": 2 + 1 / n + 1 / 16, "OnebitLamb": 3 + 1 / n + 1 / 16}
+    print(f"model: {depth} x Linear({width}, {width}); {n} gloo ranks; figures for rank 0")
+    print("state after the warmup (AdamW: its state) and the largest peak of a step, in model")
+    print("sizes (fp32 bytes of the parameters; bf16: in bytes per parameter)")
+    print(f"{'loop':<17}{'optimizer':<12}{'state':>7}{'target':>8}{'peak':>7}{'vs DDP':>8}  note")
+    for loop in LOOPS:
+        ddp_peak = None
+        for name in ("AdamW+DDP", "OnebitAdam", "OnebitLamb"):
+            if loop == "overlap_backward" and name == "OnebitLamb":
+                continue
+            model_bytes, state, peaks, packed = measure(name, n, width, depth, loop=loop)
+            unit = model_bytes / 4 if loop == "bf16" else model_bytes
+            after = [b for stage, b in state.items() if stage not in ("warmup", "variance")]
+            held, peak = max(after) / unit, max(peaks.values()) / unit
+            ddp_peak = peak if ddp_peak is None else ddp_peak
+            target = targets.get(name)
+            if target is not None and loop == "bf16":
+                target *= 4
+            note = ""
+            if target is not None:
+                ok = held <= target and peak <= ddp_peak + (2.0 if loop == "bf16" else 0.5)
+                note = ("ok" if ok else "MISSED") + ("" if packed else f"; {UNPACKED[loop]}")
+            cells = f"{held:>7.3f}{'' if target is None else f'{target:.3f}':>8}{peak:>7.2f}"
+            print(f"{loop:<17}{name:<12}{cells}{peak - ddp_peak:>+8.2f}  {note}")
 
 
 def _computed(largest: dict[str, float], replicas: int, shards: int) -> None:

@@ -102,22 +102,6 @@ def test_buckets_launch_last_first_each_gathered_unscaled_and_prepared():
     assert recorder.opened == len(buckets)
 
 
-def test_gather_then_launch_without_fill_keeps_the_norms_for_the_headers():
-    model = _model()
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    recorder = Recorder()
-    bucketer = _bucketer(model, recorder, clip=True)
-    assert not bucketer.gather(None, norm=True)
-    bucketer.launch_all("compressed", fill=False)
-    assert recorder.prepared == []  # the caller prepared the buffer itself
-    sizes = {k: e - s for k, (s, e) in enumerate(bucketer.layout.buckets)}
-    assert all(norm2 == pytest.approx(sizes[k]) for k, _, norm2 in recorder.headers)
-    recorder.headers.clear()
-    bucketer.launch_all("compressed", fill=False)  # the norms were this step's only
-    assert all(norm2 is None for _, _, norm2 in recorder.headers)
-
-
 def test_fill_reports_a_sparse_gradient_and_unscales_low_precision_in_fp32():
     embedding = torch.nn.Embedding(6, 2, sparse=True)
     linear = torch.nn.Linear(2, 3).to(torch.bfloat16)

@@ -104,33 +104,63 @@ def test_max_grad_norm_that_never_binds_is_bitwise_no_clipping(name):
             assert all_equal(a, b)
 
 
+def _own_clip_run(rank, world_size, name, by_hand):
+    """max_grad_norm on the 1-bit steps only, or no max_grad_norm and each rank's own
+    clip_grad_norm_ before those steps (``by_hand``)."""
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    history, norms = [], []
+    for step in range(1, 9):
+        opt.zero_grad()
+        loss_of(model, step, rank).backward()
+        local, one_bit = None, opt.stage not in ("warmup", "variance")  # this step's
+        if one_bit and by_hand:
+            local = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        elif not by_hand:
+            opt.max_grad_norm = MAX_NORM if one_bit else None
+        opt.step()
+        history.append(params_of(model))
+        norms.append((local, opt.grad_norm, opt.comm_stats.last_step_stage))
+    return history, norms
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_compressed_steps_clip_by_the_mean_of_the_local_norms(name):
-    results = run_ranks(_clip_run, 2, name, MAX_NORM)
+def test_one_bit_steps_clip_each_ranks_own_gradient_as_clip_grad_norm_would(name):
+    """Every step that sends 1 bit (or none: 0/1 Adam's local steps) clips the rank's own
+    gradient before it is sent: bitwise the rank's own clip_grad_norm_, packed momentum and
+    all."""
+    ours = run_ranks(_own_clip_run, 2, name, False)
+    by_hand = run_ranks(_own_clip_run, 2, name, True)
     unclipped = run_ranks(_clip_run, 2, name, None)
-    checked = 0
-    for (stage, local0, norm0), (_, local1, norm1) in zip(results[0][1], results[1][1]):
-        if stage == "compression":
-            mean = (local0 + local1) / 2
-            assert norm0 == norm1 == pytest.approx(mean, rel=1e-5)
-            checked += 1
-        elif stage in ("local", "sync"):  # 0/1 Adam's local moves clip each rank's gradient
-            assert (norm0, norm1) == pytest.approx((local0, local1), rel=1e-5)
-            checked += 1
-    assert checked >= 3
-    last = results[0][0][-1]
-    assert all(torch.isfinite(p).all() for p in last)
-    assert not all_equal(last, unclipped[0][0][-1])  # clipping changed the run
+    for (want, hand_norms), (got, norms), (plain, _) in zip(by_hand, ours, unclipped):
+        for a, b in zip(want, got):
+            assert all_equal(a, b)
+        clipped = [(local, norm) for (local, _, _), (_, norm, _) in zip(hand_norms, norms)
+                   if local is not None]  # fmt: skip
+        assert len(clipped) >= 4 and all(local > MAX_NORM for local, _ in clipped)
+        assert all(norm == pytest.approx(local, rel=1e-6) for local, norm in clipped)
+        assert not all_equal(plain[-1], got[-1])  # clipping changed the run
     if name != "zero_one":
-        assert all_equal(last, results[1][0][-1])  # replicas stay identical
+        assert all_equal(ours[0][0][-1], ours[1][0][-1])  # replicas stay identical
 
 
-def test_overlap_with_max_grad_norm_is_bitwise_the_plain_step():
+def test_overlap_clips_the_result_by_the_mean_of_the_local_norms():
+    """With overlap_backward the buckets leave before the whole gradient's norm is known:
+    warmup steps are bitwise the plain ones, and 1-bit steps clip the result by the mean of
+    the ranks' norms, which their headers carried."""
     plain = run_ranks(_clip_run, 2, "adam", MAX_NORM)
     overlapped = run_ranks(_clip_run, 2, "adam", MAX_NORM, True)
     for (want, _), (got, _) in zip(plain, overlapped):
-        for a, b in zip(want, got):
-            assert all_equal(a, b)
+        for t in range(3):  # the warmup
+            assert all_equal(want[t], got[t])
+        assert not all_equal(want[-1], got[-1])
+    assert all_equal(overlapped[0][0][-1], overlapped[1][0][-1])
+    checked = 0
+    for (stage, local0, norm0), (_, local1, norm1) in zip(overlapped[0][1], overlapped[1][1]):
+        if stage == "compression":
+            assert norm0 == norm1 == pytest.approx((local0 + local1) / 2, rel=1e-5)
+            checked += 1
+    assert checked == 5
 
 
 def _edit_after_overlapped_backward(rank, world_size, edit):

@@ -49,7 +49,7 @@ def _reference_onebit_adam(
     """SPEC section 3 for all ranks at once; parameters are the same on every rank.
 
     With ``max_grad_norm``, the averaged gradient is clipped by its norm in warmup, and in the
-    compression stage the momentum's gradient part by the mean of the ranks' local norms.
+    compression stage each rank's gradient by its own norm, before it is sent.
 
     The arithmetic is written with AdamW's primitives (lerp, addcmul, addcdiv): a 1-bit sign is
     a discontinuous function of its input, so rounding differences of 1 ulp would make two
@@ -77,9 +77,8 @@ def _reference_onebit_adam(
             v = v.mul(beta2).addcmul(g, g, value=1 - beta2)
             bc2 = 1 - beta2**t
         else:
-            compressed = allreduce([m.lerp(g_r, 1 - beta1) for g_r in grads])
-            norm = sum(g_r.norm() for g_r in grads) / world_size
-            m = m.mul(beta1).lerp(compressed, _clip_coefficient(norm, max_grad_norm))
+            clipped = [g_r * _clip_coefficient(g_r.norm(), max_grad_norm) for g_r in grads]
+            m = allreduce([m.lerp(g_r, 1 - beta1) for g_r in clipped])
             bc2 = 1 - beta2**freeze_step
         denom = (v.sqrt() / math.sqrt(bc2)).add(eps)
         offset = 0

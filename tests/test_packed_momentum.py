@@ -27,7 +27,11 @@ def _model() -> torch.nn.Module:
 
 
 def _optimizer(
-    model: torch.nn.Module, fused: bool, name: str = "OnebitAdam", freeze_step: int = FREEZE
+    model: torch.nn.Module,
+    fused: bool,
+    name: str = "OnebitAdam",
+    freeze_step: int = FREEZE,
+    max_grad_norm: float | None = None,
 ) -> onebit.OnebitAdam | onebit.OnebitLamb:
     layers = list(model.children())
     groups = [
@@ -38,7 +42,9 @@ def _optimizer(
     if not fused:
         momentum.applies = lambda *args: False
     try:
-        opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64)
+        opt = getattr(onebit, name)(
+            groups, freeze_step=freeze_step, bucket_size=64, max_grad_norm=max_grad_norm
+        )
     finally:
         momentum.applies = saved
     assert (opt._fused is not None) == fused
@@ -68,10 +74,12 @@ def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
 
 
-def _run(rank, world_size, name, fused, resume_fused):
+def _run(rank, world_size, name, fused, resume_fused, max_grad_norm=None):
     model = _model()
-    opt, scaler = _optimizer(model, fused, name), _scaler()
+    opt, scaler = _optimizer(model, fused, name, max_grad_norm=max_grad_norm), _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
+    if max_grad_norm is not None:  # the compression step clipped
+        assert opt.stage == "compression" and opt.grad_norm > 2 * max_grad_norm
     if fused:
         assert "exp_avg" not in opt.state[model[0].weight]  # packed
         assert opt.comms[0].worker_error.data_ptr() == opt._exp_avg.data_ptr()
@@ -86,18 +94,22 @@ def _run(rank, world_size, name, fused, resume_fused):
     checkpoint = torch.load(saved, weights_only=True)
     model2 = _model()
     model2.load_state_dict(checkpoint["model"])
-    opt2, scaler2 = _optimizer(model2, resume_fused, name), _scaler()
+    opt2 = _optimizer(model2, resume_fused, name, max_grad_norm=max_grad_norm)
+    scaler2 = _scaler()
     opt2.load_state_dict(checkpoint["opt"])
     scaler2.load_state_dict(checkpoint["scaler"])
     resumed = _steps(model2, opt2, scaler2, rank, 5, STEPS)
     return history, state, resumed
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
 @pytest.mark.parametrize("name", STATE)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name):
-    fused = run_ranks(_run, world_size, name, True, False)
-    unfused = run_ranks(_run, world_size, name, False, True)
+def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name, max_grad_norm):
+    """Through AMP, a missing gradient, a skipped step and a resume; with ``max_grad_norm``,
+    each rank clips its own gradient by a factor the fused passes multiply it by."""
+    fused = run_ranks(_run, world_size, name, True, False, max_grad_norm)
+    unfused = run_ranks(_run, world_size, name, False, True, max_grad_norm)
     for (history, state, resumed), (want, want_state, want_resumed) in zip(fused, unfused):
         for t, (got, expected) in enumerate(zip(history, want)):
             assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"

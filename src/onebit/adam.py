@@ -56,7 +56,10 @@ class OnebitAdam(CompressedOptimizer):
         max_grad_norm: clip gradients to this global norm (``None``: no clipping). Use it
             instead of ``torch.nn.utils.clip_grad_norm_``, which would clip each rank's local
             gradient. In warmup it clips the averaged gradient exactly as DDP +
-            ``clip_grad_norm_`` + AdamW; in the compression stage see ``docs/SPEC.md``.
+            ``clip_grad_norm_`` + AdamW; in the compression stage, where the average is never
+            formed, each rank clips its own gradient before it is sent (with
+            ``overlap_backward``: the result, by the mean of the ranks' norms; see
+            ``docs/SPEC.md``).
         auto_freeze: knobs of ``freeze_step="auto"``.
         overlap_backward: start each bucket's communication during ``backward()``, as soon as
             its gradients are final, as DDP does. Results are bitwise the same as without it.
@@ -91,7 +94,7 @@ class OnebitAdam(CompressedOptimizer):
     * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
       once) and ``exp_avg``;
     * on the fused path (fp32 parameters with the C kernels on the CPU or the Triton kernels on
-      CUDA, a scale per tensor, no ``max_grad_norm``, ``exp_avg_mask`` or ``overlap_backward``),
+      CUDA, a scale per tensor, no ``exp_avg_mask`` or ``overlap_backward``),
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
       buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then
@@ -154,9 +157,8 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg = self.flat.zeros(padded=True)
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
-        clip, masked = self.max_grad_norm is not None, bool(self._masks)
-        params, scale_per = self.layout.params, self.scale_per
-        if not self.overlap_backward and momentum.applies(params, scale_per, clip, masked):
+        params, scale_per, masked = self.layout.params, self.scale_per, bool(self._masks)
+        if not self.overlap_backward and momentum.applies(params, scale_per, masked):
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
 
     def _set_frozen(self, frozen: bool) -> None:
@@ -190,6 +192,8 @@ class OnebitAdam(CompressedOptimizer):
         self._start_step()
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         stage, t = self.stage, self.num_steps + 1
+        if stage == "compression" and not self.overlap_backward:
+            self._clip_own_gradient()
         fused = stage == "compression" and self._packed_stage() is not None
         fused_adam = stage == "warmup" and self._fused_adam_applies(t)
         if stage == "warmup":
@@ -198,14 +202,14 @@ class OnebitAdam(CompressedOptimizer):
             applied, nbytes = self._fused_compressed_step()
         else:
             g = self._grads
-            clip = self.max_grad_norm is not None
+            clip_result = self.bucketer.clip  # sent during backward: SPEC 6
             if self._at_once():
                 applied, nbytes = self._momentum_at_once(m, g)
-                if applied and not clip:
+                if applied:
                     m.copy_(g)
             else:
-                applied, nbytes = self._communicate("compressed", out=g if clip else m)
-            if applied and clip:  # m = β1·m + c·(compressed - β1·m), SPEC 3
+                applied, nbytes = self._communicate("compressed", out=g if clip_result else m)
+            if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
                 m.mul_(self._beta1).lerp_(g, self._compressed_clip_coefficient())
             if applied:
                 self._apply_mask_(m)
@@ -231,9 +235,8 @@ class OnebitAdam(CompressedOptimizer):
         """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
         at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
         ``_communicate``, bit for bit, in a number of kernels that does not grow with the
-        buckets). Without the packed momentum: ``max_grad_norm``, ``exp_avg_mask`` or one
-        scale per bucket."""
-        self._gather_grads(norms=True)
+        buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
+        self._gather_grads()
         torch.lerp(m, g, 1 - self._beta1, out=g)
         return self._compressed_allreduce()
 

@@ -190,8 +190,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
         skipped_steps: steps skipped on every rank because some rank had a non-finite gradient.
         grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
-            without clipping): the averaged gradient's in full-precision steps, the mean of the
-            ranks' local norms in compressed ones, the rank's own in 0/1 Adam's local steps.
+            without clipping): the averaged gradient's in full-precision steps, the rank's own
+            in 1-bit and local steps, the mean of the ranks' under ``overlap_backward``.
     """
 
     _step_supports_amp_scaling = True
@@ -408,7 +408,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.warmup_comms,
             self.process_group,
             HEADER_NUMEL,
-            clip=self.max_grad_norm is not None,
+            clip=self.max_grad_norm is not None and self.overlap_backward,
             overlap=self.overlap_backward,
             open_step=functools.partial(self._begin_step, follow=False),
             close_step=self._close_step,
@@ -841,12 +841,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
     ) -> tuple[bool, int]:
         """Complete compressed or quantized calls started with headers: check the headers, then
         serve and decompress (:func:`~onebit.comm.commit_compressed_`). For 1-bit
-        ``gradients``, note the mean of the ranks' gradient norms that ``max_grad_norm`` clips
-        with (a quantized average is clipped as an fp32 one, by its own norm)."""
+        ``gradients`` sent during backward (``overlap_backward``), note the mean of the ranks'
+        gradient norms that ``max_grad_norm`` clips the result with (a quantized average is
+        clipped as an fp32 one, by its own norm)."""
         comms = self.bucketer.comms_for(kind)
         finite = scales_finite(comms, calls)
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
-        clipped = gradients and kind == "compressed" and self.max_grad_norm is not None
+        clipped = gradients and kind == "compressed" and self.bucketer.clip
         applied, norms2 = self._buckets_verdict(headers, finite, clipped)
         if applied:
             commit_compressed_(comms, calls, outputs)
@@ -867,32 +868,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
             norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
         return self._verdict(first, finite, norms2)
 
-    def _reduce_compressed(
-        self, flat: Tensor, norms2: Tensor | None = None, post: Tensor | None = None
-    ) -> tuple[bool, int]:
+    def _reduce_compressed(self, flat: Tensor, post: Tensor | None = None) -> tuple[bool, int]:
         """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
         every bucket with its padding) times ``post`` (``layout.numel``, if given: multiplied
         in the worker's pass where the backend can), with headers; returns (applied, bytes
         sent). Not applied leaves the error buffers as they were and ``flat`` holding what it
         sent plus the error.
 
-        ``flat`` holds values that are not gradients (0/1 Adam's sync), or, with ``norms2``
-        (each bucket's squared gradient norm, ``[buckets]``: see :meth:`Bucketer.gather`), what
-        a compressed step sends in their place (1-bit Adam's momentum with ``max_grad_norm``);
-        the step then notes the mean of the ranks' norms it clips with, as
-        :meth:`_finish_compressed` does. Only every bucket at once
-        (:meth:`_model_allreduce`) takes ``norms2``."""
+        ``flat`` holds gradients, what a compressed step sends in their place (1-bit Adam's
+        momentum), or values that are not gradients (0/1 Adam's sync)."""
         self._begin_step()
         model = self._model_allreduce()
         if model is not None:  # every bucket at once
             applied, call = self._phase1_at_once(
-                model, lambda headers: model.start(flat, headers, post), norms2
+                model, lambda headers: model.start(flat, headers, post)
             )
             if applied:
                 model.commit(call)
             return applied, sum(c.bytes_per_call for c in self.comms)
-        if norms2 is not None:
-            raise RuntimeError("norms2 needs every bucket at once (_model_allreduce)")
         if post is not None:
             flat[: self.layout.numel].mul_(post)
         buffers = self.layout.bucket_views(flat, padded=True)
@@ -905,24 +898,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._finish_compressed(calls, outputs, gradients=False)
 
     def _phase1_at_once(
-        self,
-        model: ModelAllreduce,
-        start: Callable[[Tensor], ModelCall],
-        norms2: Tensor | None = None,
+        self, model: ModelAllreduce, start: Callable[[Tensor], ModelCall]
     ) -> tuple[bool, ModelCall]:
         """Phase 1 of every bucket at once, ``start(headers)``, and its verdict: whether every
-        rank's scales are finite and the headers agree (``norms2``: see
-        :meth:`_reduce_compressed`, which notes the norm clipped with). The caller commits."""
-        headers = self._step_headers()
-        if norms2 is not None:  # the header, sent once, carries the sum of the buckets'
-            headers = headers.clone()
-            headers[:, 3] = norms2.reshape(1, -1).sum(1)
-        call = start(headers)
-        header, largest = model.received(call)
-        total = None if norms2 is None else self.shards.sum_(header[:, 3].clone())
-        applied, norms = self._verdict(header, largest, total)
-        if applied and norms is not None:
-            self.grad_norm = float(norms.sqrt().mean())
+        rank's scales are finite and the headers agree. The caller commits."""
+        call = start(self._step_headers())
+        applied, _ = self._verdict(*model.received(call))
         return applied, call
 
     def _reduce_quantized(self, model: ModelQuantized, out: Tensor) -> tuple[bool, int]:
@@ -970,11 +951,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._headers[:, 2] = float(self._status)
         return self._headers
 
-    def _gather_grads(self, norms: bool = False) -> Tensor:
-        """Copy (and unscale) every ``.grad`` into the flat gradient buffer; ``None`` counts as
-        zero. ``norms`` for a compressed step (see :meth:`Bucketer.fill`)."""
+    def _gather_grads(self) -> Tensor:
+        """Copy (and unscale, and clip: :meth:`_clip_own_gradient`) every ``.grad`` into the
+        flat gradient buffer; ``None`` counts as zero."""
         self._begin_step()
-        if self.bucketer.gather(self._inv_scale, norms):
+        if self.bucketer.gather(self._inv_scale):
             self._status = 1
         return self._grads
 
@@ -986,14 +967,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _compressed_allreduce(self) -> tuple[bool, int]:
         """Compressed allreduce, in place, of the flat gradient buffer that
-        ``_gather_grads(norms=True)`` filled (then changed as the step sends it); return
+        :meth:`_gather_grads` filled (then changed as the step sends it); return
         (applied, bytes sent). Not applied means some rank had a non-finite value, and nothing
         but the buffer changed. Every bucket at once where :meth:`_at_once`, else a bucket at
         a time, bit for bit the same."""
         if self._at_once():
             flat = self.bucketer.grads[: self.layout.padded_numel]  # y keeps the padding
-            norms2 = self.bucketer.gathered_norms2() if self.max_grad_norm is not None else None
-            return self._reduce_compressed(flat, norms2)
+            return self._reduce_compressed(flat)
         return self._communicate("compressed", self._grads, fill=False)
 
     # Gradient clipping (max_grad_norm) and exp_avg_mask.
@@ -1010,9 +990,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def grad_norm(self) -> float | None:
-        """The global gradient norm the last step clipped with (``max_grad_norm``; ``None``
-        before one has): the averaged gradient's on full-precision steps, the mean of the
-        ranks' local norms on compressed ones."""
+        """The gradient norm the last step clipped with (``max_grad_norm``; ``None`` before one
+        has): see the class's ``grad_norm`` attribute."""
         if torch.is_tensor(self._grad_norm):
             self._grad_norm = float(host.read(self._grad_norm))
         return self._grad_norm
@@ -1022,11 +1001,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._grad_norm = value
 
     def _compressed_clip_coefficient(self) -> float:
-        """The clipping coefficient of a compressed step: ``max_grad_norm`` over the mean of the
-        ranks' local gradient norms (the same on every rank; 1 without clipping)."""
+        """The clipping coefficient of a compressed step under ``overlap_backward``:
+        ``max_grad_norm`` over the mean of the ranks' local gradient norms, which the buckets'
+        headers carried (the same on every rank; 1 without clipping)."""
         if self.max_grad_norm is None or self.grad_norm is None:
             return 1.0
         return float(clip_coefficient(torch.tensor(self.grad_norm), self.max_grad_norm))
+
+    def _own_clip(self, grads: list[Tensor]) -> list[Tensor]:
+        """This rank's gradient norm (``grads`` unscaled, whole layers across shards) and the
+        coefficient that clips it to ``max_grad_norm``, on the device."""
+        norm = torch.linalg.vector_norm(layer_norms(grads))
+        norm = self.shards.combine(norm.reshape(1))[0] * (self._inv_scale or 1.0)
+        return [norm, clip_coefficient(norm, self.max_grad_norm)]
+
+    def _clip_own_gradient(self) -> None:
+        """Open a 1-bit gradient step with ``max_grad_norm``: this rank clips its own gradient
+        before anything is sent (SPEC 6), by folding the coefficient into the inverse loss
+        scale that every pass multiplies the gradient by, so that clipping costs one read of
+        the gradients and one read of the device, and the momentum stays what the compressed
+        allreduce returned. A norm that is not finite makes the gradient non-finite, and every
+        rank skips the step."""
+        if self.max_grad_norm is None:
+            return
+        grads = [p.grad for p in self.layout.params]
+        present = [g for g in grads if g is not None and not g.is_sparse]
+        norm, coefficient = host.read_all(self._own_clip(present)).tolist()
+        self.grad_norm = norm
+        scale = (self._inv_scale or 1.0) * coefficient if math.isfinite(norm) else math.nan
+        self._inv_scale = None if scale == 1.0 else scale
 
     def _apply_mask_(self, flat: Tensor) -> None:
         """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""

@@ -49,7 +49,8 @@ class Bucketer:
         warmup_comms: the quantized warmup's communicators (empty for an fp32 warmup).
         process_group: the group the fp32 allreduce runs on.
         header_numel: the length of one rank's header.
-        clip: note each compressed bucket's squared gradient norm for its header.
+        clip: note each compressed bucket's squared gradient norm for its header (under
+            ``overlap``, where the buckets leave before the whole gradient's norm is known).
         overlap: launch each bucket during backward as soon as its gradients are final.
         open_step: opens the optimizer's step (idempotent); runs before any launch.
         close_step: closes it without applying anything, after :meth:`abandon`.
@@ -113,7 +114,6 @@ class Bucketer:
                 self._bucket_sizes[k] += p.requires_grad
         self._pending = list(self._bucket_sizes)
         self._norms2: list[Tensor | None] = [None] * len(self.comms)
-        self._gathered_norms2: Tensor | None = None
         self._index = {id(p): i for i, p in enumerate(params)}
         self._seen_versions: list[int | None] | None = None
         self._hooked_by_ddp = False
@@ -193,22 +193,10 @@ class Bucketer:
             self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse
 
-    def gather(self, inv_scale: float | None, norm: bool = False) -> bool:
+    def gather(self, inv_scale: float | None) -> bool:
         """:meth:`fill` every bucket, in one multi-tensor op for each of its parts whatever the
-        number of buckets; returns whether a sparse gradient was met. The squared norms are
-        :meth:`fill`'s, bit for bit (see :meth:`gathered_norms2`)."""
-        sparse = self._copy_in(0, self.layout.numel, inv_scale, range(len(self.layout.params)))
-        if norm and self.clip:
-            views = [self.grads[start:end] for start, end in self.layout.buckets]
-            self._gathered_norms2 = torch.stack(torch._foreach_norm(views)).square()
-            self._norms2 = list(self._gathered_norms2.unbind())
-        return sparse
-
-    def gathered_norms2(self) -> Tensor:
-        """Each bucket's squared gradient norm (``[buckets]``, on the device) that this step's
-        :meth:`gather` noted."""
-        assert self._gathered_norms2 is not None, "no norms gathered this step"
-        return self._gathered_norms2
+        number of buckets, noting no norm; returns whether a sparse gradient was met."""
+        return self._copy_in(0, self.layout.numel, inv_scale, range(len(self.layout.params)))
 
     def _copy_in(
         self, start: int, end: int, inv_scale: float | None, indices: Iterable[int]
@@ -327,7 +315,6 @@ class Bucketer:
         self.inflight = {}
         self._pending = list(self._bucket_sizes)
         self._norms2 = [None] * len(self.comms)
-        self._gathered_norms2 = None
 
     # Overlap with backward.
 

@@ -99,8 +99,8 @@ class OnebitLamb(CompressedOptimizer):
     ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
     (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
     warmup: AdamW's (momentum and variance), as the fp32 ``.grad`` live in the bucket buffer as
-    in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage, on the CPU with the C
-    kernels (fp32 parameters, ``scale_per="tensor"``, no ``max_grad_norm`` or ``exp_avg_mask``):
+    in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage, with the C kernels on the
+    CPU or Triton on CUDA (fp32 parameters, ``scale_per="tensor"``, no ``exp_avg_mask``):
     three model-sized fp32 buffers (frozen denominator, fresh variance, worker error), the server
     error and the momentum packed to 1 bit (:mod:`onebit.momentum`); ``exp_avg`` then leaves
     ``optimizer.state`` and appears, fp32 and exact, in ``state_dict()``. Elsewhere also the
@@ -191,8 +191,7 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        clip, masked = self.max_grad_norm is not None, bool(self._masks)
-        if momentum.applies(self.layout.params, self.scale_per, clip, masked):
+        if momentum.applies(self.layout.params, self.scale_per, bool(self._masks)):
             self._fused = momentum.PackedMomentumStage(
                 self.layout, self.comms, self._exp_avg, keeps_last=True
             )
@@ -254,6 +253,7 @@ class OnebitLamb(CompressedOptimizer):
     def _compression_step(self) -> None:
         if not self._frozen:
             self._freeze()
+        self._clip_own_gradient()
         if self._packed_stage() is not None:
             applied, nbytes = self._packed_compression_step()
         else:
@@ -277,7 +277,7 @@ class OnebitLamb(CompressedOptimizer):
         m, frozen_denom = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         v_fresh = self._exp_avg_sq_fresh
         assert v_fresh is not None
-        g = self._gather_grads(norms=True)
+        g = self._gather_grads()
         views = self.layout.views(g)
         scaling = self._scaling.tolist()
         torch.lerp(m, g, 1 - beta1, out=g)
@@ -287,10 +287,6 @@ class OnebitLamb(CompressedOptimizer):
             t = self.num_steps + 1
             torch._foreach_div_(views, scaling)
             m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
-            clip = self._compressed_clip_coefficient()
-            if clip < 1.0:  # m = β1·m + (1-β1)·clip·g̃ (SPEC 6), and g̃ clipped
-                g.sub_(m, alpha=(1 - beta1) * (1 - clip))
-                m.mul_(clip)
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
             self._apply_mask_(m)

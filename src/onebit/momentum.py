@@ -13,9 +13,10 @@ optimizer's own state (1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: 
 fresh variance, 8).
 
 It applies to fp32 parameters whose backend has the fused passes (the C kernels on the CPU,
-Triton on CUDA), a scale per tensor, no ``max_grad_norm`` and no ``exp_avg_mask``
-(:func:`applies`); elsewhere the optimizers run the unfused formulation, which gives the same
-bits.
+Triton on CUDA), a scale per tensor and no ``exp_avg_mask`` (:func:`applies`); elsewhere the
+optimizers run the unfused formulation, which gives the same bits. ``max_grad_norm`` costs it
+nothing: each rank clips its own gradient before it is sent, by a factor the passes multiply
+the gradient by with the inverse loss scale, so the momentum stays what the allreduce returned.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(params: Sequence[Tensor], scale_per: str, clip: bool, masked: bool) -> bool:
+def applies(params: Sequence[Tensor], scale_per: str, masked: bool) -> bool:
     """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps."""
     return (
         scale_per == "tensor"
-        and not clip
         and not masked
         and sum(p.numel() for p in params) > 0
         and fused_parameters(params)

@@ -24,7 +24,6 @@ from .freeze import FreezeSchedule
 from .functional import (
     adam_moments_,
     bias_correction,
-    clip_coefficient,
     fill_zero_variance_,
     layer_norms,
     momentum_from_grads_,
@@ -146,9 +145,8 @@ class ZeroOneAdam(CompressedOptimizer):
             applied to the momentum after every compressed or local update (1-bit compression
             cannot send exact zeros).
         max_grad_norm: clip gradients to this norm (``None``: no clipping): the averaged
-            gradient on variance steps, as DDP + ``clip_grad_norm_``; the 1-bit average on
-            compressed steps by the mean of the ranks' local norms; each rank's own gradient on
-            local steps (``docs/SPEC.md``).
+            gradient on variance steps, as DDP + ``clip_grad_norm_``; each rank's own gradient,
+            before it is sent, on 1-bit and local steps (``docs/SPEC.md``).
 
     Entries whose variance is (about) 0, ``sqrt(v̂) <= eps``, take their tensor's mean variance
     in the denominator once compressed steps have begun and in the frozen one
@@ -324,11 +322,10 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._count_variance_update()
         else:
             stage = "compression"
-            g = self._gather_grads(norms=True)
+            self._clip_own_gradient()
+            g = self._gather_grads()
             applied, nbytes = self._compressed_allreduce()  # in place: g is now the estimate
             if applied:
-                if self.max_grad_norm is not None:
-                    g.mul_(self._compressed_clip_coefficient())
                 adam_moments_(m, None, g, self._beta1, self._beta2)
                 self._apply_mask_(m)
         if applied:
@@ -393,9 +390,7 @@ class ZeroOneAdam(CompressedOptimizer):
         largest = layer_norms(present, ord=math.inf).to(self.device)  # each gradient's
         values = [largest]
         if self.max_grad_norm is not None:
-            norm = torch.linalg.vector_norm(layer_norms(present))
-            norm = self.shards.combine(norm.reshape(1))[0] * (scale or 1.0)
-            values += [norm, clip_coefficient(norm, self.max_grad_norm)]
+            values += self._own_clip(present)
         read = host.read_all(values).tolist()
         # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
         finite = self.shards.all_(math.isfinite(sum(read[: len(largest)])))
