@@ -34,12 +34,24 @@ WARMUP = dataclasses.replace(
 )
 """1-bit Adam through a quantized warmup (int4, the packing that shares bytes)."""
 
+EXTRA = {
+    "int4 warmup": WARMUP,
+    **{
+        f"{name}, clip": dataclasses.replace(
+            CASES[name], settings={**CASES[name].settings, "max_grad_norm": 0.05}
+        )
+        for name in ("adam", "lamb")
+    },
+}
+"""Besides :data:`~harness.CASES`: the int4 warmup, and 1-bit Adam and 1-bit LAMB clipping every
+step (each rank its own gradient, by a factor the fused passes take, after the freeze)."""
+
 
 def _trajectories(rank: int, world_size: int, backend: str) -> dict[str, list[torch.Tensor]]:
     use_backend(backend)
     chosen = kernels.for_tensors(torch.zeros(8)).name
     results = {}
-    for name, case in {**CASES, "int4 warmup": WARMUP}.items():
+    for name, case in {**CASES, **EXTRA}.items():
         params = case.problem.params()
         opt = case.optimizer(params)
         trace = run(case, params, opt, rank, 1, case.steps)
@@ -50,13 +62,15 @@ def _trajectories(rank: int, world_size: int, backend: str) -> dict[str, list[to
 @pytest.mark.parametrize("world", [1, 3])  # 3: padding, and more than a pair
 def test_every_backend_follows_the_reference_through_optimizer_steps(world):
     reference = run_ranks(_trajectories, world, "torch", timeout=300)
+    for name in ("adam", "lamb"):  # the clipped cases clip
+        assert not torch.equal(reference[0][name][1][-1], reference[0][f"{name}, clip"][1][-1])
     for backend in BACKENDS[:-1]:
         if backend not in kernels.available():
             continue
         got = run_ranks(_trajectories, world, backend, timeout=300)
         for rank in range(world):
             assert got[rank]["backend"] == backend
-            for name in [*CASES, "int4 warmup"]:
+            for name in [*CASES, *EXTRA]:
                 stages, params = got[rank][name]
                 assert stages == reference[rank][name][0]
                 for t, (p, q) in enumerate(zip(params, reference[rank][name][1]), start=1):
@@ -101,11 +115,11 @@ def _trajectory_on(device: torch.device, case, rank: int = 0) -> tuple:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", [*CASES, "int4 warmup"])
+@pytest.mark.parametrize("name", [*CASES, *EXTRA])
 def test_triton_on_cuda_follows_the_torch_reference(name, monkeypatch):
     """On a GPU the Triton kernels run by default (the packed momentum included), within
     :data:`ATOL` of the torch reference on the same GPU."""
-    case = {**CASES, "int4 warmup": WARMUP}[name]
+    case = {**CASES, **EXTRA}[name]
     cuda = torch.device("cuda")
     monkeypatch.delenv(kernels.ENV, raising=False)
     assert kernels.for_device(cuda).name == "triton"
@@ -122,7 +136,7 @@ def _ranks_sharing_cuda(rank: int, world_size: int, name: str) -> tuple:
     """``name``'s case on ranks that share the one GPU, over gloo with CUDA tensors: the kernels
     the optimizer ran, its stages, and the parameters after each step (on the CPU)."""
     os.environ.pop(kernels.ENV, None)
-    case = {**CASES, "int4 warmup": WARMUP}[name]
+    case = {**CASES, **EXTRA}[name]
     stages, trace, opt = _trajectory_on(torch.device("cuda"), case, rank)
     return opt.backend, stages, trace
 
@@ -132,7 +146,7 @@ def test_ranks_sharing_one_gpu_over_gloo_follow_the_torch_reference():
     """Two ranks on the one GPU (it cannot hold two NCCL ranks; gloo carries CUDA tensors) run
     every case on Triton, within :data:`ATOL` of the torch reference on the CPU's gloo."""
     reference = run_ranks(_trajectories, 2, "torch", timeout=300)
-    for name in [*CASES, "int4 warmup"]:
+    for name in [*CASES, *EXTRA]:
         for rank, (backend, stages, trace) in enumerate(
             run_ranks(_ranks_sharing_cuda, 2, name, timeout=300)
         ):

@@ -37,7 +37,14 @@ from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
 def applies(params: Sequence[Tensor], scale_per: str, masked: bool) -> bool:
-    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps."""
+    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps.
+
+    Not yet where ``masked`` (``exp_avg_mask``: a masked momentum is not ``±σ`` everywhere, so
+    the passes would have to read the mask), with ``scale_per="bucket"`` (the passes take a
+    scale per tensor), or where the parameters are not fp32 and contiguous (the passes update
+    them in place as fp32); nor with ``overlap_backward``, which the optimizers check (its
+    buckets leave from backward's hooks, and the passes run in ``step()``). Those keep an fp32
+    momentum: 4 + 1/n model sizes for 1-bit Adam."""
     return (
         scale_per == "tensor"
         and not masked
