@@ -311,7 +311,7 @@ def _loops(world_size: int, width: int, depth: int) -> None:
                 ok = held <= target and peak <= ddp_peak + (2.0 if loop == "bf16" else 0.5)
                 note = ("ok" if ok else "MISSED") + ("" if packed else f"; {UNPACKED[loop]}")
             cells = f"{held:>7.3f}{'' if target is None else f'{target:.3f}':>8}{peak:>7.2f}"
-            print(f"{loop:<17}{name:<12}{cells}{peak - ddp_peak:>+8.2f}  {note}")
+            print(f"{loop:<17}{name:<12}{cells}{peak - ddp_peak:>+8.2f}  {note}".rstrip())
 
 
 def _computed(largest: dict[str, float], replicas: int, shards: int) -> None:
