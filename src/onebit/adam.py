@@ -62,7 +62,9 @@ class OnebitAdam(CompressedOptimizer):
             ``docs/SPEC.md``).
         auto_freeze: knobs of ``freeze_step="auto"``.
         overlap_backward: start each bucket's communication during ``backward()``, as soon as
-            its gradients are final, as DDP does. Results are bitwise the same as without it.
+            its gradients are final, as DDP does. Results are bitwise the same as without it,
+            but for ``max_grad_norm`` in the compression stage (see above); the momentum is
+            then kept in fp32.
             It needs the same parameters to receive gradients in the same order on every rank;
             with gradient accumulation, run every backward but the last inside
             :meth:`no_sync`. It cannot honour a ``GradScaler`` or an edit of ``.grad`` after
