@@ -39,13 +39,12 @@ READS = {
     "ZeroOneAdam sync": 2,
     "ZeroOneAdam sync, clip": 2,
     "OnebitLamb compression": 2,
-    "OnebitAdam compression, clip": 2,
-    "OnebitLamb compression, clip": 3,
+    "OnebitLamb compression, clip": 2,
 }
-"""Steps that read the device more than once, at any number of buckets: 0/1 Adam's sync step
-reads its local step's verdict too (with the norm it clips with), 1-bit LAMB its layers' ratios
-after the verdict, and a 1-bit step that clips its rank's norm before anything is sent. Every
-other step reads once, its verdict (a warmup step's with the norm it clips with)."""
+"""Steps that read the device twice, at any number of buckets: 0/1 Adam's sync step reads its
+local step's verdict too (with the norm it clips with), 1-bit LAMB its layers' ratios after the
+verdict. Every other step reads once, its verdict; a 1-bit step that clips leaves the
+coefficient on the device for the passes, and a warmup step the norm it clipped with."""
 
 
 def _optimizer(name: str, device: torch.device | str, bucket_size: int, mode=None):

@@ -1018,18 +1018,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _clip_own_gradient(self) -> None:
         """Open a 1-bit gradient step with ``max_grad_norm``: this rank clips its own gradient
         before anything is sent (SPEC 6), by folding the coefficient into the inverse loss
-        scale that every pass multiplies the gradient by, so that clipping costs one read of
-        the gradients and one read of the device, and the momentum stays what the compressed
-        allreduce returned. A norm that is not finite makes the gradient non-finite, and every
-        rank skips the step."""
+        scale that every pass multiplies the gradient by. Clipping then costs one read of the
+        gradients (the norm) and no pass, and the momentum stays what the compressed allreduce
+        returned. On Triton the factor stays on the device, which the passes read; the C
+        kernels take it as a number (a read of the CPU, which costs nothing). A norm that is
+        not finite makes the gradient non-finite, and every rank skips the step."""
         if self.max_grad_norm is None:
             return
         grads = [p.grad for p in self.layout.params]
         present = [g for g in grads if g is not None and not g.is_sparse]
-        norm, coefficient = host.read_all(self._own_clip(present)).tolist()
-        self.grad_norm = norm
-        scale = (self._inv_scale or 1.0) * coefficient if math.isfinite(norm) else math.nan
-        self._inv_scale = None if scale == 1.0 else scale
+        norm, coefficient = self._own_clip(present)
+        self._grad_norm = norm  # read when asked for, not during the step
+        scale = torch.where(norm.isfinite(), coefficient * (self._inv_scale or 1.0), math.nan)
+        if self.backend != "triton":
+            scale = float(host.read(scale))
+            self._inv_scale = None if scale == 1.0 else scale
+        else:
+            self._inv_scale = scale
 
     def _apply_mask_(self, flat: Tensor) -> None:
         """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""

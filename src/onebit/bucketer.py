@@ -179,7 +179,7 @@ class Bucketer:
             view.copy_(grad)
         self.layout.params[index].grad = view
 
-    def fill(self, k: int, inv_scale: float | None, norm: bool = False) -> bool:
+    def fill(self, k: int, inv_scale: float | Tensor | None, norm: bool = False) -> bool:
         """Copy the gradients overlapping bucket ``k`` into the gradient buffer, multiplied by
         ``inv_scale`` (a GradScaler's) if given; a missing ``.grad`` counts as zero. Returns
         whether a sparse gradient (not supported, sent as zero) was met.
@@ -193,13 +193,13 @@ class Bucketer:
             self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
         return sparse
 
-    def gather(self, inv_scale: float | None) -> bool:
+    def gather(self, inv_scale: float | Tensor | None) -> bool:
         """:meth:`fill` every bucket, in one multi-tensor op for each of its parts whatever the
         number of buckets, noting no norm; returns whether a sparse gradient was met."""
         return self._copy_in(0, self.layout.numel, inv_scale, range(len(self.layout.params)))
 
     def _copy_in(
-        self, start: int, end: int, inv_scale: float | None, indices: Iterable[int]
+        self, start: int, end: int, inv_scale: float | Tensor | None, indices: Iterable[int]
     ) -> bool:
         """:meth:`fill`'s copy of the gradients overlapping ``[start, end)`` of the buffer: those
         of the parameters ``indices``, which hold every one that overlaps it (a bucket's own,
@@ -245,7 +245,7 @@ class Bucketer:
         k: int,
         kind: str,
         fill: bool = True,
-        inv_scale: float | None = None,
+        inv_scale: float | Tensor | None = None,
         exchange: tuple[Exchange, int] | None = None,
     ) -> None:
         """Start bucket ``k``'s ``kind`` call; with ``fill``, gather and prepare it first. A
@@ -273,7 +273,9 @@ class Bucketer:
             self.inflight[k] = self.comms_for(kind)[k].start(grads, header, exchange)
         self.inflight_kind = kind
 
-    def launch_all(self, kind: str, fill: bool = True, inv_scale: float | None = None) -> list[Any]:
+    def launch_all(
+        self, kind: str, fill: bool = True, inv_scale: float | Tensor | None = None
+    ) -> list[Any]:
         """Launch every bucket not yet launched, in launch order; return every bucket's call in
         bucket order, no longer in flight.
 

@@ -117,7 +117,7 @@ class PackedMomentumStage:
     def start_all(
         self,
         grads: Tensor,
-        inv_scale: float | None,
+        inv_scale: float | Tensor | None,
         beta1: float,
         headers: Tensor,
         scaling: Tensor | None = None,
@@ -189,7 +189,7 @@ class PackedMomentumStage:
         self,
         k: int,
         grads: Tensor,
-        inv_scale: float | None,
+        inv_scale: float | Tensor | None,
         beta1: float,
         header: Tensor | None,
         scaling: Tensor | None = None,

@@ -165,7 +165,7 @@ def _backend(out: Tensor):
 def signs(
     runs: BucketRuns,
     grads: Tensor,
-    inv_scale: float | None,
+    inv_scale: float | Tensor | None,
     momentum: Tensor | PackedMomentum,
     weight: float,
     error: Tensor | None,
@@ -177,8 +177,10 @@ def signs(
     (``uint8``, one bit per element of the bucket) and return each segment's scale (fp32).
 
     ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
-    gradient: :func:`gradient_addresses`). ``error`` ``None`` is an error of zeros. ``post`` is
-    fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
+    gradient: :func:`gradient_addresses`). ``inv_scale`` is a number, or on Triton a 0-dim fp32
+    tensor on the device (a clipping coefficient that was not read). ``error`` ``None`` is an
+    error of zeros. ``post`` is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no
+    factor).
     """
     return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, error, out,
                                         scale, post)  # fmt: skip
@@ -187,7 +189,7 @@ def signs(
 def commit(
     runs: BucketRuns,
     grads: Tensor,
-    inv_scale: float | None,
+    inv_scale: float | Tensor | None,
     momentum: Tensor | PackedMomentum,
     weight: float,
     error: Tensor | None,

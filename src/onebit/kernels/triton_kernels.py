@@ -229,13 +229,18 @@ def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, pres
 
 @triton.jit
 def _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
-              USE_INV: tl.constexpr):  # fmt: skip
+              USE_INV: tl.constexpr, INV_PTR: tl.constexpr):  # fmt: skip
     """Each element's gradient, read in place through its run's tensor (:func:`_run_pointers`;
-    zeros without one), times ``inv`` where ``USE_INV`` (a GradScaler's inverse scale)."""
+    zeros without one), times ``inv`` where ``USE_INV`` (a GradScaler's inverse scale, times
+    the coefficient that clips the rank's gradient): a number, or with ``INV_PTR`` a pointer to
+    it on the device, so that clipping needs no read of the device."""
     at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
     g = tl.load(at, mask=readable, other=0.0)
     if USE_INV:
-        g = g * inv
+        if INV_PTR:
+            g = g * tl.load(inv)
+        else:
+            g = g * inv
     return g
 
 
@@ -265,9 +270,9 @@ def _momentum_pass(
     grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     signs, partials, scales, out, n,
-    BLOCK: tl.constexpr, USE_INV: tl.constexpr, DENSE: tl.constexpr, SMALL: tl.constexpr,
-    HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr,
-    MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
+    SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr,
+    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     """Passes 1 and 2 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
@@ -278,7 +283,8 @@ def _momentum_pass(
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
     p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
                                                 run_columns, run_params)  # fmt: skip
-    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV)
+    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
+                  INV_PTR)  # fmt: skip
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:
@@ -815,7 +821,7 @@ class TritonKernels(TorchKernels):
     packs_momentum = True
 
     def momentum_signs(
-        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
         scale: str, post: Tensor | None,
     ) -> Tensor:  # fmt: skip
@@ -826,7 +832,7 @@ class TritonKernels(TorchKernels):
         return self._scales(tables.tiling, partials, scale)
 
     def momentum_commit(
-        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
         out: Tensor, post: Tensor | None,
     ) -> None:  # fmt: skip
@@ -857,7 +863,7 @@ class TritonKernels(TorchKernels):
 
     @staticmethod
     def _momentum_pass(
-        tables: _RunTables, grads: Tensor, inv_scale: float | None,
+        tables: _RunTables, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None,
         post: Tensor | None, *, signs: Tensor | None = None, partials: Tensor | None = None,
         sums: str | None = None, scales: Tensor | None = None, out: Tensor | None = None,
@@ -876,8 +882,9 @@ class TritonKernels(TorchKernels):
             tables.params, tables.offsets, *tables.tiling.table(), any_ if signs is None else signs,
             any_ if partials is None else partials, any_ if scales is None else scales,
             any_ if out is None else out, tables.numel,
-            BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,
-            HAS_POST=post is not None, HAS_ERROR=error is not None, SIGNS=signs is not None,
+            BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
+            DENSE=dense, SMALL=small, HAS_POST=post is not None, HAS_ERROR=error is not None,
+            SIGNS=signs is not None,
             SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
         )  # fmt: skip
 

@@ -97,9 +97,9 @@ def _worker_pass(
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     block_starts, block_buckets, bucket_starts, bucket_ends, chunks, parts1, parts2,
     message, row_stride, partials, scales, out,
-    BLOCK: tl.constexpr, USE_INV: tl.constexpr, DENSE: tl.constexpr, SMALL: tl.constexpr,
-    HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr, SUMS: tl.constexpr,
-    MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
+    SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr,
+    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     """``_momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
@@ -109,7 +109,8 @@ def _worker_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV)
+    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
+                  INV_PTR)  # fmt: skip
     chunk = tl.load(chunks + bucket)
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
@@ -263,7 +264,7 @@ def _sync_progress_pass(
     d = tl.load(denominator + start + local, mask=present, other=1.0)
     if STEP:
         g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
-                      USE_INV)  # fmt: skip
+                      USE_INV, False)  # fmt: skip
         m = tl.load(momentum + start + local, mask=present, other=0.0)
         m = _lerp(m, g, coeff, SMALL)
         w = tl.load(decay + param, mask=present, other=1.0)
@@ -592,7 +593,7 @@ class ModelPasses:
     # The worker.
 
     def _worker(
-        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
         weight: float, error: Tensor | None, post: Tensor | None, *, message: Tensor | None = None,
         partials: Tensor | None = None, sums: str | None = None, scales: Tensor | None = None,
         out: Tensor | None = None,
@@ -611,13 +612,14 @@ class ModelPasses:
             any_ if message is None else message, 0 if message is None else message.stride(0),
             any_ if partials is None else partials, any_ if scales is None else scales,
             any_ if out is None else out,
-            BLOCK=BLOCK, USE_INV=inv_scale is not None, DENSE=dense, SMALL=small,
-            HAS_POST=post is not None, HAS_ERROR=error is not None, SIGNS=message is not None,
+            BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
+            DENSE=dense, SMALL=small, HAS_POST=post is not None, HAS_ERROR=error is not None,
+            SIGNS=message is not None,
             SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
         )  # fmt: skip
 
     def signs(
-        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
         weight: float, error: Tensor | None, post: Tensor | None, scale: str, headers: Tensor,
         message: Tensor,
     ) -> Tensor:  # fmt: skip
@@ -633,7 +635,7 @@ class ModelPasses:
         return self._scales(blocks, partials, scale, message, self.scale_places, headers)
 
     def commit(
-        self, grads: Tensor, inv_scale: float | None, momentum: Tensor | PackedMomentum,
+        self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
         weight: float, error: Tensor | None, post: Tensor | None, scales: Tensor, out: Tensor,
     ) -> None:  # fmt: skip
         """Pass 2 of every bucket: ``out = y - ±scales`` (``out`` may be ``error`` or the dense
