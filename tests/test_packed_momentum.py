@@ -191,7 +191,14 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0
 
 
-def _run_triton(rank: int, world_size: int, name: str, counted: str, without: str | None):
+def _run_triton(
+    rank: int,
+    world_size: int,
+    name: str,
+    counted: str,
+    without: str | None,
+    max_grad_norm: float | None = None,
+):
     """:func:`_run` of optimizer ``name`` on the Triton kernels (under the interpreter here),
     counting the steps that called ``ModelPasses.<counted>``. ``without="stage"``: the
     allreduce goes a bucket at a time; ``"model"``: no pass goes over every bucket (1-bit LAMB
@@ -214,18 +221,25 @@ def _run_triton(rank: int, world_size: int, name: str, counted: str, without: st
         momentum.PackedMomentumStage.passes = lambda self: None
     elif without == "model":
         model_allreduce.ModelAllreduce.passes = lambda self: None
-    return _run(rank, world_size, name, True, True), took[0]
+    return _run(rank, world_size, name, True, True, max_grad_norm), took[0]
 
 
-@pytest.mark.parametrize("name", STATE)
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name):
+@pytest.mark.parametrize(
+    "name,world_size,max_grad_norm",
+    [(name, world_size, None) for name in STATE for world_size in (1, 3)]
+    + [(name, 3, 0.05) for name in STATE],
+)
+def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(
+    world_size, name, max_grad_norm
+):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
     triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
-    keeps its last momentum until its step has read it)."""
-    whole = run_ranks(_run_triton, world_size, name, "signs", None, timeout=600)
-    per_bucket = run_ranks(_run_triton, world_size, name, "signs", "stage", timeout=600)
+    keeps its last momentum until its step has read it); with ``max_grad_norm``, the clipping
+    coefficient the passes load from the device."""
+    args = (world_size, name, "signs")
+    whole = run_ranks(_run_triton, *args, None, max_grad_norm, timeout=600)
+    per_bucket = run_ranks(_run_triton, *args, "stage", max_grad_norm, timeout=600)
     for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
         whole, per_bucket
     ):
