@@ -87,16 +87,29 @@ def test_host_reads_per_step_are_few_and_do_not_grow_with_buckets(name, backend)
     assert many.uploads == one.uploads <= 2, counts
 
 
-def test_a_gradscaler_step_reads_its_scale_once(monkeypatch):
-    opt = _optimizer("OnebitAdam compression", "cpu", 2048)
-    opt.step()
-    opt.step()
-    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
-    for p in opt.layout.params:
-        p.grad.mul_(1024.0)
-    with host.counted() as transfers:
+@pytest.mark.parametrize("backend", ["triton", "c"], indirect=True)
+@pytest.mark.parametrize("name", ["OnebitAdam compression", "OnebitAdam compression, clip"])
+def test_a_gradscaler_step_reads_its_scale_only_where_the_kernels_take_numbers(
+    name, backend, monkeypatch
+):
+    """On Triton the inverse loss scale (times the clipping coefficient) stays on the device,
+    where the passes load it: the step reads only its verdict, and only through onebit.host.
+    The C kernels take numbers, each a read of the CPU, which costs nothing."""
+    with device_values(monkeypatch) as mode:
+        opt = _optimizer(name, "cpu", 2048, mode)
         opt.step()
-    assert transfers.reads == 2
+        opt.step()
+        opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+        mode.mark(opt.grad_scale, opt.found_inf)
+        for p in opt.layout.params:
+            p.grad.mul_(1024.0)
+        mode.watching = backend == "triton"  # the C kernels read the CPU's memory, as they may
+        with host.counted() as transfers:
+            opt.step()
+    assert mode.found == [], f"device reads or uploads outside onebit.host: {mode.found}"
+    clip = opt.max_grad_norm is not None
+    assert transfers.reads == (1 if backend == "triton" else 3 if clip else 2)
+    assert opt.skipped_steps == 0
 
 
 def test_grad_norm_is_read_when_asked_for_not_during_the_step():

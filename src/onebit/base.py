@@ -698,6 +698,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:
             return
+        if torch.is_tensor(grad_scale) and self.backend == "triton":  # left on the device
+            self._inv_scale = grad_scale.double().reciprocal().float().reshape(())
+            return
         if torch.is_tensor(grad_scale):
             grad_scale = host.read(grad_scale)
         inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
@@ -1012,8 +1015,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """This rank's gradient norm (``grads`` unscaled, whole layers across shards) and the
         coefficient that clips it to ``max_grad_norm``, on the device."""
         norm = torch.linalg.vector_norm(layer_norms(grads))
-        norm = self.shards.combine(norm.reshape(1))[0] * (self._inv_scale or 1.0)
+        norm = self._unscaled(self.shards.combine(norm.reshape(1))[0])
         return [norm, clip_coefficient(norm, self.max_grad_norm)]
+
+    def _unscaled(self, value: Tensor) -> Tensor:
+        """``value`` times the inverse loss scale, if any (a number, or on Triton a tensor)."""
+        return value if self._inv_scale is None else value * self._inv_scale
 
     def _clip_own_gradient(self) -> None:
         """Open a 1-bit gradient step with ``max_grad_norm``: this rank clips its own gradient
@@ -1029,7 +1036,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         present = [g for g in grads if g is not None and not g.is_sparse]
         norm, coefficient = self._own_clip(present)
         self._grad_norm = norm  # read when asked for, not during the step
-        scale = torch.where(norm.isfinite(), coefficient * (self._inv_scale or 1.0), math.nan)
+        scale = torch.where(norm.isfinite(), self._unscaled(coefficient), math.nan)
         if self.backend != "triton":
             scale = float(host.read(scale))
             self._inv_scale = None if scale == 1.0 else scale

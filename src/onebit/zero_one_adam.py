@@ -385,16 +385,19 @@ class ZeroOneAdam(CompressedOptimizer):
         """Whether a local step's gradients are finite on every shard, and what multiplies
         this rank's gradient: the inverse loss scale, times the coefficient that clips the
         unscaled local gradient to ``max_grad_norm``. One read of the device."""
-        scale = self._inv_scale
+        inv = self._inv_scale
         present = [g for g in grads if g is not None]
         largest = layer_norms(present, ord=math.inf).to(self.device)  # each gradient's
         values = [largest]
+        if torch.is_tensor(inv):  # a GradScaler's, left on the device
+            values.append(inv.reshape(1))
         if self.max_grad_norm is not None:
             values += self._own_clip(present)
         read = host.read_all(values).tolist()
         # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
         finite = self.shards.all_(math.isfinite(sum(read[: len(largest)])))
-        if finite and len(values) > 1:
+        scale = read[len(largest)] if torch.is_tensor(inv) else inv
+        if finite and self.max_grad_norm is not None:
             self.grad_norm = read[-2]
             scale = (scale or 1.0) * read[-1]
         return finite, None if scale == 1.0 else scale
