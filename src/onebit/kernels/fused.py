@@ -178,7 +178,7 @@ def signs(
 
     ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
     gradient: :func:`gradient_addresses`). ``inv_scale`` is a number, or on Triton a 0-dim fp32
-    tensor on the device (a clipping coefficient that was not read). ``error`` ``None`` is an
+    tensor on the device (the inverse loss scale and clipping coefficient, never read). ``error`` ``None`` is an
     error of zeros. ``post`` is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no
     factor).
     """

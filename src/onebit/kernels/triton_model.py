@@ -614,8 +614,8 @@ class ModelPasses:
             any_ if out is None else out,
             BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
             DENSE=dense, SMALL=small, HAS_POST=post is not None, HAS_ERROR=error is not None,
-            SIGNS=message is not None,
-            SUMS=sums is not None, MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+            SIGNS=message is not None, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
+            COMMIT=scales is not None,
         )  # fmt: skip
 
     def signs(
