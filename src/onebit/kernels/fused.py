@@ -178,9 +178,9 @@ def signs(
 
     ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
     gradient: :func:`gradient_addresses`). ``inv_scale`` is a number, or on Triton a 0-dim fp32
-    tensor on the device (the inverse loss scale and clipping coefficient, never read). ``error`` ``None`` is an
-    error of zeros. ``post`` is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no
-    factor).
+    tensor on the device (the inverse loss scale and clipping coefficient, never read).
+    ``error`` ``None`` is an error of zeros. ``post`` is fp32 per parameter (1-bit LAMB's
+    momentum scaling; ``None``: no factor).
     """
     return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, error, out,
                                         scale, post)  # fmt: skip
