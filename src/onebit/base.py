@@ -698,13 +698,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:
             return
-        if torch.is_tensor(grad_scale) and self.backend == "triton":  # left on the device
-            self._inv_scale = grad_scale.double().reciprocal().float().reshape(())
-            return
-        if torch.is_tensor(grad_scale):
-            grad_scale = host.read(grad_scale)
-        inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
-        self._inv_scale = None if inv_scale == 1.0 else inv_scale
+        grad_scale = torch.as_tensor(grad_scale, device=self.device)
+        self._inv_scale = self._gradient_factor(grad_scale.double().reciprocal().float())
+
+    def _gradient_factor(self, value: Tensor) -> float | Tensor | None:
+        """``value``, what every pass multiplies each gradient by, as the kernels take it: left
+        on the device for Triton's passes, which load it (no read); a number for the C kernels
+        (a read of the CPU, which costs nothing), ``None`` for 1."""
+        if self.backend == "triton":
+            return value.reshape(())
+        number = float(host.read(value))
+        return None if number == 1.0 else number
 
     def _verdict(
         self, headers: Tensor, finite: Tensor, norms2: Tensor | None = None
@@ -1027,9 +1031,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         before anything is sent (SPEC 6), by folding the coefficient into the inverse loss
         scale that every pass multiplies the gradient by. Clipping then costs one read of the
         gradients (the norm) and no pass, and the momentum stays what the compressed allreduce
-        returned. On Triton the factor stays on the device, which the passes read; the C
-        kernels take it as a number (a read of the CPU, which costs nothing). A norm that is
-        not finite makes the gradient non-finite, and every rank skips the step."""
+        returned (:meth:`_gradient_factor`). A norm that is not finite makes the gradient
+        non-finite, and every rank skips the step."""
         if self.max_grad_norm is None:
             return
         grads = [p.grad for p in self.layout.params]
@@ -1037,11 +1040,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         norm, coefficient = self._own_clip(present)
         self._grad_norm = norm  # read when asked for, not during the step
         scale = torch.where(norm.isfinite(), self._unscaled(coefficient), math.nan)
-        if self.backend != "triton":
-            scale = float(host.read(scale))
-            self._inv_scale = None if scale == 1.0 else scale
-        else:
-            self._inv_scale = scale
+        self._inv_scale = self._gradient_factor(scale)
 
     def _apply_mask_(self, flat: Tensor) -> None:
         """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""
