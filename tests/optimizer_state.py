@@ -35,3 +35,23 @@ def storage_bytes(opt: torch.optim.Optimizer, gradient_buffer: bool = False) -> 
         tensors += [e for e in (comm._worker_error, comm._server_error) if e is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def step_temporaries(opt: torch.optim.Optimizer, after: str | None = None) -> int:
+    """One ``opt.step()`` under torch's profiler: the most bytes of CPU tensors it held above
+    what it still holds at its end (its temporaries, not the state it keeps), over the whole
+    step, or only once the ``record_function`` range named ``after`` has ended. Exact: the
+    allocator's events, not the process's memory."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        opt.step()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    since = 0
+    if after is not None:
+        since = max(e.end_ns() for e in events if e.name() == after)
+    live, peak = 0, None
+    for event in events:
+        if event.name() == "[memory]":
+            live += event.nbytes()
+            if event.start_ns() >= since:
+                peak = live if peak is None else max(peak, live)
+    return (peak or 0) - live

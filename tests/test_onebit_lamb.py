@@ -7,10 +7,11 @@ import pytest
 import torch
 from distributed import run_ranks
 from harness import CASES, low_precision_runs, run
-from optimizer_state import flat, roundtrip, storage_bytes
+from optimizer_state import flat, roundtrip, step_temporaries, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
+from onebit import _native, lamb
 
 CASE = CASES["lamb"]
 PROBLEM = CASE.problem
@@ -207,6 +208,37 @@ def test_memory_in_the_compression_stage_is_three_model_sizes_and_the_errors():
         # size 1: a whole model), padding and per-layer scalars
         buffers, packed_at_most = (2, 0) if t < 2 else (3, numel // 8 + 1024)
         assert storage_bytes(opt) + packed <= (buffers + 1) * 4 * numel + packed_at_most + 1024
+
+
+@pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
+def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
+    """Where the backend has no pass over every bucket (the C kernels), a compression step
+    walks each bucket after its allreduce in blocks (``lamb.BLOCK``): its temporaries are two
+    blocks and the packed messages, whatever the bucket size. The first one, which freezes,
+    commits the worker errors into the fp32 momentum's storage once it has read it, so it
+    holds no second buffer of the model either."""
+    monkeypatch.setattr(lamb, "BLOCK", 1024)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 100)) for _ in range(4)]
+    numel = 4 * 30_000
+    opt = onebit.OnebitLamb(params, freeze_step=2, bucket_size=40_000)
+    freeze = opt._freeze
+
+    def marked_freeze() -> None:
+        with torch.profiler.record_function("freeze"):
+            freeze()
+
+    opt._freeze = marked_freeze
+    bound = 2 * 4 * lamb.BLOCK + numel // 2  # the messages: a few bits an element
+    for t in range(5):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if t < 2:
+            opt.step()
+            continue
+        assert step_temporaries(opt, "freeze" if t == 2 else None) <= bound, t
+    assert opt._fused.packed is not None
+    assert all(c.worker_error.data_ptr() >= opt._exp_avg.data_ptr() for c in opt.comms)
 
 
 def test_none_gradient_and_lr_scheduler():

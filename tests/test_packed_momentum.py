@@ -10,7 +10,7 @@ import torch
 from distributed import run_ranks
 
 import onebit
-from onebit import _native, momentum
+from onebit import _native, lamb, momentum
 
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
 
@@ -31,7 +31,7 @@ def _optimizer(
     fused: bool,
     name: str = "OnebitAdam",
     freeze_step: int = FREEZE,
-    max_grad_norm: float | None = None,
+    **options,
 ) -> onebit.OnebitAdam | onebit.OnebitLamb:
     layers = list(model.children())
     groups = [
@@ -42,9 +42,7 @@ def _optimizer(
     if not fused:
         momentum.applies = lambda *args: False
     try:
-        opt = getattr(onebit, name)(
-            groups, freeze_step=freeze_step, bucket_size=64, max_grad_norm=max_grad_norm
-        )
+        opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64, **options)
     finally:
         momentum.applies = saved
     assert (opt._fused is not None) == fused
@@ -74,12 +72,13 @@ def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
 
 
-def _run(rank, world_size, name, fused, resume_fused, max_grad_norm=None):
+def _run(rank, world_size, name, fused, resume_fused, options=None):
+    options = options or {}
     model = _model()
-    opt, scaler = _optimizer(model, fused, name, max_grad_norm=max_grad_norm), _scaler()
+    opt, scaler = _optimizer(model, fused, name, **options), _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
-    if max_grad_norm is not None:  # the compression step clipped
-        assert opt.stage == "compression" and opt.grad_norm > 2 * max_grad_norm
+    if "max_grad_norm" in options:  # the compression step clipped
+        assert opt.stage == "compression" and opt.grad_norm > 2 * options["max_grad_norm"]
     if fused:
         assert "exp_avg" not in opt.state[model[0].weight]  # packed
         assert opt.comms[0].worker_error.data_ptr() == opt._exp_avg.data_ptr()
@@ -94,7 +93,7 @@ def _run(rank, world_size, name, fused, resume_fused, max_grad_norm=None):
     checkpoint = torch.load(saved, weights_only=True)
     model2 = _model()
     model2.load_state_dict(checkpoint["model"])
-    opt2 = _optimizer(model2, resume_fused, name, max_grad_norm=max_grad_norm)
+    opt2 = _optimizer(model2, resume_fused, name, **options)
     scaler2 = _scaler()
     opt2.load_state_dict(checkpoint["opt"])
     scaler2.load_state_dict(checkpoint["scaler"])
@@ -102,14 +101,21 @@ def _run(rank, world_size, name, fused, resume_fused, max_grad_norm=None):
     return history, state, resumed
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+LOOPS = {
+    "plain": {},
+    "max_grad_norm": {"max_grad_norm": 0.05},
+}
+"""The loops the packed momentum is checked in, as the optimizer's options. With
+``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by."""
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("name", STATE)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name, max_grad_norm):
-    """Through AMP, a missing gradient, a skipped step and a resume; with ``max_grad_norm``,
-    each rank clips its own gradient by a factor the fused passes multiply it by."""
-    fused = run_ranks(_run, world_size, name, True, False, max_grad_norm)
-    unfused = run_ranks(_run, world_size, name, False, True, max_grad_norm)
+def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name, loop):
+    """Through AMP, a missing gradient, a skipped step and a resume, in each of :data:`LOOPS`."""
+    fused = run_ranks(_run, world_size, name, True, False, LOOPS[loop])
+    unfused = run_ranks(_run, world_size, name, False, True, LOOPS[loop])
     for (history, state, resumed), (want, want_state, want_resumed) in zip(fused, unfused):
         for t, (got, expected) in enumerate(zip(history, want)):
             assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
@@ -191,13 +197,29 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
     assert later.state_dict()["onebit"]["num_steps"] == before["onebit"]["num_steps"] == 0
 
 
+def test_lamb_walks_its_buckets_in_blocks_with_the_unfused_bits(monkeypatch):
+    """After its allreduce, 1-bit LAMB's compression step on the C kernels walks each bucket in
+    blocks of ``lamb.BLOCK``: with blocks that cut buckets and layers mid-way (weight decay's
+    norms take whole layers), through AMP, a missing gradient and a skipped step, the bits
+    stay the unfused path's."""
+    monkeypatch.setattr(lamb, "BLOCK", 24)
+    runs = []
+    for fused in (True, False):
+        model = _model()
+        opt = _optimizer(model, fused, "OnebitLamb")
+        assert opt.param_groups[0]["weight_decay"] and len(opt.layout.buckets) > 1
+        runs.append(_steps(model, opt, _scaler(), 0, 0, STEPS))
+    for t, (got, expected) in enumerate(zip(*runs)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
+
+
 def _run_triton(
     rank: int,
     world_size: int,
     name: str,
     counted: str,
     without: str | None,
-    max_grad_norm: float | None = None,
+    options: dict | None = None,
 ):
     """:func:`_run` of optimizer ``name`` on the Triton kernels (under the interpreter here),
     counting the steps that called ``ModelPasses.<counted>``. ``without="stage"``: the
@@ -221,25 +243,23 @@ def _run_triton(
         momentum.PackedMomentumStage.passes = lambda self: None
     elif without == "model":
         model_allreduce.ModelAllreduce.passes = lambda self: None
-    return _run(rank, world_size, name, True, True, max_grad_norm), took[0]
+    return _run(rank, world_size, name, True, True, options), took[0]
 
 
 @pytest.mark.parametrize(
-    "name,world_size,max_grad_norm",
-    [(name, world_size, None) for name in STATE for world_size in (1, 3)]
-    + [(name, 3, 0.05) for name in STATE],
+    "name,world_size,loop",
+    [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
+    + [(name, 3, loop) for name in STATE for loop in LOOPS if loop != "plain"],
 )
-def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(
-    world_size, name, max_grad_norm
-):
+def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
     triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
     keeps its last momentum until its step has read it); with ``max_grad_norm``, the clipping
     coefficient the passes load from the device."""
     args = (world_size, name, "signs")
-    whole = run_ranks(_run_triton, *args, None, max_grad_norm, timeout=600)
-    per_bucket = run_ranks(_run_triton, *args, "stage", max_grad_norm, timeout=600)
+    whole = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
+    per_bucket = run_ranks(_run_triton, *args, "stage", LOOPS[loop], timeout=600)
     for ((history, state, resumed), took), ((want, want_state, want_resumed), none) in zip(
         whole, per_bucket
     ):

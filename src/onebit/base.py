@@ -1233,20 +1233,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
         if stage.passes() is not None:  # every bucket at once
             call = stage.start_all(grads, self._inv_scale, self._beta1, self._step_headers(),
-                                   scaling)  # fmt: skip
+                                   scaling, keep)  # fmt: skip
             applied, _ = self._verdict(*stage.model.received(call))
             if applied:
                 stage.commit_all(call)
-            del keep
             return applied, nbytes, None
         calls: list[Any] = [None] * len(self.comms)
         with phase_exchange(self.comms, 1).filling() as exchange:
             for k in reversed(range(len(self.comms))):  # the bucketer's launch order
                 header = self._header_for(k)
                 calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header,
-                                             scaling, (exchange, k))  # fmt: skip
+                                             scaling, (exchange, k), keep)  # fmt: skip
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
-        del keep
         return applied, nbytes, calls
 
     def _packed_extra_state(self) -> dict[str, Any]:

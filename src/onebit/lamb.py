@@ -30,6 +30,11 @@ from .functional import (
     trust_ratio,
 )
 
+BLOCK = 1 << 20
+"""Elements of the temporaries a compression step takes after its allreduce where the backend
+has no pass over every bucket (the C kernels): it walks each bucket in blocks this long, in two
+buffers of 4 MiB whatever the bucket size."""
+
 
 class OnebitLamb(CompressedOptimizer):
     """LAMB whose gradient communication drops to 1 bit per element after a warmup.
@@ -182,6 +187,7 @@ class OnebitLamb(CompressedOptimizer):
         self._uploaded_scaling: tuple[Tensor, Tensor] | None = None
         self._addresses = host.Uploaded(torch.int64)
         self._uploaded_decays = host.Uploaded(torch.float32)
+        self._scratches: dict[int, Tensor] = {}  # see _scratch
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
 
@@ -333,11 +339,13 @@ class OnebitLamb(CompressedOptimizer):
             values = host.read(self._model_ratios(passes, new, t, decays))  # the step's one
             maxima, norms = values[:layers], values[-2 * layers :]  # read after its verdict
         else:
-            parts = [self._fresh_variance_(new, t)]
+            ratios, layers_of = self._fresh_variance_(new, t)
+            parts = [ratios]
             if any(decays):
                 parts.append(self._packed_update_norms(new, t))
             values = host.read_all(parts)
-            maxima, norms = self._part_maxima(values[: len(parts[0])]), values[len(parts[0]) :]
+            maxima = self._part_maxima(values[: len(ratios)], layers_of)
+            norms = values[len(ratios) :]
         update_ratio = None
         if any(decays):
             adaptive, total = (self.shards.combine(n) for n in norms.view(2, -1))
@@ -355,11 +363,11 @@ class OnebitLamb(CompressedOptimizer):
             passes.lamb_update(self._param_addresses(), stage.whole(new), self._exp_avg_sq,
                                self._decays(decays), step_sizes, bc1)  # fmt: skip
         else:
-            for k, update in self._packed_updates(new, t):
-                params, updates = self._bucket_parts(k, update)
-                scaled_sub_(params, updates, [sizes[i] for i in self.layout.bucket_params[k]])
+            for indices, params, updates in self._packed_updates(new, t):
+                scaled_sub_(params, updates, [sizes[i] for i in indices])
         stage.install(new)
         self.flat.expose("exp_avg", None)  # packed now: see state_dict()
+        self._scratches.clear()
         return applied, nbytes
 
     def _model_ratios(
@@ -386,32 +394,33 @@ class OnebitLamb(CompressedOptimizer):
         """Each layer's weight decay on the device (fp32), uploaded when it changes."""
         return self._uploaded_decays(decays, self.device)
 
-    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
-        """From the last and the ``new`` packed momentum, bucket by bucket: the averaged
-        gradient they imply into the fresh variance; returns the largest ratio of the frozen to
-        the fresh denominator in each bucket's part of each layer, bucket after bucket (on the
-        device, for :meth:`_part_maxima`)."""
+    def _fresh_variance_(self, new: list[tuple[Tensor, Tensor]], t: int) -> tuple[Tensor, list]:
+        """From the last and the ``new`` packed momentum, a block at a time (:meth:`_blocks`):
+        the averaged gradient they imply into the fresh variance. Returns the largest ratio of
+        the frozen to the fresh denominator in each block's part of each layer (on the device)
+        and the layer of each, for :meth:`_part_maxima`."""
         beta1, beta2, stage = self._beta1, self._beta2, self._fused
         bc2 = bias_correction(beta2, t, self.bias_correction)
-        ratios = []
-        for k, (start, end) in enumerate(self.layout.buckets):
-            g, last = self._scratch(end - start), self._scratch(end - start)
-            stage.momentum_(k, g, new)
-            stage.momentum_(k, last).mul_(-beta1).add_(g).div_(1 - beta1)
-            del g
-            v_fresh = self._exp_avg_sq_fresh[start:end]
+        ratios, layers = [], []
+        for k, lo, hi in self._blocks():
+            origin = self.layout.buckets[k][0]
+            g, last = self._scratch(hi - lo), self._scratch(hi - lo, 1)
+            stage.momentum_(k, g, new, lo)
+            stage.momentum_(k, last, start=lo).mul_(-beta1).add_(g).div_(1 - beta1)
+            v_fresh = self._exp_avg_sq_fresh[origin + lo : origin + hi]
             v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)
             ratio = adam_denominator(v_fresh, bc2, self._eps, out=last)
-            torch.div(self._exp_avg_sq[start:end], ratio, out=ratio)
-            _, parts = self._bucket_parts(k, ratio)
-            ratios += torch._foreach_norm(parts, math.inf)  # one bucket's parts are fp32
-        return torch.stack(ratios)
+            torch.div(self._exp_avg_sq[origin + lo : origin + hi], ratio, out=ratio)
+            indices, _, parts = self._block_parts(k, lo, ratio)
+            ratios += torch._foreach_norm(parts, math.inf)  # a block's parts are fp32
+            layers += indices
+        return torch.stack(ratios), layers
 
-    def _part_maxima(self, ratios: Tensor) -> Tensor:
-        """Each layer's largest ratio from :meth:`_fresh_variance_`'s (read on the host), one
-        per part of a layer in a bucket."""
-        layers = torch.tensor([i for params in self.layout.bucket_params for i in params])
-        return torch.zeros(len(self.layout.params)).scatter_reduce_(0, layers, ratios, "amax")
+    def _part_maxima(self, ratios: Tensor, layers: list[int]) -> Tensor:
+        """Each layer's largest ratio from :meth:`_fresh_variance_`'s (read on the host) and
+        their ``layers``."""
+        index = torch.tensor(layers)
+        return torch.zeros(len(self.layout.params)).scatter_reduce_(0, index, ratios, "amax")
 
     def _layer_ratios(self, maxima: Tensor) -> Tensor:
         """Each layer's largest ratio (on the host) over the shards it spans; 1 for a layer with
@@ -421,19 +430,21 @@ class OnebitLamb(CompressedOptimizer):
 
     def _packed_updates(
         self, new: list[tuple[Tensor, Tensor]], t: int, decay: bool = True
-    ) -> Iterator[tuple[int, Tensor]]:
-        """Per bucket ``k``, ``(k, update)``: Adam's update ``m̂ / denom`` from the ``new``
-        packed momentum, plus weight decay if ``decay``, in a temporary of the bucket."""
+    ) -> Iterator[tuple[list[int], list[Tensor], list[Tensor]]]:
+        """A block at a time (:meth:`_blocks`), its parts of the layers as :meth:`_block_parts`
+        gives them, with Adam's update ``m̂ / denom`` from the ``new`` packed momentum, plus
+        weight decay if ``decay``, in a temporary of the block."""
         bc1 = bias_correction(self._beta1, t, self.bias_correction)
         groups = self._groups()
-        for k, (start, end) in enumerate(self.layout.buckets):
-            update = self._fused.momentum_(k, self._scratch(end - start), new)
-            torch.div(update, self._exp_avg_sq[start:end], out=update).div_(bc1)
-            params, updates = self._bucket_parts(k, update)
-            for i, p, u in zip(self.layout.bucket_params[k], params, updates):
+        for k, lo, hi in self._blocks():
+            origin = self.layout.buckets[k][0]
+            update = self._fused.momentum_(k, self._scratch(hi - lo), new, lo)
+            torch.div(update, self._exp_avg_sq[origin + lo : origin + hi], out=update).div_(bc1)
+            indices, params, updates = self._block_parts(k, lo, update)
+            for i, p, u in zip(indices, params, updates):
                 if decay and groups[i]["weight_decay"]:
                     torch._foreach_add_([u], [p], alpha=groups[i]["weight_decay"])
-            yield k, update
+            yield indices, params, updates
 
     def _packed_update_norms(self, new: list[tuple[Tensor, Tensor]], t: int) -> Tensor:
         """Each layer's ``||m̂ / denom||`` and ``||update||`` (``[2, layers]`` on the device), for
@@ -442,15 +453,14 @@ class OnebitLamb(CompressedOptimizer):
         zero = torch.zeros((), device=self.device)
         layers = len(self.layout.params)
         adaptive, total = [zero] * layers, [zero] * layers
-        started: dict[int, tuple[Tensor, int]] = {}  # layers that go on in the next bucket
+        started: dict[int, tuple[Tensor, int]] = {}  # layers that go on in the next block
         groups = self._groups()
-        for k, update in self._packed_updates(new, t, decay=False):
-            _, updates = self._bucket_parts(k, update)
-            for i, u in zip(self.layout.bucket_params[k], updates):
+        for indices, _, updates in self._packed_updates(new, t, decay=False):
+            for i, u in zip(indices, updates):
                 p = self.layout.params[i]
                 whole, filled = started.pop(i, (u, 0))
                 if u.numel() < p.numel():  # a part: gathered into a buffer of the layer
-                    whole = self._scratch(p.numel()) if filled == 0 else whole
+                    whole = torch.empty(p.numel(), device=self.device) if filled == 0 else whole
                     whole[filled : filled + u.numel()] = u
                     if filled + u.numel() < p.numel():
                         started[i] = whole, filled + u.numel()
@@ -462,25 +472,44 @@ class OnebitLamb(CompressedOptimizer):
                 total[i] = layer_norms([whole])[0]
         return torch.stack([torch.stack(adaptive), torch.stack(total)])
 
-    def _scratch(self, numel: int) -> Tensor:
-        """A temporary fp32 buffer of ``numel`` elements on the state's device."""
-        return torch.empty(numel, device=self.device)
+    def _scratch(self, numel: int, slot: int = 0) -> Tensor:
+        """A temporary fp32 buffer of ``numel`` elements (at most a block's, :data:`BLOCK`) on
+        the state's device: the first elements of this step's ``slot``-th buffer, which every
+        block of the step reuses (:meth:`_packed_compression_step` releases them)."""
+        buffer = self._scratches.get(slot)
+        if buffer is None or buffer.device != self.device:
+            largest = max((hi - lo for _, lo, hi in self._blocks()), default=0)
+            buffer = self._scratches[slot] = torch.empty(largest, device=self.device)
+        return buffer[:numel]
+
+    def _blocks(self) -> Iterator[tuple[int, int, int]]:
+        """Every bucket ``k``'s elements as blocks ``(k, lo, hi)`` of at most :data:`BLOCK`
+        (:meth:`~onebit.momentum.PackedMomentumStage.blocks`), bucket after bucket: what a
+        compression step without passes over every bucket takes after its allreduce."""
+        for k in range(len(self.layout.buckets)):
+            for lo, hi in self._fused.blocks(k, BLOCK):
+                yield k, lo, hi
 
     def _groups(self) -> list[dict[str, Any]]:
         """Each parameter's param group, in layout order."""
         return [group for group in self.param_groups for _ in group["params"]]
 
-    def _bucket_parts(self, k: int, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """For each parameter with elements in bucket ``k``: its part (flat) and the same part
-        of ``flat``, a buffer of the bucket."""
-        start, end = self.layout.buckets[k]
-        params, parts = [], []
+    def _block_parts(
+        self, k: int, lo: int, flat: Tensor
+    ) -> tuple[list[int], list[Tensor], list[Tensor]]:
+        """For each parameter with elements in the block of bucket ``k`` from ``lo`` that
+        ``flat`` holds: its index, its part (flat) and the same part of ``flat``."""
+        start = self.layout.buckets[k][0] + lo
+        end = start + flat.numel()
+        indices, params, parts = [], [], []
         for i in self.layout.bucket_params[k]:
             o, n = self.layout.offsets[i], self.layout.numels[i]
-            lo, hi = max(start, o), min(end, o + n)
-            params.append(self.layout.params[i].view(-1)[lo - o : hi - o])
-            parts.append(flat[lo - start : hi - start])
-        return params, parts
+            a, b = max(start, o), min(end, o + n)
+            if a < b:
+                indices.append(i)
+                params.append(self.layout.params[i].view(-1)[a - o : b - o])
+                parts.append(flat[a - start : b - start])
+        return indices, params, parts
 
     def _adam_update(self, m: Tensor, denom: Tensor, step: int) -> Tensor:
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient

@@ -16,7 +16,7 @@ reads the result as it arrives (``commit(decompress=False)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,6 +237,7 @@ class ModelCall:
     exchange: Exchange  # phase 1
     flat: Tensor | None = None  # the flat buffer reduced, for ModelAllreduce.start
     inputs: tuple[Any, ...] = ()  # the worker pass's arguments (PackedMomentumStage)
+    keep: Sequence[Tensor] = ()  # tensors the inputs' addresses point into
     scales: Tensor | None = None  # this rank's worker scales
     received: Tensor | None = None  # the phase-1 message as received
     rank_scales: Tensor | None = None  # every rank's worker scales

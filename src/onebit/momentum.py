@@ -72,8 +72,9 @@ class PackedMomentumStage:
             ``None`` it holds the momentum; from the first applied step it holds the worker
             errors (each communicator's ``worker_error`` is a slice of it).
         keeps_last: the optimizer reads the last momentum after the allreduce (1-bit LAMB), so
-            the first applied step keeps the errors apart, and the results become the momentum
-            only at :meth:`install`, which moves the errors in.
+            the results become the momentum only at :meth:`install`; at the first applied step
+            the worker errors are committed there too, into the fp32 momentum's storage once
+            it has been read (so the step holds no second model-sized buffer).
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -100,6 +101,8 @@ class PackedMomentumStage:
         self._served: tuple[Tensor, Tensor] | None = None  # commit_all's, until results()
         self._results: tuple[list, tuple[Tensor, Tensor]] | None = None  # results()' whole
         self._scaled: tuple[Tensor, Tensor] | None = None  # see _divided
+        self._deferred: dict[int, Callable[[], None]] = {}  # commits that wait for install()
+        self._block_pieces: dict[tuple[int, int, int], Tensor] = {}  # see momentum_
 
     def _source(self, k: int) -> Tensor | fused.PackedMomentum:
         if self.packed is None:
@@ -121,12 +124,13 @@ class PackedMomentumStage:
         beta1: float,
         headers: Tensor,
         scaling: Tensor | None = None,
+        keep: Sequence[Tensor] = (),
     ) -> ModelCall:
         """Every bucket's pass 1 and phase 1, as :meth:`start` does for one, in one launch and
         one collective (``headers``: ``[buckets, header_numel]``; a step's are the same in
         every bucket)."""
         inputs = (grads, inv_scale, self._momentum_source(), 1 - beta1, self._error(), scaling)
-        call = ModelCall(phase_exchange(self.comms, 1), inputs=inputs)
+        call = ModelCall(phase_exchange(self.comms, 1), inputs=inputs, keep=keep)
         with call.exchange.filling() as exchange:
             call.scales = self.passes().signs(*inputs, self.comms[0].scale, headers,
                                               exchange.message)  # fmt: skip
@@ -137,13 +141,17 @@ class PackedMomentumStage:
         finite: commit every worker error, serve this rank's chunks and send them (phase 2, one
         collective), and make the results the momentum; with :attr:`keeps_last`, :meth:`results`
         (``None``) gives them and :meth:`install` makes them the momentum."""
-        apart = self.keeps_last and self.packed is None  # the fp32 momentum is read after
-        errors = torch.zeros_like(self.momentum) if apart else self.momentum
-        self.passes().commit(*call.inputs, call.scales, errors)
-        views = self.layout.bucket_views(errors, padded=True) if apart else self._slices
-        for view, comm in zip(views, self.comms):
-            if comm._worker_error is not view:
-                comm.worker_error = view
+
+        def commit() -> None:
+            self.passes().commit(*call.inputs, call.scales, self.momentum)
+            for view, comm in zip(self._slices, self.comms):
+                if comm._worker_error is not view:
+                    comm.worker_error = view
+
+        if self.keeps_last and self.packed is None:  # the fp32 momentum is read after
+            self._deferred = {-1: commit}
+        else:
+            commit()
         self._served = self.model.serve(call)
         if not self.keeps_last:
             self.install(self.results(None))
@@ -194,23 +202,31 @@ class PackedMomentumStage:
         header: Tensor | None,
         scaling: Tensor | None = None,
         exchange: tuple[Exchange, int] | None = None,
+        keep: Sequence[Tensor] = (),
     ) -> _Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
         ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
-        :func:`~onebit.kernels.fused.gradient_addresses`; ``scaling``: fp32 per parameter, or
-        ``None``), sent with ``header`` (in ``exchange``'s part, if given). The worker error is
-        committed by the communicator's ``serve`` once every rank's scales are finite."""
+        :func:`~onebit.kernels.fused.gradient_addresses`, ``keep`` the copies they point into;
+        ``scaling``: fp32 per parameter, or ``None``), sent with ``header`` (in ``exchange``'s
+        part, if given). The worker error is committed by the communicator's ``serve`` once
+        every rank's scales are finite, or with :attr:`keeps_last` at the first applied step
+        by :meth:`install`."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
         weight, post = 1 - beta1, scaling
         error = comm._worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8, device=self.momentum.device)
         scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post)
 
-        def commit() -> None:
-            if error is None and not self.keeps_last:  # the momentum's storage becomes the error
+        def commit(keep: Sequence[Tensor] = keep) -> None:  # holds keep until it runs
+            if error is None:  # the momentum's storage becomes the error
                 comm.worker_error = self._slices[k]
             fused.commit(runs, grads, inv_scale, m, weight, error, scales, comm.worker_error,
                          post)  # fmt: skip
+
+        if error is None and self.keeps_last:  # the fp32 momentum is read after
+            self._deferred[k] = commit
+            return comm.start_compressed(signs, scales, header, commit=lambda: None,
+                                         exchange=exchange)  # fmt: skip
 
         return comm.start_compressed(signs, scales, header, commit=commit, exchange=exchange)
 
@@ -259,7 +275,11 @@ class PackedMomentumStage:
 
     def install(self, packed: list[tuple[Tensor, Tensor]]) -> None:
         """Make ``packed`` (:meth:`results`) the momentum; the worker errors move into
-        :attr:`momentum`'s storage if they were kept apart."""
+        :attr:`momentum`'s storage if they were kept apart, or are committed there if the
+        step's commits waited for it (:attr:`keeps_last`)."""
+        deferred, self._deferred = self._deferred, {}
+        for commit in deferred.values():
+            commit()
         for slice_, comm in zip(self._slices, self.comms):
             if comm._worker_error is not None and comm._worker_error is not slice_:
                 slice_.copy_(comm._worker_error)
@@ -270,15 +290,43 @@ class PackedMomentumStage:
         self._served = self._results = None
 
     def momentum_(
-        self, k: int, out: Tensor, packed: list[tuple[Tensor, Tensor]] | None = None
+        self,
+        k: int,
+        out: Tensor,
+        packed: list[tuple[Tensor, Tensor]] | None = None,
+        start: int = 0,
     ) -> Tensor:
-        """Bucket ``k``'s momentum (``packed``, else the current one) into ``out`` (fp32, the
-        bucket's ``end - start`` elements)."""
+        """Bucket ``k``'s momentum (``packed``, else the current one) into ``out`` (fp32): the
+        whole bucket's ``end - start`` elements, or from ``start`` one of its :meth:`blocks`."""
         packed = self.packed if packed is None else packed
+        origin, end = self.layout.buckets[k]
         if packed is None:
-            start, end = self.layout.buckets[k]
-            return out.copy_(self.momentum[start:end])
-        return decompress_pieces_(*packed[k], self.comms[k].scale_geometry.gathered, out)
+            return out.copy_(self.momentum[origin + start : origin + start + out.numel()])
+        geometry = self.comms[k].scale_geometry
+        if start == 0 and out.numel() == end - origin:
+            return decompress_pieces_(*packed[k], geometry.gathered, out)
+        signs, scales = packed[k]
+        j, a = divmod(start, self.comms[k].chunk_numel)
+        key = (k, start, out.numel())
+        if key not in self._block_pieces:
+            table = geometry.gathered[geometry.gathered[:, 0] == j].clone()
+            table[:, 0] = 0  # the one row decompressed
+            table[:, 1:3] = table[:, 1:3].clamp(a, a + out.numel()) - a
+            self._block_pieces[key] = table[table[:, 1] < table[:, 2]].contiguous()
+        pieces = self._block_pieces[key]
+        return decompress_pieces_(signs[j : j + 1, a // 8 :], scales[j : j + 1], pieces, out)
+
+    def blocks(self, k: int, size: int) -> list[tuple[int, int]]:
+        """Bucket ``k``'s elements (not its padding) as ranges ``[lo, hi)`` of at most ``size``
+        elements (a multiple of 8) within one chunk each: what :meth:`momentum_` decompresses
+        from a ``start``, so that a caller walks the bucket in temporaries of ``size``."""
+        origin, end = self.layout.buckets[k]
+        chunk = self.comms[k].chunk_numel
+        return [
+            (lo, min(lo + size, row + chunk, end - origin))
+            for row in range(0, end - origin, chunk)
+            for lo in range(row, min(row + chunk, end - origin), size)
+        ]
 
     def update_(
         self,
