@@ -59,7 +59,6 @@ LOOPS = ("plain", "max_grad_norm", "GradScaler", "overlap_backward", "exp_avg_ma
 first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters."""
 
 UNPACKED = {
-    "overlap_backward": "fp32 momentum: the fused passes run in step(), not in backward's hooks",
     "exp_avg_mask": "fp32 momentum: a masked momentum is not +-scale everywhere",
     "bf16": "fp32 momentum: the fused passes update fp32 parameters only",
 }

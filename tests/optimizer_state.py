@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,13 +39,13 @@ def storage_bytes(opt: torch.optim.Optimizer, gradient_buffer: bool = False) -> 
     return sum(storages.values())
 
 
-def step_temporaries(opt: torch.optim.Optimizer, after: str | None = None) -> int:
-    """One ``opt.step()`` under torch's profiler: the most bytes of CPU tensors it held above
-    what it still holds at its end (its temporaries, not the state it keeps), over the whole
-    step, or only once the ``record_function`` range named ``after`` has ended. Exact: the
-    allocator's events, not the process's memory."""
+def temporaries(call: Callable[[], Any], after: str | None = None) -> int:
+    """``call()`` under torch's profiler: the most bytes of CPU tensors it held above what it
+    still holds at its end (its temporaries, not the state it keeps), over the whole call, or
+    only once the ``record_function`` range named ``after`` has ended. Exact: the allocator's
+    events, not the process's memory."""
     with torch.profiler.profile(profile_memory=True) as prof:
-        opt.step()
+        call()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     since = 0
     if after is not None:

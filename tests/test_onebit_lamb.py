@@ -7,7 +7,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from harness import CASES, low_precision_runs, run
-from optimizer_state import flat, roundtrip, step_temporaries, storage_bytes
+from optimizer_state import flat, roundtrip, storage_bytes, temporaries
 from reference import RefBucketedAllreduce
 
 import onebit
@@ -236,7 +236,7 @@ def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
         if t < 2:
             opt.step()
             continue
-        assert step_temporaries(opt, "freeze" if t == 2 else None) <= bound, t
+        assert temporaries(opt.step, "freeze" if t == 2 else None) <= bound, t
     assert opt._fused.packed is not None
     assert all(c.worker_error.data_ptr() >= opt._exp_avg.data_ptr() for c in opt.comms)
 

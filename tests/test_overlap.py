@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from backends import use_backend
 from distributed import run_ranks
 
 import onebit
@@ -18,7 +19,8 @@ def _model():
     )
 
 
-def _train(rank, world_size, overlap, accumulate):
+def _train(rank, world_size, overlap, accumulate, backend="auto"):
+    use_backend(backend)
     model = _model()
     opt = onebit.OnebitAdam(
         model.parameters(), lr=1e-2, freeze_step=3, bucket_size=256, overlap_backward=overlap
@@ -35,21 +37,35 @@ def _train(rank, world_size, overlap, accumulate):
                     loss.backward()
             else:
                 loss.backward()
-        launched_early.append(len(opt.bucketer.inflight))
+        launched_early.append((len(opt.bucketer.inflight), opt.bucketer.inflight_kind))
         opt.step()
+    assert opt._fused is not None and opt._fused.packed is not None  # 1 bit between steps
     return [p.detach() for p in model.parameters()], launched_early, len(opt.comms)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_overlapped_backward_is_bitwise_identical(accumulate):
+    """Also in the compression stage, where backward's hooks start each bucket's fused pass
+    from ``.grad`` and the momentum stays packed."""
     plain = run_ranks(_train, 2, False, accumulate)
     overlapped = run_ranks(_train, 2, True, accumulate)
     for (want, none_early, _), (got, early, buckets) in zip(plain, overlapped):
         assert all(torch.equal(a, b) for a, b in zip(want, got))
-        assert set(none_early) == {0}
+        assert {n for n, _ in none_early} == {0}
         # From the second step on, every bucket was on the wire before step() was called, in
         # both stages (the first step waits to see whether DDP drives the launches).
-        assert buckets > 2 and early[0] == 0 and set(early[1:]) == {buckets}
+        assert buckets > 2 and early[0][0] == 0 and {n for n, _ in early[1:]} == {buckets}
+        assert [kind for _, kind in early[3:]] == ["packed"] * 5
+
+
+def test_overlapped_backward_on_triton_gives_the_bits_of_its_passes_over_every_bucket():
+    """On Triton (under its interpreter here) the hooks run the per-bucket passes, and step()
+    without overlap the passes over every bucket at once: the same bits."""
+    plain = run_ranks(_train, 2, False, 1, "triton", timeout=600)
+    overlapped = run_ranks(_train, 2, True, 1, "triton", timeout=600)
+    for (want, _, _), (got, early, _) in zip(plain, overlapped):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert [kind for _, kind in early[3:]] == ["packed"] * 5
 
 
 def test_backward_twice_without_no_sync_is_an_error():

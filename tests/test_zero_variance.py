@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from distributed import run_ranks
+from optimizer_state import temporaries
 from torch import nn
 
 import onebit
@@ -117,3 +118,15 @@ def test_fill_zero_variance_rule():
     assert v[0].tolist() == [0.0, 4.0, 2**-70, 2.0]  # the input is untouched with out=
     onebit.functional.fill_zero_variance_(v)  # in place, exact zeros only
     assert v[0][0].item() == pytest.approx(2.0) and v[0][2].item() > 0
+
+
+def test_fill_zero_variance_takes_temporaries_of_a_block(monkeypatch):
+    """The fill walks each tensor in blocks, so an embedding a tenth of the model does not put
+    a few copies of itself on the freeze step's peak."""
+    monkeypatch.setattr(onebit.functional, "_BLOCK", 1024)
+    v = torch.rand(100_000)
+    v[::7] = 0.0
+    expected = torch.where(v == 0, v[v > 0].double().mean().float(), v)
+    used = temporaries(lambda: onebit.functional.fill_zero_variance_([v]))
+    assert used <= 16 * 1024 + 4096
+    torch.testing.assert_close(v, expected, rtol=1e-6, atol=0)

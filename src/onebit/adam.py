@@ -63,8 +63,9 @@ class OnebitAdam(CompressedOptimizer):
         auto_freeze: knobs of ``freeze_step="auto"``.
         overlap_backward: start each bucket's communication during ``backward()``, as soon as
             its gradients are final, as DDP does. Results are bitwise the same as without it,
-            but for ``max_grad_norm`` in the compression stage (see above); the momentum is
-            then kept in fp32.
+            but for ``max_grad_norm`` in the compression stage (see above), where the momentum
+            is then kept in fp32; without clipping, backward's hooks start each bucket's fused
+            pass from ``.grad`` and the momentum stays packed.
             It needs the same parameters to receive gradients in the same order on every rank;
             with gradient accumulation, run every backward but the last inside
             :meth:`no_sync`. It cannot honour a ``GradScaler`` or an edit of ``.grad`` after
@@ -96,7 +97,8 @@ class OnebitAdam(CompressedOptimizer):
     * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
       once) and ``exp_avg``;
     * on the fused path (fp32 parameters with the C kernels on the CPU or the Triton kernels on
-      CUDA, a scale per tensor, no ``exp_avg_mask`` or ``overlap_backward``),
+      CUDA, a scale per tensor, no ``exp_avg_mask``, nor ``overlap_backward`` with
+      ``max_grad_norm``),
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
       buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then
@@ -160,7 +162,8 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
         params, scale_per, masked = self.layout.params, self.scale_per, bool(self._masks)
-        if not self.overlap_backward and momentum.applies(params, scale_per, masked):
+        clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
+        if not clips_result and momentum.applies(params, scale_per, masked):
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
 
     def _set_frozen(self, frozen: bool) -> None:
@@ -173,8 +176,17 @@ class OnebitAdam(CompressedOptimizer):
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
 
     def _next_kind(self) -> str:
-        """What the next step sends (every step can be launched during backward)."""
-        return self._warmup_kind if self.stage == "warmup" else "compressed"
+        """What the next step sends (every step can be launched during backward): in the
+        compression stage, ``"packed"`` where the fused passes run it (decided once per
+        backward pass, as the hooks ask for every gradient)."""
+        if self.stage == "warmup":
+            return self._warmup_kind
+        asked = (self.bucketer.backward_passes, self._fused)
+        if self._packs_next is None or self._packs_next[0] != asked:
+            self._packs_next = (asked, self._packed_stage() is not None)
+        return "packed" if self._packs_next[1] else "compressed"
+
+    _packs_next: tuple[tuple[int, Any], bool] | None = None  # see _next_kind
 
     def _momentum_into_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
         """The bucketer's ``prepare``: a compressed step sends the local momentum

@@ -35,7 +35,7 @@ from . import host, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer, Prepare
 from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
-from .exchange import phase_exchange
+from .exchange import Exchange, phase_exchange
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
@@ -267,6 +267,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._calls = 0
         self._grad_norm: float | Tensor | None = None
         self._grad_addresses = host.Uploaded(torch.int64)
+        self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
         self._allocate_state()
 
@@ -414,6 +415,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             close_step=self._close_step,
             header=self._header_for,
             prepare=self._prepare,
+            start=self._start_packed,
             next_kind=self._next_kind,
         )
         bucketer.backward_passes = backward_passes
@@ -1231,6 +1233,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if sparse:
             self._status = 1
         stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
+        if self.overlap_backward:  # buckets that backward did not launch go now, one by one
+            calls = self.bucketer.launch_all("packed")
+            applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
+            return applied, nbytes, calls
         if stage.passes() is not None:  # every bucket at once
             call = stage.start_all(grads, self._inv_scale, self._beta1, self._step_headers(),
                                    scaling, keep)  # fmt: skip
@@ -1246,6 +1252,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                              scaling, (exchange, k), keep)  # fmt: skip
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
         return applied, nbytes, calls
+
+    def _start_packed(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        """The bucketer's ``start`` for ``overlap_backward``: bucket ``k``'s fused pass 1 and
+        phase 1, from the ``.grad`` of its parameters as soon as they are final (see
+        :meth:`_packed_allreduce`)."""
+        params, bucket = self.layout.params, self.layout.bucket_params[k]
+        found, keep, sparse = gradient_addresses([params[i] for i in bucket])
+        addresses = [0] * len(params)
+        for i, address in zip(bucket, found):
+            addresses[i] = address
+        uploaded = self._bucket_grad_addresses.setdefault(k, host.Uploaded(torch.int64))
+        grads = uploaded(addresses, self.device)
+        header = self._header_for(k, sparse)
+        return self._fused.start(k, grads, self._inv_scale, self._beta1, header, None, exchange,
+                                 keep)  # fmt: skip
 
     def _packed_extra_state(self) -> dict[str, Any]:
         return {"packed_momentum": self._fused is not None and self._fused.packed is not None}

@@ -41,7 +41,8 @@ class Bucketer:
 
     ``kind`` names what a call sends: ``"allreduce"`` (an fp32 mean, in place in the gradient
     buffer, with every rank's header in slots after it), ``"quantized"`` (through
-    ``warmup_comms``) or ``"compressed"`` (through ``comms``, 1 bit).
+    ``warmup_comms``), ``"compressed"`` (through ``comms``, 1 bit) or ``"packed"`` (1 bit, the
+    call started by ``start`` from ``.grad``).
 
     Args:
         layout: the flat layout and its buckets.
@@ -56,6 +57,8 @@ class Bucketer:
         close_step: closes it without applying anything, after :meth:`abandon`.
         header: see :data:`Header`.
         prepare: see :data:`Prepare`; ``None`` sends the gradients themselves.
+        start: starts bucket ``k``'s call of kind ``"packed"`` itself, ``start(k, exchange)``:
+            the optimizer's fused passes read ``.grad``, so nothing is gathered.
         next_kind: what the next step sends, if it can be launched during backward, else
             ``None``.
 
@@ -87,6 +90,7 @@ class Bucketer:
         close_step: Callable[[], None],
         header: Header,
         prepare: Prepare | None = None,
+        start: Callable[[int, tuple[Exchange, int] | None], Any] | None = None,
         next_kind: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.layout = layout
@@ -98,6 +102,7 @@ class Bucketer:
         self.clip, self.overlap = clip, overlap
         self.open_step, self.close_step = open_step, close_step
         self.header, self.prepare, self.next_kind = header, prepare, next_kind
+        self.start = start
         self._buffer: Tensor | None = None
         self._bucket_views: list[Tensor] | None = None
         self.inflight: dict[int, Any] = {}
@@ -252,6 +257,9 @@ class Bucketer:
         compressed or quantized call's message goes into ``exchange``'s part, if given, to be
         sent with the others' (:class:`~onebit.exchange.Exchange`); otherwise it is sent now."""
         self.open_step()
+        if kind == "packed":
+            self.inflight[k], self.inflight_kind = self.start(k, exchange), kind
+            return
         grads = self.buckets[k]
         numel = self.comms[k].numel
         sparse = False

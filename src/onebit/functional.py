@@ -49,13 +49,7 @@ def fill_zero_variance_(
     gradients where the exact one is 0, as in a key bias).
     """
     out = variances if out is None else out
-    sums, counts = [], []
-    for v in variances:
-        small = v <= floor
-        counts.append(v.numel() - int(small.sum()))
-        sums.append(
-            float(torch.where(small, 0.0, v).sum(dtype=torch.float64)) if counts[-1] else 0.0
-        )
+    sums, counts = zip(*(_sum_above(v, floor) for v in variances)) if variances else ((), ())
     total = sum(counts)
     overall = sum(sums) / total if total else 0.0
     for v, o, sum_, count in zip(variances, out, sums, counts):
@@ -63,8 +57,26 @@ def fill_zero_variance_(
             if o is not v:
                 o.copy_(v)
             continue
-        fill = sum_ / count if count else overall
-        torch.where(v <= floor, torch.tensor(fill, dtype=v.dtype, device=v.device), v, out=o)
+        fill = torch.tensor(sum_ / count if count else overall, dtype=v.dtype, device=v.device)
+        for part, into in zip(v.view(-1).split(_BLOCK), o.view(-1).split(_BLOCK)):
+            torch.where(part <= floor, fill, part, out=into)
+
+
+_BLOCK = 1 << 20
+"""Elements :func:`fill_zero_variance_` takes at a time: its temporaries are a few of these, not
+a few of the largest tensor (an embedding can be a tenth of a model)."""
+
+
+def _sum_above(v: Tensor, floor: float) -> tuple[float, int]:
+    """The fp64 sum of ``v``'s entries that are not at most ``floor``, and their number, a block
+    at a time, read once."""
+    total = torch.zeros((), dtype=torch.float64, device=v.device)
+    count = torch.zeros((), dtype=torch.int64, device=v.device)
+    for part in v.view(-1).split(_BLOCK):
+        small = part <= floor
+        total += torch.where(small, 0.0, part).sum(dtype=torch.float64)
+        count += part.numel() - small.sum()
+    return float(total), int(count)
 
 
 def adamw_update_(

@@ -42,9 +42,10 @@ def applies(params: Sequence[Tensor], scale_per: str, masked: bool) -> bool:
     Not yet where ``masked`` (``exp_avg_mask``: a masked momentum is not ``±σ`` everywhere, so
     the passes would have to read the mask), with ``scale_per="bucket"`` (the passes take a
     scale per tensor), or where the parameters are not fp32 and contiguous (the passes update
-    them in place as fp32); nor with ``overlap_backward``, which the optimizers check (its
-    buckets leave from backward's hooks, and the passes run in ``step()``). Those keep an fp32
-    momentum: 4 + 1/n model sizes for 1-bit Adam."""
+    them in place as fp32); nor, as the optimizer checks, with ``overlap_backward`` and
+    ``max_grad_norm`` together (the buckets leave before the rank's norm is known, so the
+    result is clipped, and is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model
+    sizes for 1-bit Adam."""
     return (
         scale_per == "tensor"
         and not masked
