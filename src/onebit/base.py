@@ -1228,15 +1228,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
         (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
         every bucket at once made the results the momentum already)."""
+        if self.overlap_backward:  # buckets that backward did not launch go now, one by one
+            calls = self.bucketer.launch_all("packed")  # through _start_packed
+            applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
+            return applied, nbytes, calls
         addresses, keep, sparse = gradient_addresses(self.layout.params)
         grads = self._grad_addresses(addresses, self.device)
         if sparse:
             self._status = 1
         stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
-        if self.overlap_backward:  # buckets that backward did not launch go now, one by one
-            calls = self.bucketer.launch_all("packed")
-            applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
-            return applied, nbytes, calls
         if stage.passes() is not None:  # every bucket at once
             call = stage.start_all(grads, self._inv_scale, self._beta1, self._step_headers(),
                                    scaling, keep)  # fmt: skip

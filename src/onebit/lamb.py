@@ -323,9 +323,9 @@ class OnebitLamb(CompressedOptimizer):
         """The compression step of :meth:`_unpacked_compression_step` with the momentum packed
         (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer: the fused
         passes read ``.grad``; what follows the allreduce takes two passes over every bucket
-        where the backend has them (Triton), else runs a bucket at a time, bit for bit as the
-        unpacked step, on temporaries of a bucket (and of a layer, for the norms that weight
-        decay needs)."""
+        where the backend has them (Triton), else walks each bucket in blocks (:meth:`_blocks`),
+        bit for bit as the unpacked step, on two temporaries of a block (and one of a layer,
+        for the norms that weight decay needs)."""
         scaling = self._device_scaling()
         applied, nbytes, calls = self._packed_allreduce(scaling)
         if not applied:
