@@ -46,6 +46,7 @@ from .functional import (
     clip_coefficient,
     layer_norms,
 )
+from .kernels.errors import check_error_dtype
 from .kernels.fused import gradient_addresses
 from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall
@@ -228,6 +229,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         overlap_backward: bool = False,
         scale_per: str = "tensor",
         warmup_compression: str = "fp32",
+        error_dtype: torch.dtype = torch.float32,
         prepare: Prepare | None = None,
         next_kind: Callable[[], str | None] = lambda: None,
         problem: str | None = None,
@@ -236,6 +238,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.bias_correction = bias_correction
         self.scale_per = scale_per
         self.warmup_compression = warmup_compression
+        self.error_dtype = error_dtype
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.overlap_backward = bool(overlap_backward)
@@ -286,6 +289,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 device=device,
                 segments=self.layout.segments(k) if self.scale_per == "tensor" else None,
                 header_numel=HEADER_NUMEL,
+                error_dtype=self.error_dtype,
             )
             for k, (start, end) in buckets
         ]
@@ -347,6 +351,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_size must be at most 2**30, got {bucket_size}")
         if self.scale_per not in SCALE_PER:
             raise ValueError(f"scale_per must be one of {SCALE_PER}, got {self.scale_per!r}")
+        check_error_dtype(self.error_dtype)
         if self.warmup_compression not in WARMUP_COMPRESSION:
             raise ValueError(
                 f"warmup_compression must be one of {WARMUP_COMPRESSION}, "
@@ -596,6 +601,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "bucket_size": self.layout.bucket_size,
             "scale_per": self.scale_per,
             "warmup_compression": self.warmup_compression,
+            "error_dtype": str(self.error_dtype),
             "param groups": _group_hyperparameters(self.param_groups),
             "max_grad_norm": self.max_grad_norm,
             "bias_correction": self.bias_correction,
@@ -1313,6 +1319,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         comms = state["comms"]
         if len(comms) != len(self.comms):
             raise ValueError(f"{len(comms)} buckets saved, {len(self.comms)} here")
+        saved_dtypes = {s["worker_error"].dtype for s in comms if s["worker_error"] is not None}
+        if saved_dtypes - {self.error_dtype}:
+            warnings.warn(
+                f"error buffers saved in {', '.join(sorted(map(str, saved_dtypes)))} load into "
+                f"{type(self).__name__}(error_dtype={self.error_dtype}): they are converted"
+                + (" (rounded to bf16)" if self.error_dtype == torch.bfloat16 else ""),
+                stacklevel=3,
+            )
         for comm, saved in zip(self.comms, comms):
             comm.load_state_dict(saved)
         for comm, saved in zip(self.warmup_comms, state.get("warmup_comms", [])):

@@ -36,6 +36,7 @@ from .compress import (
     subtract_compressed_segments_,
 )
 from .exchange import Exchange, phase_exchange
+from .kernels.errors import check_error_dtype, fp32
 
 _SCALE_BYTES = 4
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -122,10 +123,12 @@ class CompressedAllreduce:
             They travel uncompressed in the phase-1 message, after the scale, and every rank
             receives every rank's header (:meth:`headers`). The optimizers use this to check,
             at no extra collective, that all ranks are at the same step. Default 0.
+        error_dtype: the dtype the error buffers are kept in: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (half the memory; see :data:`~onebit.kernels.errors.ERROR_DTYPES`).
 
     Attributes:
-        worker_error: this rank's error, ``padded_numel`` elements (``numel`` rounded up to a
-            multiple of ``8 * world_size``).
+        worker_error: this rank's error, ``padded_numel`` elements of ``error_dtype``
+            (``numel`` rounded up to a multiple of ``8 * world_size``).
         server_error: the error of the chunk this rank serves, ``padded_numel // world_size``.
         bytes_per_call: bytes this rank sends per call.
 
@@ -146,7 +149,9 @@ class CompressedAllreduce:
         scale: str = "rms",
         segments: Sequence[int] | None = None,
         header_numel: int = 0,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.error_dtype = check_error_dtype(error_dtype)
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         if segments is not None:
@@ -181,15 +186,17 @@ class CompressedAllreduce:
     @property
     def worker_error(self) -> Tensor:
         if self._worker_error is None:
-            self._worker_error = torch.zeros(self.padded_numel, device=self.device)
+            self._worker_error = self._zeros(self.padded_numel)
         return self._worker_error
 
     @worker_error.setter
     def worker_error(self, storage: Tensor) -> None:
-        """Keep the worker error in ``storage`` (``padded_numel`` fp32 on :attr:`device`), say
-        a buffer the caller no longer needs; its values become the error."""
-        if storage.shape != (self.padded_numel,) or storage.dtype != torch.float32:
-            raise ValueError(f"the worker error needs {self.padded_numel} fp32 elements")
+        """Keep the worker error in ``storage`` (``padded_numel`` of :attr:`error_dtype` on
+        :attr:`device`), say a buffer the caller no longer needs; its values become the error."""
+        if storage.shape != (self.padded_numel,) or storage.dtype != self.error_dtype:
+            raise ValueError(
+                f"the worker error needs {self.padded_numel} elements of {self.error_dtype}"
+            )
         self._worker_error = storage
 
     @property
@@ -212,11 +219,14 @@ class CompressedAllreduce:
         return self._server_error, self._server_last
 
     def hold_server_error(self, storage: Tensor, last: Tensor | None = None) -> None:
-        """Keep the server's buffer in ``storage`` (``chunk_numel`` fp32): the error, or with
+        """Keep the server's buffer in ``storage`` (``chunk_numel`` of :attr:`error_dtype`): the
+        error, or with
         ``last`` (each served piece's scale, :attr:`scale_geometry`) the served ``z`` it is
         derived from. A step that serves every bucket in one pass keeps them all in one buffer."""
-        if storage.shape != (self.chunk_numel,) or storage.dtype != torch.float32:
-            raise ValueError(f"the server error needs {self.chunk_numel} fp32 elements")
+        if storage.shape != (self.chunk_numel,) or storage.dtype != self.error_dtype:
+            raise ValueError(
+                f"the server error needs {self.chunk_numel} elements of {self.error_dtype}"
+            )
         self._server_error, self._server_last = storage, last
 
     @property
@@ -231,8 +241,11 @@ class CompressedAllreduce:
 
     def _server_store(self) -> Tensor:
         if self._server_error is None:
-            self._server_error = torch.zeros(self.chunk_numel, device=self.device)
+            self._server_error = self._zeros(self.chunk_numel)
         return self._server_error
+
+    def _zeros(self, numel: int) -> Tensor:
+        return torch.zeros(numel, dtype=self.error_dtype, device=self.device)
 
     @property
     def _chunk_bytes(self) -> int:
@@ -297,7 +310,7 @@ class CompressedAllreduce:
         """:meth:`__call__`'s allreduce of ``tensor`` into ``out`` if ``direct`` (contiguous fp32
         on :attr:`device`), else into the front of the scratch buffer; ``False`` if some rank's
         scale is not finite. ``as_is``: ``tensor`` can be read where it is (as ``out``)."""
-        fused = input_kernels(self.worker_error)
+        fused = input_kernels(fp32(self.worker_error[:8]))  # kernels read errors as fp32
         if fused:
             x = tensor.view(-1) if as_is else self._scratch_with(tensor)[: self.numel]
         # The input is spent once the worker error is committed: the result may overwrite it.
@@ -514,7 +527,8 @@ class CompressedAllreduce:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the error buffers saved by :meth:`state_dict` on this rank.
+        """Restore the error buffers saved by :meth:`state_dict` on this rank, converted to
+        :attr:`error_dtype` (rounded, where fp32 ones come into bf16).
 
         Raises ``ValueError`` if they were saved for another size or world size: errors
         cannot be carried across a change of geometry.

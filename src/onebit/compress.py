@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .kernels.errors import fp32, written
 
 SCALES = ("rms", "mean_abs")
 """Scale rules: ``"rms"`` keeps the norm (the reference's choice); ``"mean_abs"`` minimises
@@ -86,7 +87,10 @@ def subtract_compressed_(y: Tensor, s: Tensor, out: Tensor, signs: Tensor | None
     ``out`` may be ``y`` itself. ``signs``, if given, must be ``pack_signs(y)`` (as returned by
     :func:`compress_`): a backend may read the signs from it instead of recomputing them.
     """
-    return kernels.for_tensors(y, out).subtract_compressed_(y, s, out, signs)
+    backend = kernels.for_tensors(y, out)
+    with written(out) as staged:
+        backend.subtract_compressed_(staged if y is out else y, s, staged, signs)
+    return out
 
 
 # Fused kernels used by the communicator.
@@ -107,7 +111,7 @@ def compress_(buffer: Tensor, error: Tensor, scale: str = "rms") -> tuple[Tensor
         raise ValueError(f"compress_ needs a multiple of 8 elements, got {numel}")
     if error.numel() != numel:
         raise ValueError(f"buffer has {numel} elements, error {error.numel()}")
-    return kernels.for_tensors(buffer, error).compress_(buffer, error, scale)
+    return kernels.for_tensors(buffer, error).compress_(buffer, fp32(error), scale)
 
 
 def input_kernels(*tensors: Tensor) -> bool:
@@ -134,14 +138,16 @@ def compress_input(
     n, nx = error.numel(), x.numel()
     if n % 8 or nx > n:
         raise ValueError(f"compress_input needs {nx} <= {n} elements, a multiple of 8")
-    return kernels.for_tensors(x, error).compress_input(x, error, scale, bounds)
+    return kernels.for_tensors(x, error).compress_input(x, fp32(error), scale, bounds)
 
 
 def commit_input_(x: Tensor, error: Tensor, scales: Tensor, bounds: Tensor | None = None) -> Tensor:
     """Worker pass 2 of :func:`compress_input` (same ``x``, ``error`` and ``bounds``), once the
     step is known to go ahead: ``error = y - scale * sign(y)``, ``y`` computed again. The same
     bits as :func:`subtract_compressed_` (:func:`subtract_compressed_segments_`) of ``y``."""
-    return kernels.for_tensors(x, error).commit_input_(x, error, scales, bounds)
+    with written(error) as staged:
+        kernels.for_tensors(x, error).commit_input_(x, staged, scales, bounds)
+    return error
 
 
 def allreduce_one_(
@@ -164,7 +170,8 @@ def allreduce_one_(
     """
     check_scale(scale)
     backend = kernels.for_tensors(x, error, server_error, out)
-    return backend.allreduce_one_(x, error, server_error, out, scale)
+    with written(error) as worker, written(server_error) as server:
+        return backend.allreduce_one_(x, worker, server, out, scale)
 
 
 def decompress_(packed: Tensor, scales: Tensor, out: Tensor) -> Tensor:
@@ -210,7 +217,8 @@ def serve_chunk_(
     k, m = packed.shape
     if error.numel() != 8 * m:
         raise ValueError(f"error has {error.numel()} elements, expected {8 * m}")
-    return kernels.for_tensors(packed, error).serve_chunk_(packed, scales, error, scale, z)
+    with written(error) as staged:
+        return kernels.for_tensors(packed, error).serve_chunk_(packed, scales, staged, scale, z)
 
 
 # Scales per segment: the same operations with one scale per run of elements (a tensor's part of
@@ -229,7 +237,10 @@ def segment_scales(y: Tensor, bounds: Tensor, scale: str = "rms") -> Tensor:
 
 def subtract_compressed_segments_(y: Tensor, scales: Tensor, bounds: Tensor, out: Tensor) -> Tensor:
     """``out = y - s_q * sign(y)`` on each segment ``q``, as :func:`subtract_compressed_`."""
-    return kernels.for_tensors(y, out).subtract_compressed_segments_(y, scales, bounds, out)
+    backend = kernels.for_tensors(y, out)
+    with written(out) as staged:
+        backend.subtract_compressed_segments_(staged if y is out else y, scales, bounds, staged)
+    return out
 
 
 def average_signs_pieces_(packed: Tensor, scales: Tensor, pieces: Tensor, out: Tensor) -> Tensor:
@@ -265,7 +276,8 @@ def serve_pieces_(
     """
     check_scale(scale)
     backend = kernels.for_tensors(packed, store)
-    return backend.serve_pieces_(packed, scales, pieces, bounds, store, last, scale)
+    with written(store) as staged:
+        return backend.serve_pieces_(packed, scales, pieces, bounds, staged, last, scale)
 
 
 def server_error_(z: Tensor, last: Tensor, bounds: Tensor) -> Tensor:

@@ -88,6 +88,9 @@ class OnebitLamb(CompressedOptimizer):
             :class:`~onebit.OnebitAdam` (``docs/SPEC.md``).
         warmup_compression: ``"fp32"`` (default, exactly LAMB on fp32-averaged gradients),
             ``"bf16"``, ``"int8"`` or ``"int4"``: as :class:`~onebit.OnebitAdam`'s.
+        error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: as
+            :class:`~onebit.OnebitAdam`'s (half the error buffers' memory: 0.5 + 0.5/n model
+            sizes fewer).
 
     Entries whose variance is (about) 0 at the freeze take their tensor's mean variance, as in
     :class:`~onebit.OnebitAdam`.
@@ -139,6 +142,7 @@ class OnebitLamb(CompressedOptimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
         warmup_compression: str = "fp32",
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         freeze: FreezeSchedule | None = None
 
@@ -177,6 +181,7 @@ class OnebitLamb(CompressedOptimizer):
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             warmup_compression=warmup_compression,
+            error_dtype=error_dtype,
             problem=problem,
         )
         layers = len(self.layout.params)

@@ -170,7 +170,8 @@ class ModelAllreduce:
             errors, views = self._errors
             if all(c._worker_error is v for c, v in zip(self.comms, views)):
                 return errors
-        errors = torch.zeros(self.layout.padded_numel, device=self.device)
+        dtype = self.comms[0].error_dtype
+        errors = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
         views = self.layout.bucket_views(errors, padded=True)
         for comm, view in zip(self.comms, views):
             if comm._worker_error is not None:
@@ -215,7 +216,8 @@ class ModelAllreduce:
         and every error is settled."""
         comms = self.comms
         if self._server is None:
-            store = torch.zeros(sum(c.chunk_numel for c in comms), device=self.device)
+            numel, dtype = sum(c.chunk_numel for c in comms), comms[0].error_dtype
+            store = torch.zeros(numel, dtype=dtype, device=self.device)
             self._server = (store, list(store.split([c.chunk_numel for c in comms])))
         store, views = self._server
         held = [c.server_buffers for c in comms]

@@ -10,7 +10,9 @@ straight from ``.grad``. The fp32 momentum buffer of the warmup becomes the work
 first applied compression step, so the stage holds, per model element: the worker error (4
 bytes), the server error (4/n) and the packed momentum (1/8 plus the scales), besides the
 optimizer's own state (1-bit Adam: the frozen denominator, 4 bytes; 1-bit LAMB: that and the
-fresh variance, 8).
+fresh variance, 8). With the errors kept in bf16 (the communicators' ``error_dtype``) the worker
+error gets a buffer of its own (2 bytes) and the fp32 momentum's storage is released while the
+momentum is packed: 2 + 2/n bytes for both errors.
 
 It applies to fp32 parameters whose backend has the fused passes (the C kernels on the CPU,
 Triton on CUDA), a scale per tensor and no ``exp_avg_mask`` (:func:`applies`); elsewhere the
@@ -71,7 +73,9 @@ class PackedMomentumStage:
         comms: one communicator per bucket, with a scale per tensor (``segments``).
         momentum: the flat fp32 momentum, ``layout.padded_numel`` long. While :attr:`packed` is
             ``None`` it holds the momentum; from the first applied step it holds the worker
-            errors (each communicator's ``worker_error`` is a slice of it).
+            errors (each communicator's ``worker_error`` is a slice of it), or where they are
+            kept in bf16, its storage is released (resized to nothing, the way FSDP frees a
+            parameter's) until the momentum is unpacked or loaded into it again.
         keeps_last: the optimizer reads the last momentum after the allreduce (1-bit LAMB), so
             the results become the momentum only at :meth:`install`; at the first applied step
             the worker errors are committed there too, into the fp32 momentum's storage once
@@ -96,6 +100,8 @@ class PackedMomentumStage:
         self.runs = bucket_runs(layout, comms)
         self.model = ModelAllreduce(layout, comms, self.runs)
         self._slices = layout.bucket_views(momentum, padded=True)
+        self.compact = comms[0].error_dtype != torch.float32 if comms else False
+        self._errors, self._error_slices = (None, []) if self.compact else (momentum, self._slices)
         self.packed: list[tuple[Tensor, Tensor]] | None = None
         self._whole: tuple[Tensor, Tensor] | None = None  # packed's phase-2 message and scales
         self._whole_of: list[tuple[Tensor, Tensor]] | None = None  # the packed it is of
@@ -144,8 +150,8 @@ class PackedMomentumStage:
         (``None``) gives them and :meth:`install` makes them the momentum."""
 
         def commit() -> None:
-            self.passes().commit(*call.inputs, call.scales, self.momentum)
-            for view, comm in zip(self._slices, self.comms):
+            self.passes().commit(*call.inputs, call.scales, self._error_buffer())
+            for view, comm in zip(self._error_slices, self.comms):
                 if comm._worker_error is not view:
                     comm.worker_error = view
 
@@ -179,16 +185,25 @@ class PackedMomentumStage:
             self._whole, self._whole_of = (bits, scales), packed
         return fused.PackedMomentum(*self._whole, 0)
 
+    def _error_buffer(self) -> Tensor:
+        """Where the worker errors live once packed (:meth:`_error_slices` views it): the fp32
+        momentum's storage, or with bf16 errors a buffer of their own, made when first asked."""
+        if self._errors is None:
+            dtype, device = self.comms[0].error_dtype, self.momentum.device
+            self._errors = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+            self._error_slices = self.layout.bucket_views(self._errors, padded=True)
+        return self._errors
+
     def _error(self) -> Tensor | None:
         """Every worker error in one buffer: ``None`` (zeros, before the first applied step),
-        :attr:`momentum` (where they live once packed), or a copy of errors kept apart (a
+        :meth:`_error_buffer` (where they live once packed), or a copy of errors kept apart (a
         checkpoint loaded with an fp32 momentum)."""
         errors = [c._worker_error for c in self.comms]
         if all(e is None for e in errors):
             return None
-        if all(e is s for e, s in zip(errors, self._slices)):
-            return self.momentum
-        buffer = torch.zeros_like(self.momentum)
+        if self._errors is not None and all(e is s for e, s in zip(errors, self._error_slices)):
+            return self._errors
+        buffer = torch.zeros_like(self.momentum, dtype=self.comms[0].error_dtype)
         for error, slice_ in zip(errors, self.layout.bucket_views(buffer, padded=True)):
             if error is not None:
                 slice_.copy_(error)
@@ -219,8 +234,9 @@ class PackedMomentumStage:
         scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post)
 
         def commit(keep: Sequence[Tensor] = keep) -> None:  # holds keep until it runs
-            if error is None:  # the momentum's storage becomes the error
-                comm.worker_error = self._slices[k]
+            if error is None:  # the momentum's storage (or the bf16 errors') becomes the error
+                self._error_buffer()
+                comm.worker_error = self._error_slices[k]
             fused.commit(runs, grads, inv_scale, m, weight, error, scales, comm.worker_error,
                          post)  # fmt: skip
 
@@ -277,18 +293,39 @@ class PackedMomentumStage:
     def install(self, packed: list[tuple[Tensor, Tensor]]) -> None:
         """Make ``packed`` (:meth:`results`) the momentum; the worker errors move into
         :attr:`momentum`'s storage if they were kept apart, or are committed there if the
-        step's commits waited for it (:attr:`keeps_last`)."""
+        step's commits waited for it (:attr:`keeps_last`). With bf16 errors the fp32 momentum's
+        storage is released."""
         deferred, self._deferred = self._deferred, {}
         for commit in deferred.values():
             commit()
-        for slice_, comm in zip(self._slices, self.comms):
-            if comm._worker_error is not None and comm._worker_error is not slice_:
-                slice_.copy_(comm._worker_error)
-                comm.worker_error = slice_
+        self._errors_in_place()
         self.packed = packed
+        self._release_momentum()
         if self._results is not None and self._results[0] is packed:  # passes read it whole
             self._whole, self._whole_of = self._results[1], packed
         self._served = self._results = None
+
+    def _errors_in_place(self) -> None:
+        """Move the worker errors kept apart into :meth:`_error_buffer`."""
+        if all(c._worker_error is None for c in self.comms):
+            return
+        self._error_buffer()
+        for slice_, comm in zip(self._error_slices, self.comms):
+            if comm._worker_error is not None and comm._worker_error is not slice_:
+                slice_.copy_(comm._worker_error)
+                comm.worker_error = slice_
+
+    def _release_momentum(self) -> None:
+        """With bf16 errors, free the fp32 momentum's storage while the momentum is packed."""
+        if self.compact and self.packed is not None:
+            self.momentum.untyped_storage().resize_(0)
+
+    def _restore_momentum(self) -> None:
+        """Give the fp32 momentum its storage back (its values are to be written)."""
+        storage = self.momentum.untyped_storage()
+        nbytes = self.momentum.numel() * self.momentum.element_size()
+        if storage.nbytes() < nbytes:
+            storage.resize_(nbytes)
 
     def momentum_(
         self,
@@ -366,9 +403,11 @@ class PackedMomentumStage:
         if self.packed is None:
             return
         m = self.materialize()
-        for comm in self.comms:
-            if comm._worker_error is not None:
-                comm.worker_error = comm._worker_error.clone()
+        if not self.compact:  # the errors leave the momentum's storage
+            for comm in self.comms:
+                if comm._worker_error is not None:
+                    comm.worker_error = comm._worker_error.clone()
+        self._restore_momentum()
         self.momentum[: self.layout.numel].copy_(m)
         self.packed = None
 
@@ -379,11 +418,13 @@ class PackedMomentumStage:
         self.packed = None
         for comm in self.comms:
             comm._worker_error = None
+        self._restore_momentum()
 
         def undo() -> None:
             self.packed = packed
             for comm, error in zip(self.comms, errors):
                 comm._worker_error = error
+            self._release_momentum()
 
         return undo
 
@@ -399,6 +440,7 @@ class PackedMomentumStage:
         again, which loses nothing as every element is ``±σ`` of its piece, and the errors move
         into :attr:`momentum`'s storage; otherwise, or if it is not of that form after all, the
         fp32 momentum and the errors stay apart."""
+        self._restore_momentum()
         self.momentum[: self.layout.numel].copy_(momentum)
         self.packed = None
         if not packed:
@@ -421,10 +463,12 @@ class PackedMomentumStage:
             packed.append((signs, scales))
         if packed is None:
             return
-        for slice_, comm, error in zip(self._slices, self.comms, worker_errors):
+        self._error_buffer()
+        for slice_, comm, error in zip(self._error_slices, self.comms, worker_errors):
             if error is None:
                 slice_.zero_()
             else:
                 slice_.copy_(error)
             comm.worker_error = slice_
         self.packed = packed
+        self._release_momentum()

@@ -147,6 +147,9 @@ class ZeroOneAdam(CompressedOptimizer):
         max_grad_norm: clip gradients to this norm (``None``: no clipping): the averaged
             gradient on variance steps, as DDP + ``clip_grad_norm_``; each rank's own gradient,
             before it is sent, on 1-bit and local steps (``docs/SPEC.md``).
+        error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the dtype of the 1-bit
+            steps' error buffers, as :class:`~onebit.OnebitAdam`'s (0.5 + 0.5/n model sizes
+            fewer).
 
     Entries whose variance is (about) 0, ``sqrt(v̂) <= eps``, take their tensor's mean variance
     in the denominator once compressed steps have begun and in the frozen one
@@ -207,6 +210,7 @@ class ZeroOneAdam(CompressedOptimizer):
         scale_per: str = "tensor",
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
+        error_dtype: torch.dtype = torch.float32,
     ) -> None:
         freeze: FreezeSchedule | None = None
 
@@ -241,6 +245,7 @@ class ZeroOneAdam(CompressedOptimizer):
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
+            error_dtype=error_dtype,
             problem=problem,
         )
         self._ranges = _group_ranges(self.param_groups)

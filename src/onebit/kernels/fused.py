@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import host
+from .errors import fp32, written
 
 
 @dataclass
@@ -179,11 +180,11 @@ def signs(
     ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
     gradient: :func:`gradient_addresses`). ``inv_scale`` is a number, or on Triton a 0-dim fp32
     tensor on the device (the inverse loss scale and clipping coefficient, never read).
-    ``error`` ``None`` is an error of zeros. ``post`` is fp32 per parameter (1-bit LAMB's
-    momentum scaling; ``None``: no factor).
+    ``error`` ``None`` is an error of zeros; a bf16 one is read through an fp32 copy. ``post``
+    is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
     """
-    return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, error, out,
-                                        scale, post)  # fmt: skip
+    return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, fp32(error),
+                                        out, scale, post)  # fmt: skip
 
 
 def commit(
@@ -199,9 +200,11 @@ def commit(
 ) -> None:
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
-    ``momentum`` itself."""
-    _backend(out).momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales, out,
-                                  post)  # fmt: skip
+    ``momentum`` itself, and bf16 (rounded to it, through an fp32 copy)."""
+    with written(out) as staged:
+        error = staged if error is out else fp32(error)
+        _backend(out).momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales,
+                                      staged, post)  # fmt: skip
 
 
 def update(

@@ -116,6 +116,18 @@ def _signed(bit, s):
 
 
 @triton.jit
+def _as_stored(value, pointer):
+    """fp32 ``value`` as ``pointer`` keeps it: rounded to nearest, ties to even, where that is
+    bf16 (an error kept compact), as torch's ``copy_`` rounds; Triton's interpreter would
+    truncate."""
+    if pointer.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return value
+
+
+@triton.jit
 def _bit(byte, at):
     """Bit ``at % 8`` of each ``byte``."""
     return ((byte >> (at % 8).to(tl.uint8)) & 1) != 0
@@ -190,7 +202,7 @@ def _emit(
             tl.store(partials + p, tl.sum(tl.where((local >= lo) & (local < hi), term, 0.0)))
     if COMMIT:
         s = tl.load(scales + scale_index, mask=valid, other=0.0)
-        tl.store(out + start + local, y - _signed(y >= 0, s), mask=valid)
+        tl.store(out + start + local, _as_stored(y - _signed(y >= 0, s), out), mask=valid)
 
 
 @triton.jit

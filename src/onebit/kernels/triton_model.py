@@ -32,6 +32,7 @@ from .fused import ModelGeometry, PackedMomentum
 from .triton_kernels import (
     BLOCK,
     Tiling,
+    _as_stored,
     _bit,
     _emit,
     _gradient,
@@ -124,7 +125,7 @@ def _worker_pass(
         y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
     if HAS_ERROR:
-        y = y + tl.load(error + start + local, mask=valid, other=0.0)
+        y = y + tl.load(error + start + local, mask=valid, other=0.0).to(tl.float32)
     if SIGNS:
         end = tl.load(bucket_ends + bucket)
         _store_signs(y, message, row_stride, tl.load(parts1 + bucket), chunk, start, origin, end,
@@ -157,7 +158,7 @@ def _input_pass(
     if HAS_POST:
         y = y * tl.load(post + start + local, mask=in_x, other=1.0)
     if HAS_ERROR:
-        y = y + tl.load(error + start + local, mask=valid, other=0.0)
+        y = y + tl.load(error + start + local, mask=valid, other=0.0).to(tl.float32)
     if STORE_Y:
         tl.store(x + start + local, y, mask=valid)
     if SIGNS:
@@ -198,11 +199,11 @@ def _serve_pass(
         y = y + _signed(_bit(byte, local), s)
     if k != 1:
         y = tl.math.div_rn(y, tl.zeros_like(y) + k)
-    e = tl.load(error + start + local, mask=valid, other=0.0)
+    e = tl.load(error + start + local, mask=valid, other=0.0).to(tl.float32)
     if LAST:
         e = e - _signed(e >= 0, tl.load(last + piece, mask=valid, other=0.0))
     y = y + e
-    tl.store(error + start + local, y, mask=valid)
+    tl.store(error + start + local, _as_stored(y, error), mask=valid)
     end = tl.load(bucket_ends + bucket)
     _store_signs(y, message, 0, tl.load(parts2 + bucket), tl.load(chunks + bucket), start,
                  origin, end, BLOCK)  # fmt: skip
@@ -274,7 +275,7 @@ def _sync_progress_pass(
     a = tl.load(anchor + start + local, mask=present, other=0.0)
     s = tl.load(since + param, mask=present, other=1.0)
     y = tl.where(present, tl.fma(-s, a, p) * d, 0.0)
-    y = y + tl.load(error + start + local, mask=valid, other=0.0)
+    y = y + tl.load(error + start + local, mask=valid, other=0.0).to(tl.float32)
     tl.store(momentum + start + local, y, mask=valid)
     _store_signs(y, message, row_stride, tl.load(parts1 + bucket), tl.load(chunks + bucket),
                  start, origin, tl.load(bucket_ends + bucket), BLOCK)  # fmt: skip

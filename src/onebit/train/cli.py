@@ -178,6 +178,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         f"{optim.DEFAULT_WARMUP_COMPRESSION})",
     )
     run.add_argument(
+        "--error-dtype",
+        choices=tuple(optim.ERROR_DTYPES),
+        help="onebit-adam, onebit-lamb, zero-one-adam: the dtype of the error-feedback buffers "
+        "(bf16: half their memory; default fp32)",
+    )
+    run.add_argument(
         "--bucket-size",
         type=_positive,
         default=optim.DEFAULT_BUCKET_SIZE,
@@ -559,7 +565,8 @@ def _new_run(
             warmup = "fp32"
         elif freeze_step is None:
             freeze_step = optim.DEFAULT_FREEZE_STEP
-        label = run.label(error_feedback, warmup)
+        errors = (run.errors or args.error_dtype or "fp32") if optim.is_compressed(name) else "fp32"
+        label = run.label(error_feedback, warmup, errors)
         if args.compare:
             out = root / label
         else:
@@ -585,6 +592,7 @@ def _new_run(
                 weight_decay=args.weight_decay,
                 freeze_step=freeze_step,
                 warmup_compression=warmup,
+                error_dtype=errors,
                 bucket_size=args.bucket_size,
                 local_step_scaler=run.local_step_scaler or args.local_step_scaler,
                 var_update_scaler=run.var_update_scaler,
@@ -649,6 +657,7 @@ _SAME_RUN = {
     "weight_decay": "--weight-decay",
     "bucket_size": "--bucket-size",
     "warmup_compression": "--warmup-compression",
+    "error_dtype": "--error-dtype",
     "local_step_scaler": "--local-step-scaler",
     "var_update_scaler": "--compare zero-one-adam:varscale",
     "amp": "--amp",
@@ -795,22 +804,25 @@ def _cache_dir(args: argparse.Namespace) -> Path:
 @dataclass(frozen=True)
 class Variant:
     """One run of ``--compare``:
-    ``OPT[:no-ef][:warmup=BITS][:freeze=N|auto][:local=N][:varscale=N]``."""
+    ``OPT[:no-ef][:warmup=BITS][:errors=DTYPE][:freeze=N|auto][:local=N][:varscale=N]``."""
 
     name: str
     error_feedback: bool = True
     warmup: str | None = None
+    errors: str | None = None
     freeze_step: int | str | None = None
     local_step_scaler: int | None = None
     var_update_scaler: int | None = None
 
-    def label(self, error_feedback: bool, warmup: str) -> str:
+    def label(self, error_feedback: bool, warmup: str, errors: str = "fp32") -> str:
         """The run's folder and row name: the optimizer, then what differs from its defaults."""
         parts = [self.name]
         if optim.is_compressed(self.name) and not error_feedback:
             parts.append("no-ef")
         if self.name in optim.WARMUP_COMPRESSED and warmup != optim.DEFAULT_WARMUP_COMPRESSION:
             parts.append(f"warmup-{warmup}")
+        if optim.is_compressed(self.name) and errors != "fp32":
+            parts.append(f"errors-{errors}")
         if self.freeze_step is not None:
             parts.append(f"freeze-{self.freeze_step}")
         if self.local_step_scaler is not None:
@@ -840,6 +852,8 @@ def _parse_compare(text: str) -> list[Variant]:
                 if name not in optim.WARMUP_COMPRESSED:
                     raise UsageError(f"{name} has no fp32 warmup to compress ({item})")
                 settings["warmup"] = value
+            elif key == "errors" and value in optim.ERROR_DTYPES:
+                settings["errors"] = value
             elif key == "freeze" and (value == "auto" or value.isdigit() and int(value) > 0):
                 settings["freeze_step"] = value if value == "auto" else int(value)
             elif key == "local" and name == "zero-one-adam" and value.isdigit() and int(value):
@@ -849,7 +863,8 @@ def _parse_compare(text: str) -> list[Variant]:
             else:
                 raise UsageError(
                     f"unknown variant {variant!r} of {name} in --compare (no-ef, "
-                    f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, freeze=N|auto, "
+                    f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, "
+                    f"errors={'|'.join(optim.ERROR_DTYPES)}, freeze=N|auto, "
                     "local=N and varscale=N for zero-one-adam)"
                 )
         runs.append(Variant(name, **settings))

@@ -55,6 +55,7 @@ class RunConfig:
     weight_decay: float = 0.1
     freeze_step: int | str | None = None
     warmup_compression: str = "fp32"
+    error_dtype: str = "fp32"
     bucket_size: int = optim.DEFAULT_BUCKET_SIZE
     local_step_scaler: int | None = None
     var_update_scaler: int | None = None
@@ -197,6 +198,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         max_grad_norm=config.grad_clip,
         scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
         warmup_compression=config.warmup_compression,
+        error_dtype=config.error_dtype,
         mesh=mesh,
     )
     opt = trainer.optimizer
@@ -407,6 +409,7 @@ def _summary(
         "bucket_size": config.bucket_size,
         "error_feedback": config.error_feedback,
         "warmup_compression": config.warmup_compression,
+        "error_dtype": config.error_dtype,
         "amp": config.amp,
         "grad_clip": config.grad_clip,
         "kernels": getattr(trainer.optimizer, "backend", None),

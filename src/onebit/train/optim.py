@@ -53,6 +53,9 @@ within 1% of AdamW's and LAMB's loss on both convergence tasks, where int8 reach
 (``BENCHMARKS.md``). The library's own default stays ``"fp32"``: exactly AdamW + DDP until the
 freeze."""
 
+ERROR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``--error-dtype`` choices: the dtype of the 1-bit optimizers' error buffers."""
+
 DEFAULT_FREEZE_STEP = "auto"
 """``onebit train``'s warmup length for :data:`WARMUP_COMPRESSED`: ``freeze_step="auto"``, told
 the run's length (:func:`auto_freeze`)."""
@@ -226,6 +229,7 @@ def build(
     max_grad_norm: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
     warmup_compression: str = "fp32",
+    error_dtype: str = "fp32",
     mesh: DeviceMesh | None = None,
 ) -> Trainer:
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
@@ -235,7 +239,8 @@ def build(
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
     0/1 Adam's (``None``: :func:`onebit.zero_one_adam.run_schedule` of the run). ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
-    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB. ``mesh`` is :func:`shard`'s
+    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB; ``error_dtype`` (a key of
+    :data:`ERROR_DTYPES`) that of the 1-bit optimizers' error buffers. ``mesh`` is :func:`shard`'s
     if it sharded the model. Every rank must call this with the same arguments.
     """
     cls = optimizer_class(name)
@@ -261,6 +266,7 @@ def build(
         optimizer = cls(param_groups, freeze_step=NEVER, **common)
         _attach(model, optimizer, mesh)
         return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer), scaler)
+    common["error_dtype"] = ERROR_DTYPES[error_dtype]
     if name == "zero-one-adam":
         if freeze_step == "auto":
             freeze_step = default_freeze_step(name, steps)
