@@ -4,6 +4,7 @@
     python benchmarks/memory.py --world-size 4 --width 1024
     python benchmarks/memory.py --world-size 4 --shard 2   # and sharded by FSDP2, 2 x 2
     python benchmarks/memory.py --loops                    # in the loops users run
+    python benchmarks/memory.py --error-dtype bf16         # the onebit errors kept in bf16
 
 Each optimizer runs in fresh processes, one per rank, through its warmup and into its
 compression stage (ZeroOneAdam: through phase A into phase B, with local steps and syncs). Each
@@ -36,6 +37,9 @@ With ``--loops``, AdamW+DDP, OnebitAdam and OnebitLamb run in each loop of :data
 (clipping, a GradScaler, ``overlap_backward``, ``exp_avg_mask``, the DDP comm hook, bf16
 parameters), each row against its targets; a onebit row whose momentum is not kept packed says
 why. The bf16 rows count bytes per parameter, next to AdamW's on the same bf16 parameters.
+
+``--error-dtype bf16`` gives the onebit optimizers ``error_dtype=torch.bfloat16``: their worker and
+server errors in bf16, half the bytes.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch.distributed as dist
 
 import onebit
 from onebit.train.launch import run_ranks
+from onebit.train.optim import ERROR_DTYPES
 
 OPTIMIZERS = ("AdamW", "AdamW+DDP", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
 
@@ -124,12 +129,13 @@ def _make(
     params: list[torch.nn.Parameter],
     group: dist.ProcessGroup | None = None,
     loop: str = "plain",
+    errors: str = "fp32",
 ) -> tuple[torch.optim.Optimizer, int]:
-    """The optimizer (the onebit ones across ``group``, with what ``loop`` asks of them) and
-    how many steps take it well into its compression stage."""
+    """The optimizer (the onebit ones across ``group``, with what ``loop`` asks of them and
+    their errors in ``errors``) and how many steps take it well into its compression stage."""
     if name == "AdamW":
         return torch.optim.AdamW(params, lr=1e-3), 4
-    options: dict = {}
+    options: dict = {"error_dtype": ERROR_DTYPES[errors]}
     if loop == "max_grad_norm":
         options["max_grad_norm"] = 1.0
     elif loop == "overlap_backward":
@@ -146,6 +152,7 @@ def _make(
             local_step_scaler=2,
             local_step_clipper=4,
             process_group=group,
+            error_dtype=options["error_dtype"],
         )
         return opt, 12
     return onebit.OnebitLamb(params, lr=1e-3, freeze_step=2, process_group=group, **options), 5
@@ -168,8 +175,9 @@ def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGr
 
 
 def _run(
-    name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1, loop: str = "plain"
-) -> tuple[dict[str, int], dict[str, int], bool]:
+    name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1,
+    loop: str = "plain", errors: str = "fp32",
+) -> tuple[dict[str, int], dict[str, int], bool]:  # fmt: skip
     """Step ``name`` through its stages in ``loop``; return its largest state and peak per
     stage, and whether a onebit optimizer kept its momentum packed.
 
@@ -185,7 +193,7 @@ def _run(
     if name.endswith("+HSDP"):
         group = _shard(model, name.removesuffix("+HSDP"), shards)
     params = list(model.parameters())
-    opt, steps = _make(name.split("+")[0], params, group, loop)
+    opt, steps = _make(name.split("+")[0], params, group, loop, errors)
     forward = model
     if name == "AdamW+DDP" or (loop == "ddp_comm_hook" and name.startswith("Onebit")):
         forward = torch.nn.parallel.DistributedDataParallel(model)
@@ -216,7 +224,7 @@ def _run(
 
 def _rank(
     rank: int, world_size: int, name: str, width: int, depth: int, shards: int = 1,
-    loop: str = "plain",
+    loop: str = "plain", errors: str = "fp32",
 ) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
     """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage,
     and whether the momentum was kept packed."""
@@ -226,17 +234,19 @@ def _rank(
     model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
-    return model_bytes, *_run(name, layers, before, shards, loop)
+    return model_bytes, *_run(name, layers, before, shards, loop, errors)
 
 
 def measure(
-    name: str, world_size: int, width: int, depth: int, shards: int = 1, loop: str = "plain"
-) -> tuple[int, dict[str, int], dict[str, int], bool]:
+    name: str, world_size: int, width: int, depth: int, shards: int = 1, loop: str = "plain",
+    errors: str = "fp32",
+) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
     """Rank 0's model bytes, largest optimizer state and peak per stage, and whether the
     momentum was kept packed, in fresh processes."""
     return run_ranks(
-        _rank, world_size, name, width, depth, shards, loop, timeout=None, collective_timeout=300
-    )[0]
+        _rank, world_size, name, width, depth, shards, loop, errors, timeout=None,
+        collective_timeout=300,
+    )[0]  # fmt: skip
 
 
 def main() -> None:
@@ -248,13 +258,16 @@ def main() -> None:
         "--shard", type=int, default=1, metavar="S", help="also shard with FSDP2, S ranks per node"
     )
     parser.add_argument("--loops", action="store_true", help="one row per training loop")
+    parser.add_argument("--error-dtype", choices=tuple(ERROR_DTYPES), default="fp32",
+                        help="the onebit optimizers' error buffers")  # fmt: skip
     args = parser.parse_args()
     if args.loops:
-        return _loops(args.world_size, args.width, args.depth)
+        return _loops(args.world_size, args.width, args.depth, args.error_dtype)
     numel = args.depth * (args.width * args.width + args.width)
     print(
         f"model: {args.depth} x Linear({args.width}, {args.width}), {numel / 1e6:.1f}M parameters, "
-        f"{4 * numel / 2**20:.0f} MiB fp32; {args.world_size} gloo ranks; figures for rank 0"
+        f"{4 * numel / 2**20:.0f} MiB fp32; {args.world_size} gloo ranks; figures for rank 0; "
+        f"onebit errors in {args.error_dtype}"
     )
     print("in model sizes, per stage: optimizer state (exact) / peak resident memory of a step")
     print(f"{'optimizer':<18}  per stage")
@@ -264,7 +277,7 @@ def main() -> None:
     largest = {}
     for name in names:
         model_bytes, state, peaks, _ = measure(
-            name, args.world_size, args.width, args.depth, args.shard
+            name, args.world_size, args.width, args.depth, args.shard, errors=args.error_dtype
         )
         cells = ", ".join(
             f"{stage} {state[stage] / model_bytes:.3f} / {peaks[stage] / model_bytes:.2f}"
@@ -281,14 +294,15 @@ def main() -> None:
         _computed(largest, r, s)
 
 
-def _loops(world_size: int, width: int, depth: int) -> None:
+def _loops(world_size: int, width: int, depth: int, errors: str = "fp32") -> None:
     """A row per optimizer and training loop: the largest state after the warmup (AdamW: its
     state) and the largest peak of a step, with the targets: OnebitAdam's state at most
     2 + 1/n + 1/16 model sizes, OnebitLamb's 3 + 1/n + 1/16, and each peak within 0.5 of
     AdamW+DDP's in the same loop."""
     n = world_size
     targets = {"OnebitAdam": 2 + 1 / n + 1 / 16, "OnebitLamb": 3 + 1 / n + 1 / 16}
-    print(f"model: {depth} x Linear({width}, {width}); {n} gloo ranks; figures for rank 0")
+    print(f"model: {depth} x Linear({width}, {width}); {n} gloo ranks; figures for rank 0; "
+          f"onebit errors in {errors}")  # fmt: skip
     print("state after the warmup (AdamW: its state) and the largest peak of a step, in model")
     print("sizes (fp32 bytes of the parameters; bf16: in bytes per parameter)")
     print(f"{'loop':<17}{'optimizer':<12}{'state':>7}{'target':>8}{'peak':>7}{'vs DDP':>8}  note")
@@ -297,7 +311,8 @@ def _loops(world_size: int, width: int, depth: int) -> None:
         for name in ("AdamW+DDP", "OnebitAdam", "OnebitLamb"):
             if loop == "overlap_backward" and name == "OnebitLamb":
                 continue
-            model_bytes, state, peaks, packed = measure(name, n, width, depth, loop=loop)
+            model_bytes, state, peaks, packed = measure(name, n, width, depth, loop=loop,
+                                                        errors=errors)  # fmt: skip
             unit = model_bytes / 4 if loop == "bf16" else model_bytes
             after = [b for stage, b in state.items() if stage not in ("warmup", "variance")]
             held, peak = max(after) / unit, max(peaks.values()) / unit

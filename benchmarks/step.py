@@ -4,8 +4,9 @@ Measures, side by side in one run on the same parameters:
 
 * ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
   compression stage (a scale per tensor, the default, which runs the fused passes of
-  :mod:`onebit.momentum` on a CPU; one per bucket; with ``max_grad_norm``), of ZeroOneAdam's
-  1-bit sync step and OnebitLamb's compression step;
+  :mod:`onebit.momentum` on a CPU; one per bucket; with ``max_grad_norm``; with bf16 errors),
+  of ZeroOneAdam's 1-bit sync step and OnebitLamb's compression step (each also with bf16
+  errors);
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
   backward passes for the step check).
 
@@ -41,8 +42,11 @@ VARIANTS = [
     ("OnebitAdam compression step", "OnebitAdam", "compression", {}),
     ("  ... one scale per bucket", "OnebitAdam", "compression", {"scale_per": "bucket"}),
     ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),
+    ("  ... errors in bf16", "OnebitAdam", "compression", {"error_dtype": torch.bfloat16}),
     ("ZeroOneAdam 1-bit sync step", "ZeroOneAdam", "compression", {}),
+    ("ZeroOneAdam, bf16 errors", "ZeroOneAdam", "compression", {"error_dtype": torch.bfloat16}),
     ("OnebitLamb compression step", "OnebitLamb", "compression", {}),
+    ("OnebitLamb, bf16 errors", "OnebitLamb", "compression", {"error_dtype": torch.bfloat16}),
     ("OnebitLamb + clip", "OnebitLamb", "compression", {"max_grad_norm": 1.0}),
 ]
 """The steps measured: name, optimizer, stage, constructor options (defaults otherwise)."""
