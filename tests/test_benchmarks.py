@@ -97,7 +97,8 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     bucket do not specialize kernels). OnebitAdam's compression step (with a scale per tensor
     or one per bucket) launches the same six kernels at any number of buckets, ZeroOneAdam's
     sync six (its own passes before and after the allreduce, in place of the allreduce's input
-    pass and decompression), 1-bit LAMB's the same seven and the int8 warmup the same six."""
+    pass and decompression), 1-bit LAMB's the same seven and the int8 warmup the same six; with
+    bf16 errors, the same kernels (their bf16 variants)."""
     if "triton" not in kernels.available():
         pytest.skip("Triton cannot run here")
     monkeypatch.setenv(kernels.ENV, "triton")
@@ -120,11 +121,13 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
         "... one scale per bucket": 6,
         "ZeroOneAdam 1-bit sync step": 6,
         "OnebitAdam warmup, int8": 6,
+        "... errors in bf16": 6,
+        "ZeroOneAdam, bf16 errors": 6,
+        "OnebitLamb compression step": 7,  # and its two passes after the allreduce
+        "OnebitLamb, bf16 errors": 7,
     }
     for step, count in at_once.items():
         assert launches[1][step] == launches[0][step] == count, step  # every bucket at once
-    lamb = "OnebitLamb compression step"  # and its two passes after the allreduce
-    assert launches[1][lamb] == launches[0][lamb] == 7
     assert many == one
 
 

@@ -9,8 +9,11 @@ import pytest
 import torch
 from backends import use_backend
 from distributed import run_ranks
-from family import SETTINGS, all_equal, loss_of, make_model, make_optimizer, params_of
+from family import SETTINGS, all_equal, batch, loss_of, make_model, make_optimizer, params_of
 from optimizer_state import roundtrip, storage_bytes
+from torch.nn.parallel import DistributedDataParallel
+
+import onebit
 
 STEPS = 9
 LOOPS = {
@@ -18,10 +21,11 @@ LOOPS = {
     "max_grad_norm": {"max_grad_norm": 0.05},
     "scale_per_bucket": {"scale_per": "bucket"},
     "overlap_backward": {"overlap_backward": True},
+    "ddp_comm_hook": {},
 }
 """The loops checked, as the optimizers' options: each takes another path through the kernels
 (the packed momentum, clipped, the unfused path with one scale per bucket, backward's hooks:
-1-bit Adam's alone)."""
+1-bit Adam's alone; the model under DDP with :func:`onebit.ddp_comm_hook`)."""
 
 
 def _rounded(opt) -> None:
@@ -41,7 +45,7 @@ def _step(model, opt, t: int, rank: int) -> None:
     opt.step()
 
 
-def _pair(rank: int, world_size: int, name: str, options: dict, backend: str):
+def _pair(rank: int, world_size: int, name: str, loop: str, backend: str):
     """Two optimizers side by side on one model's copies: fp32 errors rounded to bf16 after
     every step, and bf16 errors. Returns, per step, whether the parameters are equal, and at the
     end whether both error buffers are."""
@@ -49,7 +53,11 @@ def _pair(rank: int, world_size: int, name: str, options: dict, backend: str):
     runs = []
     for dtype in (torch.float32, torch.bfloat16):
         model = make_model()
-        runs.append((model, make_optimizer(name, model.parameters(), error_dtype=dtype, **options)))
+        opt = make_optimizer(name, model.parameters(), error_dtype=dtype, **LOOPS[loop])
+        if loop == "ddp_comm_hook":
+            model = DistributedDataParallel(model)
+            model.register_comm_hook(opt, onebit.ddp_comm_hook)
+        runs.append((model, opt))
     (model, opt), (model_bf16, opt_bf16) = runs
     same = []
     for t in range(STEPS):
@@ -67,8 +75,8 @@ def _pair(rank: int, world_size: int, name: str, options: dict, backend: str):
     return same, errors, skipped, packed
 
 
-CASES = [(name, 3, loop, "c") for name in SETTINGS for loop in LOOPS if loop != "overlap_backward"]
-CASES += [("adam", 3, "overlap_backward", "c")]
+CASES = [(name, 3, loop, "c") for name in SETTINGS for loop in list(LOOPS)[:3]]
+CASES += [("adam", 3, loop, "c") for loop in ("overlap_backward", "ddp_comm_hook")]
 CASES += [(name, 1, "plain", "torch") for name in SETTINGS]
 CASES += [("adam", 3, "plain", "triton"), ("lamb", 1, "plain", "triton")]
 
@@ -79,7 +87,7 @@ def test_bf16_errors_are_fp32_errors_rounded_once_written(name, world_size, loop
     the bf16-error optimizer's parameters and errors are bit for bit those of the fp32-error
     one whose errors are rounded to bf16 after each step (the packed momentum on the C and
     Triton kernels, Triton's passes over every bucket at once, the unfused path elsewhere)."""
-    results = run_ranks(_pair, world_size, name, LOOPS[loop], backend, timeout=600)
+    results = run_ranks(_pair, world_size, name, loop, backend, timeout=600)
     skipped = [skipped for _, _, skipped, _ in results]  # 0/1 Adam's is a local step: rank 0's
     assert skipped == [1] * world_size if name != "zero_one" else skipped[0] == 1
     for same, errors, _, packed in results:
@@ -192,3 +200,27 @@ def test_the_packed_momentum_comes_back_when_the_parameters_stop_suiting_the_ker
         assert "exp_avg" in opt.state[model[0].weight]
         runs.append(params_of(model))
     assert all_equal(*runs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", SETTINGS)
+def test_bf16_errors_on_a_gpu_are_fp32_errors_rounded_once_written(name):
+    """On a GPU (Triton's passes over every bucket, compiled, not interpreted): the bits of
+    fp32 errors rounded to bf16 after each step, as on the CPU."""
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model().cuda()
+        opt = make_optimizer(name, model.parameters(), error_dtype=dtype)
+        assert opt.backend == "triton"
+        trace = []
+        for t in range(STEPS):
+            x, y = (v.cuda() for v in batch(t, 1))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if dtype == torch.float32:
+                _rounded(opt)
+            trace.append(params_of(model))
+        runs.append(trace)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert all_equal(a, b), f"step {t}"

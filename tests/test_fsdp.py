@@ -128,7 +128,10 @@ def _compression_run(rank: int, world_size: int, mesh_shape, name: str, kwargs: 
     rep_opt = make_optimizer(
         name, replicated.parameters(), process_group=replicas, bucket_size=4096, **kwargs
     )
-    _train(replicated, rep_opt, range(8))
+    replicated_state = 0
+    for step in range(8):
+        _train(replicated, rep_opt, range(step, step + 1))
+        replicated_state = max(replicated_state, storage_bytes(rep_opt, gradient_buffer=True))
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
     local_numel = sum(p.to_local().numel() for p in model.parameters())
     return {
@@ -141,7 +144,7 @@ def _compression_run(rank: int, world_size: int, mesh_shape, name: str, kwargs: 
         * (dist.get_world_size(replicas) - 1)
         / dist.get_world_size(replicas),
         "state bytes": state,  # the most after any step, warmup or compression
-        "replicated state bytes": storage_bytes(rep_opt, gradient_buffer=True),
+        "replicated state bytes": replicated_state,  # the same
         "freeze": (opt.freeze_step, opt.freeze.monitor and opt.freeze.monitor.last_change),
         "model bytes": model_bytes,
     }
@@ -155,7 +158,9 @@ AUTO_INT8 = dict(
 
 
 @pytest.mark.parametrize(
-    ("name", "kwargs"), [*((n, {}) for n in NAMES), ("adam", AUTO_INT8)], ids=[*NAMES, "auto-int8"]
+    ("name", "kwargs"),
+    [*((n, {}) for n in NAMES), ("adam", AUTO_INT8), ("adam", {"error_dtype": torch.bfloat16})],
+    ids=[*NAMES, "auto-int8", "bf16-errors"],
 )
 def test_compression_stage_keeps_replicas_equal_at_one_bit(name, kwargs):
     """Through the compression stage the ranks that hold the same shard stay bitwise equal and

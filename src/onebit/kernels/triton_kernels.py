@@ -120,10 +120,10 @@ def _as_stored(value, pointer):
     """fp32 ``value`` as ``pointer`` keeps it: rounded to nearest, ties to even, where that is
     bf16 (an error kept compact), as torch's ``copy_`` rounds; Triton's interpreter would
     truncate."""
-    if pointer.dtype.element_ty == tl.bfloat16:
+    if pointer.dtype.element_ty == tl.bfloat16:  # the fp32 of that bf16: any cast keeps it
         bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        value = bits.to(tl.float32, bitcast=True)
     return value
 
 
