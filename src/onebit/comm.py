@@ -220,9 +220,9 @@ class CompressedAllreduce:
 
     def hold_server_error(self, storage: Tensor, last: Tensor | None = None) -> None:
         """Keep the server's buffer in ``storage`` (``chunk_numel`` of :attr:`error_dtype`): the
-        error, or with
-        ``last`` (each served piece's scale, :attr:`scale_geometry`) the served ``z`` it is
-        derived from. A step that serves every bucket in one pass keeps them all in one buffer."""
+        error, or with ``last`` (each served piece's scale, :attr:`scale_geometry`) the served
+        ``z`` it is derived from. A step that serves every bucket in one pass keeps them all in
+        one buffer."""
         if storage.shape != (self.chunk_numel,) or storage.dtype != self.error_dtype:
             raise ValueError(
                 f"the server error needs {self.chunk_numel} elements of {self.error_dtype}"

@@ -186,7 +186,7 @@ class PackedMomentumStage:
         return fused.PackedMomentum(*self._whole, 0)
 
     def _error_buffer(self) -> Tensor:
-        """Where the worker errors live once packed (:meth:`_error_slices` views it): the fp32
+        """Where the worker errors live once packed (``_error_slices``, per bucket): the fp32
         momentum's storage, or with bf16 errors a buffer of their own, made when first asked."""
         if self._errors is None:
             dtype, device = self.comms[0].error_dtype, self.momentum.device
@@ -292,8 +292,8 @@ class PackedMomentumStage:
 
     def install(self, packed: list[tuple[Tensor, Tensor]]) -> None:
         """Make ``packed`` (:meth:`results`) the momentum; the worker errors move into
-        :attr:`momentum`'s storage if they were kept apart, or are committed there if the
-        step's commits waited for it (:attr:`keeps_last`). With bf16 errors the fp32 momentum's
+        :meth:`_error_buffer` if they were kept apart, or are committed there if the step's
+        commits waited for it (:attr:`keeps_last`). With bf16 errors the fp32 momentum's
         storage is released."""
         deferred, self._deferred = self._deferred, {}
         for commit in deferred.values():
@@ -438,7 +438,7 @@ class PackedMomentumStage:
         """Take a saved fp32 ``momentum`` (``layout.numel``) and the communicators' saved worker
         errors. With ``packed`` (it was saved from a packed momentum) the momentum is packed
         again, which loses nothing as every element is ``±σ`` of its piece, and the errors move
-        into :attr:`momentum`'s storage; otherwise, or if it is not of that form after all, the
+        into :meth:`_error_buffer`; otherwise, or if it is not of that form after all, the
         fp32 momentum and the errors stay apart."""
         self._restore_momentum()
         self.momentum[: self.layout.numel].copy_(momentum)
