@@ -78,7 +78,9 @@ def _pair(rank: int, world_size: int, name: str, loop: str, backend: str):
 CASES = [(name, 3, loop, "c") for name in SETTINGS for loop in list(LOOPS)[:3]]
 CASES += [("adam", 3, loop, "c") for loop in ("overlap_backward", "ddp_comm_hook")]
 CASES += [(name, 1, "plain", "torch") for name in SETTINGS]
-CASES += [("adam", 3, "plain", "triton"), ("lamb", 1, "plain", "triton")]
+CASES += [("adam", 3, "plain", "triton")] + [
+    (name, 1, "plain", "triton") for name in ("lamb", "zero_one")
+]
 
 
 @pytest.mark.parametrize("name,world_size,loop,backend", CASES)

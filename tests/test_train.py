@@ -121,6 +121,8 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
     (row,) = cli._parse_compare("zero-one-adam:varscale=64:local=9")
     assert (row.var_update_scaler, row.local_step_scaler) == (64, 9)
     assert row.label(True, "fp32") == "zero-one-adam-local-9-varscale-64"
+    (row,) = cli._parse_compare("onebit-adam:errors=bf16")
+    assert row.errors == "bf16" and row.label(True, "int4", "bf16") == "onebit-adam-errors-bf16"
 
 
 @pytest.mark.parametrize("label", RESUMED)

@@ -83,6 +83,14 @@ CONTRADICTIONS = {
         ["--compare", "zero-one-adam:warmup=int8"],
         "zero-one-adam has no fp32 warmup to compress",
     ),
+    "compare errors of another dtype": (
+        ["--compare", "onebit-adam:errors=fp16"],
+        "unknown variant 'errors=fp16' of onebit-adam",
+    ),
+    "error dtype for adamw": (
+        ["--optimizer", "adamw", "--error-dtype", "bf16"],
+        "--error-dtype applies only to the 1-bit optimizers",
+    ),
     "compare local of onebit-adam": (
         ["--compare", "onebit-adam:local=4"],
         "unknown variant 'local=4' of onebit-adam",

@@ -518,6 +518,7 @@ def _new_run(
         for flag, value in (
             ("--no-error-feedback", not args.error_feedback),
             ("--freeze-step", args.freeze_step),
+            ("--error-dtype", args.error_dtype not in (None, "fp32")),
         ):
             if value:
                 raise UsageError(f"{flag} applies only to the 1-bit optimizers")
