@@ -90,8 +90,9 @@ class OnebitAdam(CompressedOptimizer):
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
-    dtype. If any rank has a non-finite gradient, every rank skips the step and changes nothing
-    (``skipped_steps`` counts it; no extra collective is needed).
+    dtype (the error buffers: ``error_dtype``). If any rank has a non-finite gradient, every
+    rank skips the step and changes nothing (``skipped_steps`` counts it; no extra collective
+    is needed).
 
     Entries whose variance is (about) 0 at the freeze, ``sqrt(v̂) <= eps`` (no gradient reached
     them), take their tensor's mean variance, so that 1-bit momentum, never exactly 0, cannot

@@ -99,9 +99,10 @@ class OnebitLamb(CompressedOptimizer):
     depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
     implementation does (SPEC section 5 leaves this out).
 
-    A parameter whose ``.grad`` is ``None`` counts as a zero gradient. All state is fp32. If any
-    rank has a non-finite gradient, every rank skips the step and changes nothing
-    (``skipped_steps``). Parameters are identical on every rank after every step.
+    A parameter whose ``.grad`` is ``None`` counts as a zero gradient. All state is fp32 (the
+    error buffers: ``error_dtype``). If any rank has a non-finite gradient, every rank skips the
+    step and changes nothing (``skipped_steps``). Parameters are identical on every rank after
+    every step.
 
     State per parameter: ``exp_avg`` and ``exp_avg_sq``; at the freeze ``exp_avg_sq`` becomes
     ``frozen_denom`` (``sqrt(v̂_T) + eps``) and ``exp_avg_sq_fresh`` appears. Per-layer scalars
