@@ -19,11 +19,23 @@ STATE = {"OnebitAdam": {"frozen_denom"}, "OnebitLamb": {"frozen_denom", "exp_avg
 """Each optimizer's per-parameter state in the compression stage, besides the packed momentum."""
 
 
-def _model() -> torch.nn.Module:
+def _model(strided: bool = False) -> torch.nn.Module:
+    """Three layers; ``strided``: the middle one a convolution in ``channels_last``, and the
+    first layer's weight transposed in memory (parameters that fill their memory in another
+    order than their shape's)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5), torch.nn.Linear(5, 3)
+    if not strided:
+        return torch.nn.Sequential(
+            torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5), torch.nn.Linear(5, 3)
+        )
+    conv = torch.nn.Sequential(
+        torch.nn.Unflatten(1, (13, 2, 2)), torch.nn.Conv2d(13, 5, 2), torch.nn.Flatten()
     )
+    model = torch.nn.Sequential(torch.nn.Linear(7, 52), torch.nn.Tanh(), conv, torch.nn.Linear(5, 3))
+    model.to(memory_format=torch.channels_last)
+    model[0].weight.data = model[0].weight.data.t().contiguous().t()
+    assert not any(p.is_contiguous() for p in (conv[1].weight, model[0].weight))
+    return model
 
 
 def _optimizer(
@@ -73,8 +85,9 @@ def _scaler() -> torch.amp.GradScaler:
 
 
 def _run(rank, world_size, name, fused, resume_fused, options=None):
-    options = options or {}
-    model = _model()
+    options = dict(options or {})
+    strided = options.pop("strided", False)
+    model = _model(strided)
     opt, scaler = _optimizer(model, fused, name, **options), _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
     if "max_grad_norm" in options:  # the compression step clipped
@@ -91,7 +104,7 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
 
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
-    model2 = _model()
+    model2 = _model(strided)
     model2.load_state_dict(checkpoint["model"])
     opt2 = _optimizer(model2, resume_fused, name, **options)
     scaler2 = _scaler()
@@ -104,9 +117,12 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
 LOOPS = {
     "plain": {},
     "max_grad_norm": {"max_grad_norm": 0.05},
+    "channels_last": {"strided": True},
 }
 """The loops the packed momentum is checked in, as the optimizer's options. With
-``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by."""
+``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by;
+``strided`` (not an option: :func:`_run` reads it) steps :func:`_model`'s strided parameters,
+which the flat buffers hold in memory order."""
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -249,14 +265,16 @@ def _run_triton(
 @pytest.mark.parametrize(
     "name,world_size,loop",
     [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
-    + [(name, 3, loop) for name in STATE for loop in LOOPS if loop != "plain"],
+    + [(name, 3, "max_grad_norm") for name in STATE]
+    + [(name, 1, "channels_last") for name in STATE],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
     triton_model`) against the same kernels' per-bucket passes, bit for bit: parameters, state
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
     keeps its last momentum until its step has read it); with ``max_grad_norm``, the clipping
-    coefficient the passes load from the device."""
+    coefficient the passes load from the device; with ``channels_last``, parameters addressed in
+    memory order (the C kernels' test above checks those runs against the unfused path)."""
     args = (world_size, name, "signs")
     whole = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
     per_bucket = run_ranks(_run_triton, *args, "stage", LOOPS[loop], timeout=600)

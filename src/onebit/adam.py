@@ -175,9 +175,8 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg = self.flat.zeros(padded=True)
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
-        params, scale_per, masked = self.layout.params, self.scale_per, bool(self._masks)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
-        if not clips_result and momentum.applies(params, scale_per, masked):
+        if not clips_result and momentum.applies(self.layout, self.scale_per, bool(self._masks)):
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
 
     def _set_frozen(self, frozen: bool) -> None:

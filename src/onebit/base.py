@@ -1221,7 +1221,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _packed_stage(self) -> PackedMomentumStage | None:
         """The packed momentum stage, if the parameters still suit its kernels; once they do not
         (say after ``model.half()``) it is unpacked, and the unfused path runs from then on."""
-        if self._fused is not None and not fused_parameters(self.layout.params):
+        if self._fused is not None and not fused_parameters(self.layout):
             self._fused.unpack_()
             self._fused = None
             self.flat.expose("exp_avg", self._exp_avg)
@@ -1238,7 +1238,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             calls = self.bucketer.launch_all("packed")  # through _start_packed
             applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
             return applied, nbytes, calls
-        addresses, keep, sparse = gradient_addresses(self.layout.params)
+        addresses, keep, sparse = gradient_addresses(self.layout.params, self.layout.strides)
         grads = self._grad_addresses(addresses, self.device)
         if sparse:
             self._status = 1
@@ -1263,9 +1263,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The bucketer's ``start`` for ``overlap_backward``: bucket ``k``'s fused pass 1 and
         phase 1, from the ``.grad`` of its parameters as soon as they are final (see
         :meth:`_packed_allreduce`)."""
-        params, bucket = self.layout.params, self.layout.bucket_params[k]
-        found, keep, sparse = gradient_addresses([params[i] for i in bucket])
-        addresses = [0] * len(params)
+        layout, bucket = self.layout, self.layout.bucket_params[k]
+        found, keep, sparse = gradient_addresses([layout.params[i] for i in bucket],
+                                                 [layout.strides[i] for i in bucket])  # fmt: skip
+        addresses = [0] * len(layout.params)
         for i, address in zip(bucket, found):
             addresses[i] = address
         uploaded = self._bucket_grad_addresses.setdefault(k, host.Uploaded(torch.int64))
@@ -1609,8 +1610,9 @@ def _check_parameters(params: list[Tensor]) -> None:
 
 
 def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tuple[int, Tensor]]:
-    """Validate ``exp_avg_mask``; return ``(offset in the flat buffers, flat fp32 mask)``."""
-    where = {id(p): (p, o) for p, o in zip(layout.params, layout.offsets)}
+    """Validate ``exp_avg_mask``; return ``(offset in the flat buffers, flat fp32 mask)``, each
+    mask in the flat buffers' order."""
+    where = {id(p): i for i, p in enumerate(layout.params)}
     checked = []
     for p, mask in masks.items():
         if id(p) not in where:
@@ -1620,6 +1622,7 @@ def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tup
                 f"exp_avg_mask of shape {tuple(getattr(mask, 'shape', ()))} for a parameter of "
                 f"shape {tuple(p.shape)}"
             )
-        flat = mask.detach().to(device=p.device, dtype=torch.float32).reshape(-1)
-        checked.append((where[id(p)][1], flat))
+        i = where[id(p)]
+        flat = layout.flat(i, mask.detach().to(device=p.device, dtype=torch.float32))
+        checked.append((layout.offsets[i], flat))
     return sorted(checked, key=lambda item: item[0])

@@ -225,7 +225,7 @@ class Bucketer:
                 zeros.append(view)
                 continue
             if not whole:
-                grad = grad.reshape(-1)[lo - offset : hi - offset]
+                grad = layout.flat(i, grad)[lo - offset : hi - offset]
             if grad.data_ptr() != view.data_ptr():  # not this view already (grads_as_views)
                 sources.append(grad)
                 targets.append(view)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from .layout import memory_strides
+
 
 def adam_moments_(m: Tensor, v: Tensor | None, g: Tensor, beta1: float, beta2: float) -> None:
     """``m = β1·m + (1-β1)·g`` and, unless ``v`` is None, ``v = β2·v + (1-β2)·g²``."""
@@ -58,7 +60,7 @@ def fill_zero_variance_(
                 o.copy_(v)
             continue
         fill = torch.tensor(sum_ / count if count else overall, dtype=v.dtype, device=v.device)
-        for part, into in zip(v.view(-1).split(_BLOCK), o.view(-1).split(_BLOCK)):
+        for part, into in zip(_elements(v).split(_BLOCK), _elements(o).split(_BLOCK)):
             torch.where(part <= floor, fill, part, out=into)
 
 
@@ -67,12 +69,22 @@ _BLOCK = 1 << 20
 a few of the largest tensor (an embedding can be a tenth of a model)."""
 
 
+def _elements(t: Tensor) -> Tensor:
+    """``t``'s elements as a 1-D view in memory order: ``t`` is contiguous or fills its memory
+    (``channels_last``, as the flat layout's views of such a parameter)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if memory_strides(t) != t.stride():
+        raise ValueError(f"a tensor of strides {t.stride()} does not fill its memory")
+    return t.as_strided((t.numel(),), (1,))
+
+
 def _sum_above(v: Tensor, floor: float) -> tuple[float, int]:
     """The fp64 sum of ``v``'s entries that are not at most ``floor``, and their number, a block
     at a time, read once."""
     total = torch.zeros((), dtype=torch.float64, device=v.device)
     count = torch.zeros((), dtype=torch.int64, device=v.device)
-    for part in v.view(-1).split(_BLOCK):
+    for part in _elements(v).split(_BLOCK):
         small = part <= floor
         total += torch.where(small, 0.0, part).sum(dtype=torch.float64)
         count += part.numel() - small.sum()

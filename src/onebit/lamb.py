@@ -203,7 +203,7 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        if momentum.applies(self.layout.params, self.scale_per, bool(self._masks)):
+        if momentum.applies(self.layout, self.scale_per, bool(self._masks)):
             self._fused = momentum.PackedMomentumStage(
                 self.layout, self.comms, self._exp_avg, keeps_last=True
             )
@@ -471,7 +471,7 @@ class OnebitLamb(CompressedOptimizer):
                     if filled + u.numel() < p.numel():
                         started[i] = whole, filled + u.numel()
                         continue
-                whole = whole.view(p.shape)
+                whole = whole.as_strided(p.shape, self.layout.strides[i])  # the layout's order
                 adaptive[i] = layer_norms([whole])[0]
                 if groups[i]["weight_decay"]:
                     torch._foreach_add_([whole], [p], alpha=groups[i]["weight_decay"])
@@ -513,7 +513,7 @@ class OnebitLamb(CompressedOptimizer):
             a, b = max(start, o), min(end, o + n)
             if a < b:
                 indices.append(i)
-                params.append(self.layout.params[i].view(-1)[a - o : b - o])
+                params.append(self.layout.flat(i, self.layout.params[i])[a - o : b - o])
                 parts.append(flat[a - start : b - start])
         return indices, params, parts
 

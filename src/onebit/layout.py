@@ -1,9 +1,12 @@
 """Flat buffers for optimizer state, with per-parameter views and communication buckets.
 
 Parameters are laid out in ``param_groups`` order and parameter order in one flat fp32 buffer
-(SPEC section 3). Buckets are consecutive slices of it. The bucket length is a multiple of
-``8 * world_size``, so only the last bucket needs padding, and a padded scratch buffer of
-:attr:`FlatLayout.padded_numel` elements holds every bucket as a contiguous, ready-to-send slice.
+(SPEC section 3), each in the order of its memory: a ``channels_last`` or transposed parameter's
+state views take its strides, as DDP's gradient buckets do, so that the fused kernels address a
+parameter, its gradient and its state at the same offsets. Buckets are consecutive slices of
+it. The bucket length is a multiple of ``8 * world_size``, so only the last bucket needs
+padding, and a padded scratch buffer of :attr:`FlatLayout.padded_numel` elements holds every
+bucket as a contiguous, ready-to-send slice.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .compress import padded_numel
+from .kernels.fused import laid_out
 
 
 class FlatLayout:
@@ -25,6 +29,9 @@ class FlatLayout:
             shards where FSDP2 shards them (:mod:`onebit.sharding` keeps the list current).
         keys: the optimizer's parameters, which key its ``state``.
         bucket_params: per bucket, the indices of the parameters with elements in it, in order.
+        strides: per parameter, the strides of its views of the flat buffers:
+            :func:`memory_strides` of it when the layout was made (of a tensor that replaced it
+            in :attr:`params` with another shape, its own).
     """
 
     def __init__(
@@ -38,6 +45,8 @@ class FlatLayout:
         self.keys = params if keys is None else keys
         self._views: dict[tuple, tuple[tuple[Tensor, ...], list[Tensor]]] = {}
         self.numels = [p.numel() for p in params]
+        self.strides = [memory_strides(p) for p in params]
+        self._shapes = [p.shape for p in params]
         self.offsets = []
         offset = 0
         for n in self.numels:
@@ -79,12 +88,29 @@ class FlatLayout:
         cached = self._views.get(key)
         if cached is None or not all(map(operator.is_, cached[0], self.params)):
             alias = flat.detach()
-            views = [alias[o : o + n].view(p.shape)
-                     for p, o, n in zip(self.params, self.offsets, self.numels)]  # fmt: skip
+            for i, p in enumerate(self.params):
+                if p.shape != self._shapes[i]:
+                    self._shapes[i], self.strides[i] = p.shape, memory_strides(p)
+            views = [alias[o : o + n].as_strided(p.shape, s)
+                     for p, o, n, s in zip(self.params, self.offsets, self.numels,
+                                           self.strides)]  # fmt: skip
             if not any(k[0] == id(base) for k in self._views):
                 weakref.finalize(base, self._forget, id(base))
             cached = self._views[key] = (tuple(self.params), views)
         return list(cached[1])
+
+    def in_order(self, i: int, t: Tensor) -> bool:
+        """Whether ``t``, shaped like parameter ``i``, holds its elements in the flat buffers'
+        order (its strides are :attr:`strides`), so that a kernel may address it as they do."""
+        return t.shape == self._shapes[i] and laid_out(t, self.strides[i])
+
+    def flat(self, i: int, t: Tensor) -> Tensor:
+        """``t``, shaped like parameter ``i``, as a 1-D tensor in the flat buffers' order: a
+        view where :meth:`in_order`, else a copy."""
+        if not self.in_order(i, t):
+            like = torch.empty_strided(t.shape, self.strides[i], dtype=t.dtype, device=t.device)
+            t = like.copy_(t)
+        return t.as_strided((t.numel(),), (1,))
 
     def _forget(self, base_id: int) -> None:
         for key in [key for key in self._views if key[0] == base_id]:
@@ -96,3 +122,15 @@ class FlatLayout:
         if padded:
             ends[-1] = self.padded_numel
         return [flat[s:e] for (s, _), e in zip(self.buckets, ends)]
+
+
+def memory_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides of ``t``'s views of a flat buffer: its own where its elements fill one block
+    of memory (contiguous, ``channels_last``, a transpose), so that the buffer holds them in
+    memory order; else (an expanded or sliced tensor) the contiguous ones."""
+    span = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride != span:
+            return torch.empty(t.shape, device="meta").stride()
+        span *= size
+    return tuple(t.stride())

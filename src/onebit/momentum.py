@@ -38,30 +38,29 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(params: Sequence[Tensor], scale_per: str, masked: bool) -> bool:
-    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps.
+def applies(layout: FlatLayout, scale_per: str, masked: bool) -> bool:
+    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps on the
+    parameters of ``layout``.
 
     Not yet where ``masked`` (``exp_avg_mask``: a masked momentum is not ``±σ`` everywhere, so
     the passes would have to read the mask), with ``scale_per="bucket"`` (the passes take a
-    scale per tensor), or where the parameters are not fp32 and contiguous (the passes update
-    them in place as fp32); nor, as the optimizer checks, with ``overlap_backward`` and
-    ``max_grad_norm`` together (the buckets leave before the rank's norm is known, so the
-    result is clipped, and is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model
-    sizes for 1-bit Adam."""
-    return (
-        scale_per == "tensor"
-        and not masked
-        and sum(p.numel() for p in params) > 0
-        and fused_parameters(params)
-    )
+    scale per tensor), or where the parameters are not fp32 (the passes update them in place
+    as fp32); nor, as the optimizer checks, with ``overlap_backward`` and ``max_grad_norm``
+    together (the buckets leave before the rank's norm is known, so the result is clipped, and
+    is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model sizes for 1-bit Adam.
+    Parameters that are not contiguous but fill their memory (``channels_last``, a transpose)
+    are packed: the flat layout follows their memory order."""
+    return scale_per == "tensor" and not masked and layout.numel > 0 and fused_parameters(layout)
 
 
-def fused_parameters(params: Sequence[Tensor]) -> bool:
-    """Whether the backend of ``params`` has the fused passes and they can update ``params`` in
-    place (fp32, contiguous). Checked at every step, since ``model.half()``, ``model.cuda()`` or
+def fused_parameters(layout: FlatLayout) -> bool:
+    """Whether the backend of the parameters of ``layout`` has the fused passes and they can
+    update them in place: fp32, in the layout's order (:meth:`~onebit.layout.FlatLayout.
+    in_order`). Checked at every step, since ``model.half()``, ``model.cuda()`` or
     ``.to(memory_format=...)`` can change it."""
+    params = layout.params
     return kernels.for_tensors(*params).packs_momentum and all(
-        p.dtype == torch.float32 and p.is_contiguous() for p in params
+        p.dtype == torch.float32 and layout.in_order(i, p) for i, p in enumerate(params)
     )
 
 

@@ -431,7 +431,7 @@ class ZeroOneAdam(CompressedOptimizer):
         (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
         parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
         model = self._model_allreduce()
-        if model is None or self._masks or not fused_parameters(self.layout.params):
+        if model is None or self._masks or not fused_parameters(self.layout):
             return None
         if any(g is not None and g.is_sparse for g in grads):
             return None
@@ -497,7 +497,7 @@ class ZeroOneAdam(CompressedOptimizer):
         bases = self._param_bases([p.data_ptr() for p in params], device)
         step, keep = None, []
         if local is not None:
-            addresses, keep, _ = gradient_addresses(params)
+            addresses, keep, _ = gradient_addresses(params, self.layout.strides)
             grads = self._grad_bases(addresses, device)
             step = (grads, local[1], 1 - self._beta1, step_decay, value)
         m, denom, anchor = self._exp_avg, self._exp_avg_sq, self._grads
@@ -538,8 +538,8 @@ class ZeroOneAdam(CompressedOptimizer):
         if self._frozen:
             n = self.layout.numel
             state["exp_avg"] = self._exp_avg[:n].clone()
-            params = [p.detach().reshape(-1).float() for p in self.layout.params]
-            state["params"] = torch.cat(params)
+            params = enumerate(p.detach() for p in self.layout.params)
+            state["params"] = torch.cat([self.layout.flat(i, p).float() for i, p in params])
         return state
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:

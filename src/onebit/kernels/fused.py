@@ -225,20 +225,29 @@ def update(
     _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value)
 
 
-def gradient_addresses(params: Sequence[Tensor]) -> tuple[list[int], list[Tensor], bool]:
+def laid_out(t: Tensor, strides: Sequence[int]) -> bool:
+    """Whether ``t`` has ``strides`` in every dimension of more than one element (the others'
+    strides address nothing)."""
+    return all(s == want for n, s, want in zip(t.shape, t.stride(), strides) if n > 1)
+
+
+def gradient_addresses(
+    params: Sequence[Tensor], strides: Sequence[Sequence[int]]
+) -> tuple[list[int], list[Tensor], bool]:
     """Each parameter's gradient as the address the fused passes read (upload them with a
-    :class:`~onebit.host.Uploaded`): an fp32 contiguous ``.grad`` in place, any other through
-    an fp32 contiguous copy there (returned, to be kept alive while the passes run); 0 for no
-    gradient or a sparse one (then also returns True)."""
+    :class:`~onebit.host.Uploaded`): an fp32 ``.grad`` with the parameter's ``strides`` (its
+    flat layout's, :attr:`~onebit.layout.FlatLayout.strides`) in place, any other through an
+    fp32 copy with them (returned, to be kept alive while the passes run); 0 for no gradient or
+    a sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False
-    for p in params:
+    for p, stride in zip(params, strides):
         g = p.grad
         if g is None or g.is_sparse:
             sparse |= g is not None
             addresses.append(0)
             continue
-        if g.dtype != torch.float32 or not g.is_contiguous() or g.device != p.device:
-            g = g.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if g.dtype != torch.float32 or g.device != p.device or not laid_out(g, stride):
+            g = torch.empty_strided(p.shape, stride, device=p.device).copy_(g)
             keep.append(g)
         addresses.append(g.data_ptr())
     return addresses, keep, sparse
