@@ -4,6 +4,7 @@
     python benchmarks/memory.py --world-size 4 --width 1024
     python benchmarks/memory.py --world-size 4 --shard 2   # and sharded by FSDP2, 2 x 2
     python benchmarks/memory.py --loops                    # in the loops users run
+    python benchmarks/memory.py --loops channels_last      # in some of them
     python benchmarks/memory.py --error-dtype bf16         # the onebit errors kept in bf16
 
 Each optimizer runs in fresh processes, one per rank, through its warmup and into its
@@ -35,8 +36,9 @@ model's. Then the state of a 1B and a 7B model is computed from the measured fra
 
 With ``--loops``, AdamW+DDP, OnebitAdam and OnebitLamb run in each loop of :data:`LOOPS`
 (clipping, a GradScaler, ``overlap_backward``, ``exp_avg_mask``, the DDP comm hook, bf16
-parameters), each row against its targets; a onebit row whose momentum is not kept packed says
-why. The bf16 rows count bytes per parameter, next to AdamW's on the same bf16 parameters.
+parameters, a convolutional model in ``channels_last``), or in those named, each row against its
+targets; a onebit row whose momentum is not kept packed says why. The bf16 rows count bytes per
+parameter, next to AdamW's on the same bf16 parameters.
 
 ``--error-dtype bf16`` gives the onebit optimizers ``error_dtype=torch.bfloat16``: their worker and
 server errors in bf16, half the bytes.
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,10 +61,11 @@ from onebit.train.optim import ERROR_DTYPES
 OPTIMIZERS = ("AdamW", "AdamW+DDP", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
 
 LOOPS = ("plain", "max_grad_norm", "GradScaler", "overlap_backward", "exp_avg_mask",
-         "ddp_comm_hook", "bf16")  # fmt: skip
+         "ddp_comm_hook", "bf16", "channels_last")  # fmt: skip
 """The training loops of ``--loops``: ``max_grad_norm=1.0`` (``clip_grad_norm_`` for AdamW), a
 ``GradScaler``, ``overlap_backward=True`` (OnebitAdam only), an all-ones ``exp_avg_mask`` on the
-first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters."""
+first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters, and
+3x3 convolutions of about as many parameters as the linear layers, in ``channels_last``."""
 
 UNPACKED = {
     "exp_avg_mask": "fp32 momentum: a masked momentum is not +-scale everywhere",
@@ -188,7 +192,11 @@ def _run(
     model = torch.nn.Sequential(*layers)
     if loop == "bf16":
         model.bfloat16()
-    x = torch.randn(4, layers[0].in_features, dtype=next(model.parameters()).dtype)
+    if isinstance(layers[0], torch.nn.Conv2d):
+        model.to(memory_format=torch.channels_last)
+        x = torch.randn(4, layers[0].in_channels, 2, 2).to(memory_format=torch.channels_last)
+    else:
+        x = torch.randn(4, layers[0].in_features, dtype=next(model.parameters()).dtype)
     group = None
     if name.endswith("+HSDP"):
         group = _shard(model, name.removesuffix("+HSDP"), shards)
@@ -228,13 +236,22 @@ def _rank(
 ) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
     """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage,
     and whether the momentum was kept packed."""
-    _run(name, [torch.nn.Linear(64, 64)], shards=shards, loop=loop)  # page code in, warm pools
+    _run(name, _layers(loop, 64, 1), shards=shards, loop=loop)  # page code in, warm pools
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(width, width) for _ in range(depth)]
+    layers = _layers(loop, width, depth)
     model_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     dist.barrier()
     before = _rss()
     return model_bytes, *_run(name, layers, before, shards, loop, errors)
+
+
+def _layers(loop: str, width: int, depth: int) -> list[torch.nn.Module]:
+    """``depth`` layers of ``Linear(width, width)``, or for ``channels_last`` 3x3 convolutions
+    of ``width // 3`` channels (about as many parameters), on 2x2 images."""
+    if loop == "channels_last":
+        c = width // 3
+        return [torch.nn.Conv2d(c, c, 3, padding=1) for _ in range(depth)]
+    return [torch.nn.Linear(width, width) for _ in range(depth)]
 
 
 def measure(
@@ -257,12 +274,14 @@ def main() -> None:
     parser.add_argument(
         "--shard", type=int, default=1, metavar="S", help="also shard with FSDP2, S ranks per node"
     )
-    parser.add_argument("--loops", action="store_true", help="one row per training loop")
+    parser.add_argument("--loops", nargs="*", choices=LOOPS, metavar="LOOP",
+                        help=f"a row per training loop (all: {', '.join(LOOPS)})")  # fmt: skip
     parser.add_argument("--error-dtype", choices=tuple(ERROR_DTYPES), default="fp32",
                         help="the onebit optimizers' error buffers")  # fmt: skip
     args = parser.parse_args()
-    if args.loops:
-        return _loops(args.world_size, args.width, args.depth, args.error_dtype)
+    if args.loops is not None:
+        loops = args.loops or LOOPS
+        return _loops(args.world_size, args.width, args.depth, args.error_dtype, loops)
     numel = args.depth * (args.width * args.width + args.width)
     print(
         f"model: {args.depth} x Linear({args.width}, {args.width}), {numel / 1e6:.1f}M parameters, "
@@ -294,19 +313,23 @@ def main() -> None:
         _computed(largest, r, s)
 
 
-def _loops(world_size: int, width: int, depth: int, errors: str = "fp32") -> None:
+def _loops(
+    world_size: int, width: int, depth: int, errors: str = "fp32", loops: Sequence[str] = LOOPS
+) -> None:
     """A row per optimizer and training loop: the largest state after the warmup (AdamW: its
     state) and the largest peak of a step, with the targets: OnebitAdam's state at most
     2 + 1/n + 1/16 model sizes, OnebitLamb's 3 + 1/n + 1/16, and each peak within 0.5 of
     AdamW+DDP's in the same loop."""
     n = world_size
     targets = {"OnebitAdam": 2 + 1 / n + 1 / 16, "OnebitLamb": 3 + 1 / n + 1 / 16}
-    print(f"model: {depth} x Linear({width}, {width}); {n} gloo ranks; figures for rank 0; "
-          f"onebit errors in {errors}")  # fmt: skip
+    print(
+        f"model: {depth} x Linear({width}, {width}) (channels_last: Conv2d({width // 3}, "
+        f"{width // 3}, 3)); {n} gloo ranks; figures for rank 0; onebit errors in {errors}"
+    )
     print("state after the warmup (AdamW: its state) and the largest peak of a step, in model")
     print("sizes (fp32 bytes of the parameters; bf16: in bytes per parameter)")
     print(f"{'loop':<17}{'optimizer':<12}{'state':>7}{'target':>8}{'peak':>7}{'vs DDP':>8}  note")
-    for loop in LOOPS:
+    for loop in loops:
         ddp_peak = None
         for name in ("AdamW+DDP", "OnebitAdam", "OnebitLamb"):
             if loop == "overlap_backward" and name == "OnebitLamb":
