@@ -4,7 +4,8 @@ Measures, side by side in one run on the same parameters:
 
 * ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
   compression stage (a scale per tensor, the default, which runs the fused passes of
-  :mod:`onebit.momentum` on a CPU; one per bucket; with ``max_grad_norm``; with bf16 errors),
+  :mod:`onebit.momentum`; one per bucket; with ``max_grad_norm``; with bf16 errors; with an
+  ``exp_avg_mask``),
   of ZeroOneAdam's 1-bit sync step and OnebitLamb's compression step (each also with bf16
   errors);
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
@@ -43,13 +44,15 @@ VARIANTS = [
     ("  ... one scale per bucket", "OnebitAdam", "compression", {"scale_per": "bucket"}),
     ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),
     ("  ... errors in bf16", "OnebitAdam", "compression", {"error_dtype": torch.bfloat16}),
+    ("  ... exp_avg_mask", "OnebitAdam", "compression", {"exp_avg_mask": "first"}),
     ("ZeroOneAdam 1-bit sync step", "ZeroOneAdam", "compression", {}),
     ("ZeroOneAdam, bf16 errors", "ZeroOneAdam", "compression", {"error_dtype": torch.bfloat16}),
     ("OnebitLamb compression step", "OnebitLamb", "compression", {}),
     ("OnebitLamb, bf16 errors", "OnebitLamb", "compression", {"error_dtype": torch.bfloat16}),
     ("OnebitLamb + clip", "OnebitLamb", "compression", {"max_grad_norm": 1.0}),
 ]
-"""The steps measured: name, optimizer, stage, constructor options (defaults otherwise)."""
+"""The steps measured: name, optimizer, stage, constructor options (defaults otherwise;
+``exp_avg_mask`` ``"first"``: a mask of alternate ones and zeros on the first parameter)."""
 
 
 def _gpt_shapes(layers: int, d: int, vocab: int, context: int) -> list[tuple[int, ...]]:
@@ -109,6 +112,11 @@ def _peak_mb(step, device: torch.device) -> float:
 
 def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Optimizer:
     """``name`` with its warmup ending after ``freeze`` steps (0/1 Adam: a sync every step)."""
+    if options.get("exp_avg_mask") == "first":
+        params = list(params)
+        mask = torch.ones_like(params[0]).view(-1)
+        mask[::2] = 0
+        options = {**options, "exp_avg_mask": {params[0]: mask.view_as(params[0])}}
     if name == "ZeroOneAdam":
         return onebit.ZeroOneAdam(params, lr=1e-4, var_freeze_step=freeze,
                                   local_step_scaler=10**9, **options)  # fmt: skip

@@ -31,7 +31,9 @@ def _model(strided: bool = False) -> torch.nn.Module:
     conv = torch.nn.Sequential(
         torch.nn.Unflatten(1, (13, 2, 2)), torch.nn.Conv2d(13, 5, 2), torch.nn.Flatten()
     )
-    model = torch.nn.Sequential(torch.nn.Linear(7, 52), torch.nn.Tanh(), conv, torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(7, 52), torch.nn.Tanh(), conv, torch.nn.Linear(5, 3)
+    )
     model.to(memory_format=torch.channels_last)
     model[0].weight.data = model[0].weight.data.t().contiguous().t()
     assert not any(p.is_contiguous() for p in (conv[1].weight, model[0].weight))
@@ -84,11 +86,23 @@ def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
 
 
+def _masks(model: torch.nn.Module) -> dict[str, dict]:
+    """An ``exp_avg_mask`` on two of :func:`_model`'s parameters: rows and a column of the
+    first weight, one entry of the middle bias."""
+    weight = torch.ones_like(model[0].weight)
+    weight[3:7] = 0.0
+    weight[:, 1] = 0.0
+    bias = torch.ones_like(model[2].bias)
+    bias[1] = 0.0
+    return {"exp_avg_mask": {model[0].weight: weight, model[2].bias: bias}}
+
+
 def _run(rank, world_size, name, fused, resume_fused, options=None):
     options = dict(options or {})
-    strided = options.pop("strided", False)
+    strided, masked = options.pop("strided", False), options.pop("masked", False)
     model = _model(strided)
-    opt, scaler = _optimizer(model, fused, name, **options), _scaler()
+    opt = _optimizer(model, fused, name, **options, **(_masks(model) if masked else {}))
+    scaler = _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
     if "max_grad_norm" in options:  # the compression step clipped
         assert opt.stage == "compression" and opt.grad_norm > 2 * options["max_grad_norm"]
@@ -106,9 +120,11 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
     checkpoint = torch.load(saved, weights_only=True)
     model2 = _model(strided)
     model2.load_state_dict(checkpoint["model"])
-    opt2 = _optimizer(model2, resume_fused, name, **options)
+    opt2 = _optimizer(model2, resume_fused, name, **options, **(_masks(model2) if masked else {}))
     scaler2 = _scaler()
     opt2.load_state_dict(checkpoint["opt"])
+    if fused and resume_fused:  # packed again from the saved fp32 momentum, masks and all
+        assert opt2._fused.packed is not None
     scaler2.load_state_dict(checkpoint["scaler"])
     resumed = _steps(model2, opt2, scaler2, rank, 5, STEPS)
     return history, state, resumed
@@ -118,15 +134,19 @@ LOOPS = {
     "plain": {},
     "max_grad_norm": {"max_grad_norm": 0.05},
     "channels_last": {"strided": True},
+    "exp_avg_mask": {"masked": True},
 }
 """The loops the packed momentum is checked in, as the optimizer's options. With
 ``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by;
-``strided`` (not an option: :func:`_run` reads it) steps :func:`_model`'s strided parameters,
-which the flat buffers hold in memory order."""
+``strided`` and ``masked`` (not options: :func:`_run` reads them) step :func:`_model`'s strided
+parameters, which the flat buffers hold in memory order, and give it :func:`_masks` (1-bit Adam
+only: 1-bit LAMB keeps a masked momentum in fp32)."""
+
+CASES = [(name, loop) for name in STATE for loop in LOOPS]
+CASES.remove(("OnebitLamb", "exp_avg_mask"))
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("name", STATE)
+@pytest.mark.parametrize("name,loop", CASES)
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name, loop):
     """Through AMP, a missing gradient, a skipped step and a resume, in each of :data:`LOOPS`."""
@@ -190,6 +210,13 @@ def _two_runs(name, change=None, reload_at=None) -> list[list[torch.Tensor]]:
 def test_a_warmup_state_reloaded_stays_a_warmup_state(name):
     fused, unfused = _two_runs(name, reload_at=0)  # an all-zero momentum is not a packed one
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+def test_1bit_lamb_keeps_a_masked_momentum_in_fp32():
+    """Its fresh variance reads the allreduce's result before the mask: not packed."""
+    model = _model()
+    assert onebit.OnebitAdam(model.parameters(), freeze_step=3, **_masks(model))._fused
+    assert onebit.OnebitLamb(model.parameters(), freeze_step=3, **_masks(model))._fused is None
 
 
 @pytest.mark.parametrize("name", STATE)
@@ -266,7 +293,8 @@ def _run_triton(
     "name,world_size,loop",
     [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
     + [(name, 3, "max_grad_norm") for name in STATE]
-    + [(name, 1, "channels_last") for name in STATE],
+    + [(name, 1, "channels_last") for name in STATE]
+    + [("OnebitAdam", 3, "exp_avg_mask")],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
@@ -274,7 +302,8 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
     keeps its last momentum until its step has read it); with ``max_grad_norm``, the clipping
     coefficient the passes load from the device; with ``channels_last``, parameters addressed in
-    memory order (the C kernels' test above checks those runs against the unfused path)."""
+    memory order, and with ``exp_avg_mask`` the masks the passes read (the C kernels' test above
+    checks those against the unfused path)."""
     args = (world_size, name, "signs")
     whole = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
     per_bucket = run_ranks(_run_triton, *args, "stage", LOOPS[loop], timeout=600)

@@ -255,7 +255,8 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
    of a run computes, as torch does (torch.lerp is an FMA):
        g = grad * inv (if use_inv) or grad
        m = dense[i] if dense, else +-mscales[c] from bit i of the packed momentum (row i / chunk
-           of mbits, rows stride bytes apart)
+           of mbits, rows stride bytes apart), times the mask where masks[r] is the address of
+           the run's mask at `start` (masks NULL or masks[r] 0: none)
        y = lerp(m, g, w) * post[r] + e[i]   (post = NULL: * 1.0f, which changes nothing; e = NULL:
                                          + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
@@ -263,6 +264,7 @@ typedef struct {
     const float *g;     /* the run's gradient, from its start, or NULL */
     const float *dense; /* fp32 momentum, or NULL */
     const uint8_t *row; /* packed: the sign of element i is bit i % 8 of row[i / 8] */
+    const float *mask;  /* packed: the run's mask (exp_avg_mask), from its start, or NULL */
     float s, ns;        /* packed: the momentum's scale and -1 * it */
     float post;         /* the run's factor after the lerp (1-bit LAMB's momentum scaling) */
     int pad;
@@ -270,12 +272,14 @@ typedef struct {
 
 KERNEL INLINE Source run_source(const int64_t *runs, int64_t r, const int64_t *grads,
                                 const float *dense, const uint8_t *mbits, int64_t stride,
-                                int64_t chunk, const float *mscales, const float *post) {
-    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, 0.0f, 0.0f,
+                                int64_t chunk, const float *mscales, const int64_t *masks,
+                                const float *post) {
+    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, NULL, 0.0f, 0.0f,
                 post ? post[r] : 1.0f, runs[4 * r + 3] < 0};
     if (!dense && !x.pad) {
         int64_t j = runs[4 * r] / chunk;
         x.row = mbits + j * stride - j * (chunk / 8);
+        x.mask = masks ? (const float *)(intptr_t)masks[r] : NULL;
         x.s = mscales[runs[4 * r + 3]];
         x.ns = x.s * -1.0f;
     }
@@ -293,6 +297,7 @@ KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int 
     if (x->pad) return 0.0f + ei;
     float g = x->g ? (use_inv ? x->g[k] * inv : x->g[k]) : 0.0f;
     float m = x->dense ? x->dense[i] : ((x->row[i >> 3] >> (i & 7)) & 1 ? x->s : x->ns);
+    if (x->mask) m = m * x->mask[k];
     return lerp_one(m, g, w) * x->post + ei;
 }
 
@@ -311,6 +316,7 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
     }
     __m256 m = x->dense ? _mm256_loadu_ps(x->dense + i)
                         : signed_byte(x->row[i >> 3], _mm256_set1_ps(x->s), _mm256_set1_ps(x->ns));
+    if (x->mask) m = _mm256_mul_ps(m, _mm256_loadu_ps(x->mask + k));
     int small = __builtin_fabsf(w) < 0.5f;
     __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
     __m256 y = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g);
@@ -326,7 +332,7 @@ typedef struct {
 } Fast;
 
 KERNEL INLINE int fast_run(const Source *x, const float *e) {
-    return !x->pad && x->g && x->row && e;
+    return !x->pad && x->g && x->row && !x->mask && e;
 }
 
 KERNEL INLINE Fast fast_of(const Source *x, int64_t start, float inv, int use_inv, float w,
@@ -403,9 +409,9 @@ KERNEL INLINE void set_bit(uint8_t *bits, int64_t i, float v) {
    y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats. */
 KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                            int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
-                           int64_t chunk, const float *mscales, float w, const float *post,
-                           const float *e, uint8_t *restrict bits, int mean_abs, double *totals,
-                           int64_t nseg) {
+                           int64_t chunk, const float *mscales, const int64_t *masks, float w,
+                           const float *post, const float *e, uint8_t *restrict bits,
+                           int mean_abs, double *totals, int64_t nseg) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
     Sum sum;
@@ -413,7 +419,7 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
     int64_t current = -1;
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, post);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post);
         if (q != current) {
             if (current >= 0) {
                 sum_flush(&sum);
@@ -445,13 +451,13 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
    with s_q = scales[q], y recomputed as in pass 1. e_out may be e or dense. */
 KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                             int use_inv, const float *dense, const uint8_t *mbits,
-                            int64_t stride, int64_t chunk, const float *mscales, float w,
-                            const float *post, const float *e, const float *scales,
-                            float *e_out) {
+                            int64_t stride, int64_t chunk, const float *mscales,
+                            const int64_t *masks, float w, const float *post, const float *e,
+                            const float *scales, float *e_out) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, post);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post);
         const float sq = scales[q], nsq = sq * -1.0f;
         const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
         int64_t i = start;
@@ -476,15 +482,17 @@ KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *g
 
 /* Pass 3, AdamW's update from the new packed momentum: per run r (parameter element at address
    params[r]), p = p * decay[r] (skipped when it is 1) then p = p + (value[r] * m) / denom[i],
-   as torch._foreach_mul_ and _foreach_addcdiv_ compute it. Padding runs (c < 0) are skipped. */
+   as torch._foreach_mul_ and _foreach_addcdiv_ compute it, m masked as in pass 1. Padding runs
+   (c < 0) are skipped. */
 KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *params,
                             const uint8_t *mbits, int64_t stride, int64_t chunk,
-                            const float *mscales, const float *denom, const float *decay,
-                            const float *value) {
+                            const float *mscales, const int64_t *masks, const float *denom,
+                            const float *decay, const float *value) {
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1];
-        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, NULL);
+        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, masks, NULL);
         if (x.pad) continue;
+        const float *mask = x.mask;
         float *p = (float *)(intptr_t)params[r];
         const float d = decay[r], v = value[r];
         const __m256 vs = _mm256_set1_ps(x.s), vns = _mm256_set1_ps(x.ns);
@@ -493,6 +501,7 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
             float t = d != 1.0f ? p[i - start] * d : p[i - start];
             float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
+            if (mask) m = m * mask[i - start];
             p[i - start] = t + (v * m) / denom[i];
         }
         for (; i + 8 <= end; i += 8) {
@@ -501,12 +510,14 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
             __m256 t = _mm256_loadu_ps(p + i - start);
             if (d != 1.0f) t = _mm256_mul_ps(t, vd);
             __m256 m = signed_byte(x.row[i >> 3], vs, vns);
+            if (mask) m = _mm256_mul_ps(m, _mm256_loadu_ps(mask + i - start));
             __m256 u = _mm256_div_ps(_mm256_mul_ps(vv, m), _mm256_loadu_ps(denom + i));
             _mm256_storeu_ps(p + i - start, _mm256_add_ps(t, u));
         }
         for (; i < end; i++) {
             float t = d != 1.0f ? p[i - start] * d : p[i - start];
             float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
+            if (mask) m = m * mask[i - start];
             p[i - start] = t + (v * m) / denom[i];
         }
     }

@@ -91,7 +91,7 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_average_pieces.restype = None
     lib.ob_decompress_pieces.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.ob_decompress_pieces.restype = None
-    momentum = [ptr, ptr, i64, i64, ptr]  # dense, packed bits, stride, chunk, scales
+    momentum = [ptr, ptr, i64, i64, ptr, ptr]  # dense, packed bits, stride, chunk, scales, masks
     y = [ptr, i64, ptr, f32, ctypes.c_int, *momentum, f32, ptr, ptr]  # ... weight, post, error
     lib.ob_fused_signs.argtypes = [*y, ptr, ctypes.c_int, ptr, i64]
     lib.ob_fused_signs.restype = None

@@ -178,7 +178,8 @@ class OnebitAdam(CompressedOptimizer):
         self._set_frozen(False)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
         if not clips_result and momentum.applies(self.layout, self.scale_per, bool(self._masks)):
-            self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg)
+            self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg,
+                                                       masks=self._masks)  # fmt: skip
 
     def _set_frozen(self, frozen: bool) -> None:
         """Name the state for its stage: ``exp_avg_sq`` until the freeze, then ``frozen_denom``

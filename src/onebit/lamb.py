@@ -204,7 +204,8 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        if momentum.applies(self.layout, self.scale_per, bool(self._masks)):
+        # A masked momentum is not packed here: the fresh variance reads the unmasked result.
+        if not self._masks and momentum.applies(self.layout, self.scale_per):
             self._fused = momentum.PackedMomentumStage(
                 self.layout, self.comms, self._exp_avg, keeps_last=True
             )

@@ -38,19 +38,21 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(layout: FlatLayout, scale_per: str, masked: bool) -> bool:
+def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
     """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps on the
-    parameters of ``layout``.
+    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``).
 
-    Not yet where ``masked`` (``exp_avg_mask``: a masked momentum is not ``±σ`` everywhere, so
-    the passes would have to read the mask), with ``scale_per="bucket"`` (the passes take a
-    scale per tensor), or where the parameters are not fp32 (the passes update them in place
-    as fp32); nor, as the optimizer checks, with ``overlap_backward`` and ``max_grad_norm``
-    together (the buckets leave before the rank's norm is known, so the result is clipped, and
-    is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model sizes for 1-bit Adam.
-    Parameters that are not contiguous but fill their memory (``channels_last``, a transpose)
-    are packed: the flat layout follows their memory order."""
-    return scale_per == "tensor" and not masked and layout.numel > 0 and fused_parameters(layout)
+    Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), where the
+    parameters are not fp32 (the passes update them in place as fp32), or ``masked`` on a
+    backend whose passes do not read masks (``packs_masked_momentum``: the C kernels do, a
+    masked momentum being ``±σ·mask``); nor, as the optimizer checks, with ``overlap_backward``
+    and ``max_grad_norm`` together (the buckets leave before the rank's norm is known, so the
+    result is clipped, and is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model
+    sizes for 1-bit Adam. Parameters that are not contiguous but fill their memory
+    (``channels_last``, a transpose) are packed: the flat layout follows their memory order."""
+    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout):
+        return False
+    return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum
 
 
 def fused_parameters(layout: FlatLayout) -> bool:
@@ -79,6 +81,9 @@ class PackedMomentumStage:
             the results become the momentum only at :meth:`install`; at the first applied step
             the worker errors are committed there too, into the fp32 momentum's storage once
             it has been read (so the step holds no second model-sized buffer).
+        masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat fp32
+            mask)`` per masked parameter: the momentum is then the allreduce's result times the
+            mask, which the passes read where they read the packed momentum.
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -92,9 +97,16 @@ class PackedMomentumStage:
         comms: list[CompressedAllreduce],
         momentum: Tensor,
         keeps_last: bool = False,
+        masks: Sequence[tuple[int, Tensor]] = (),
     ) -> None:
         self.layout, self.comms, self.momentum = layout, comms, momentum
-        self.keeps_last = keeps_last
+        self.keeps_last, self.masks = keeps_last, list(masks)
+        self._mask_bases: Tensor | None = None  # per parameter, its mask's address (or 0)
+        if self.masks:
+            bases = dict.fromkeys(layout.offsets, 0)
+            bases.update((offset, mask.data_ptr()) for offset, mask in self.masks)
+            addresses = [bases[o] for o in layout.offsets]
+            self._mask_bases = torch.tensor(addresses, device=momentum.device)
         self._bases = host.Uploaded(torch.int64)
         self.runs = bucket_runs(layout, comms)
         self.model = ModelAllreduce(layout, comms, self.runs)
@@ -114,7 +126,8 @@ class PackedMomentumStage:
         if self.packed is None:
             return self._slices[k]
         signs, scales = self.packed[k]
-        return fused.PackedMomentum(signs, scales.reshape(-1), self.comms[k].chunk_numel)
+        chunk = self.comms[k].chunk_numel
+        return fused.PackedMomentum(signs, scales.reshape(-1), chunk, self._mask_bases)
 
     # Every bucket at once, where the backend runs each pass over all of them (Triton).
 
@@ -173,7 +186,7 @@ class PackedMomentumStage:
         if packed is None:
             return self.momentum
         if self._results is not None and self._results[0] is packed:
-            return fused.PackedMomentum(*self._results[1], 0)
+            return fused.PackedMomentum(*self._results[1], 0, self._mask_bases)
         if self._whole_of is not packed:
             g = self.model.passes().geometry
             bits = torch.zeros(g.world_size, g.width2, dtype=torch.uint8,
@@ -182,7 +195,7 @@ class PackedMomentumStage:
                 bits[:, part : part + signs.shape[1]] = signs
             scales = torch.cat([scales.reshape(-1) for _, scales in packed])
             self._whole, self._whole_of = (bits, scales), packed
-        return fused.PackedMomentum(*self._whole, 0)
+        return fused.PackedMomentum(*self._whole, 0, self._mask_bases)
 
     def _error_buffer(self) -> Tensor:
         """Where the worker errors live once packed (``_error_slices``, per bucket): the fp32
@@ -341,7 +354,7 @@ class PackedMomentumStage:
             return out.copy_(self.momentum[origin + start : origin + start + out.numel()])
         geometry = self.comms[k].scale_geometry
         if start == 0 and out.numel() == end - origin:
-            return decompress_pieces_(*packed[k], geometry.gathered, out)
+            return self._masked(decompress_pieces_(*packed[k], geometry.gathered, out), origin)
         signs, scales = packed[k]
         j, a = divmod(start, self.comms[k].chunk_numel)
         key = (k, start, out.numel())
@@ -351,7 +364,18 @@ class PackedMomentumStage:
             table[:, 1:3] = table[:, 1:3].clamp(a, a + out.numel()) - a
             self._block_pieces[key] = table[table[:, 1] < table[:, 2]].contiguous()
         pieces = self._block_pieces[key]
-        return decompress_pieces_(signs[j : j + 1, a // 8 :], scales[j : j + 1], pieces, out)
+        decompress_pieces_(signs[j : j + 1, a // 8 :], scales[j : j + 1], pieces, out)
+        return self._masked(out, origin + start)
+
+    def _masked(self, out: Tensor, start: int) -> Tensor:
+        """``out``, the packed momentum's elements from ``start`` in the flat buffers, times the
+        masks over them (``masks``), as the passes read it."""
+        end = start + out.numel()
+        for offset, mask in self.masks:
+            a, b = max(start, offset), min(end, offset + mask.numel())
+            if a < b:
+                out[a - start : b - start].mul_(mask[a - offset : b - offset])
+        return out
 
     def blocks(self, k: int, size: int) -> list[tuple[int, int]]:
         """Bucket ``k``'s elements (not its padding) as ranges ``[lo, hi)`` of at most ``size``
@@ -394,7 +418,7 @@ class PackedMomentumStage:
         out = self.layout.zeros(device=self.momentum.device)
         for (start, end), comm, packed in zip(self.layout.buckets, self.comms, self.packed):
             decompress_pieces_(*packed, comm.scale_geometry.gathered, out[start:end])
-        return out
+        return self._masked(out, 0)
 
     def unpack_(self) -> None:
         """Back to an fp32 momentum in :attr:`momentum`, the worker errors in buffers of their
@@ -436,9 +460,10 @@ class PackedMomentumStage:
     def load_(self, momentum: Tensor, worker_errors: list[Tensor | None], packed: bool) -> None:
         """Take a saved fp32 ``momentum`` (``layout.numel``) and the communicators' saved worker
         errors. With ``packed`` (it was saved from a packed momentum) the momentum is packed
-        again, which loses nothing as every element is ``±σ`` of its piece, and the errors move
-        into :meth:`_error_buffer`; otherwise, or if it is not of that form after all, the
-        fp32 momentum and the errors stay apart."""
+        again, which loses nothing as every element is ``±σ`` of its piece (times its mask, which
+        keeps the sign: ``-σ·0`` is ``-0.0``), and the errors move into :meth:`_error_buffer`;
+        otherwise, or if it is not of that form after all, the fp32 momentum and the errors
+        stay apart."""
         self._restore_momentum()
         self.momentum[: self.layout.numel].copy_(momentum)
         self.packed = None
@@ -454,8 +479,12 @@ class PackedMomentumStage:
             first = table[:, 0] * comm.chunk_numel + table[:, 1]
             scales = torch.zeros(comm.world_size, comm.server_scale_count, device=device)
             scales[table[:, 0], table[:, 3]] = padded[first].abs()
+            if self.masks:  # a masked piece's σ is its largest magnitude (a 0/1 mask's)
+                for j, a, b, c in table.tolist():
+                    scales[j, c] = padded[j * comm.chunk_numel :][a:b].abs().amax()
             again = torch.empty(end - start, device=device)
             decompress_pieces_(signs, scales, table, again)
+            self._masked(again, start)
             if not torch.equal(again.view(torch.int32), momentum[start:end].view(torch.int32)):
                 packed = None
                 break

@@ -38,11 +38,14 @@ from .errors import fp32, written
 class PackedMomentum:
     """Momentum that is ``±scale`` per element: ``bits`` ``uint8 [rows, chunk // 8]`` (rows may
     be strided, as in a gathered message; bit ``i % 8`` of byte ``(i % chunk) // 8`` of row
-    ``i // chunk`` is element ``i``'s sign) and ``scales`` fp32, indexed by the runs' columns."""
+    ``i // chunk`` is element ``i``'s sign) and ``scales`` fp32, indexed by the runs' columns;
+    times a mask where ``masks`` (int64 per parameter: the address of its fp32 ``exp_avg_mask``
+    in the flat buffers' order, 0 for none) has one (backends with ``packs_masked_momentum``)."""
 
     bits: Tensor
     scales: Tensor
     chunk: int
+    masks: Tensor | None = None
 
 
 class BucketRuns:

@@ -29,6 +29,7 @@ class CKernels(NumpyKernels):
 
     name = "c"
     packs_momentum = True
+    packs_masked_momentum = True
 
     def unavailable(self) -> str | None:
         if np is None:
@@ -50,7 +51,7 @@ class CKernels(NumpyKernels):
         totals = torch.empty(len(runs.lengths), dtype=torch.float64)
         post = None if post is None else runs.per_run(post)
         addresses = runs.addresses(grads)  # kept alive while the kernel reads it
-        y = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
+        y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
                                       len(totals))  # fmt: skip
         return scales_from_totals(totals, runs.lengths, scale)
@@ -63,7 +64,7 @@ class CKernels(NumpyKernels):
         scales = scales.to(torch.float32).contiguous()
         post = None if post is None else runs.per_run(post)
         addresses = runs.addresses(grads)  # kept alive while the kernel reads it
-        y = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
+        y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
 
     def momentum_update(
@@ -72,9 +73,10 @@ class CKernels(NumpyKernels):
     ) -> None:  # fmt: skip
         decay, value = runs.per_run(decay), runs.per_run(value, padding=0.0)
         addresses = runs.addresses(params)
+        where, _ = _momentum(momentum, runs)
         _native.load().ob_fused_update(
-            runs.runs.data_ptr(), len(runs.runs), addresses.data_ptr(),
-            *_momentum(momentum)[1:], denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
+            runs.runs.data_ptr(), len(runs.runs), addresses.data_ptr(), *where[1:],
+            denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
         )  # fmt: skip
 
     def subtract_compressed_(
@@ -251,10 +253,14 @@ class CKernels(NumpyKernels):
         return out
 
 
-def _momentum(m: Tensor | PackedMomentum) -> tuple[int, int, int, int, int]:
-    if isinstance(m, PackedMomentum):
-        return 0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr()
-    return m.data_ptr(), 0, 0, 1, 0
+def _momentum(m: Tensor | PackedMomentum, runs: BucketRuns) -> tuple[tuple, Tensor | None]:
+    """The C arguments that say where the momentum is, and the per-run mask addresses they
+    point into (to be kept alive while the kernel runs)."""
+    if not isinstance(m, PackedMomentum):
+        return (m.data_ptr(), 0, 0, 1, 0, 0), None
+    masks = None if m.masks is None else runs.addresses(m.masks)
+    pointer = 0 if masks is None else masks.data_ptr()
+    return (0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr(), pointer), masks
 
 
 def _y_arguments(
@@ -265,11 +271,13 @@ def _y_arguments(
     weight: float,
     post: Tensor | None,
     error: Tensor | None,
-) -> tuple:
-    """The C arguments that say how ``y`` is computed, shared by passes 1 and 2."""
+) -> tuple[tuple, Tensor | None]:
+    """The C arguments that say how ``y`` is computed, shared by passes 1 and 2, and what they
+    point into that must be kept alive while the kernel runs (:func:`_momentum`)."""
     inv = 1.0 if inv_scale is None else inv_scale
+    where, keep = _momentum(momentum, runs)
     return (
         runs.runs.data_ptr(), len(runs.runs), grads.data_ptr(), inv, inv_scale is not None,
-        *_momentum(momentum), weight, 0 if post is None else post.data_ptr(),
+        *where, weight, 0 if post is None else post.data_ptr(),
         0 if error is None else error.data_ptr(),
-    )  # fmt: skip
+    ), keep  # fmt: skip

@@ -90,12 +90,15 @@ class TorchKernels:
             (:mod:`onebit.kernels.fused`: ``momentum_signs``, ``momentum_commit`` and
             ``momentum_update``, with the arguments of its ``signs``, ``commit`` and ``update``),
             which :mod:`onebit.momentum` needs; the C and Triton kernels do.
+        packs_masked_momentum: whether those passes also read a packed momentum's masks
+            (:class:`~onebit.kernels.fused.PackedMomentum`, ``exp_avg_mask``).
         tile_numel: elements per tile of the quantized warmup (:mod:`onebit.quantized`): what
             stays in a CPU core's cache, or bigger on a GPU, for fewer kernel launches.
     """
 
     name = "torch"
     packs_momentum = False
+    packs_masked_momentum = False
     tile_numel = 1 << 20
 
     def unavailable(self) -> str | None:

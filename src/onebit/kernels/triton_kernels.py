@@ -240,6 +240,18 @@ def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, pres
 
 
 @triton.jit
+def _masked(m, masks, param, run_offsets, run_starts, run, start, local, present,
+            MASKED: tl.constexpr):  # fmt: skip
+    """``m`` times each element's ``exp_avg_mask`` where ``MASKED``, read in place through its
+    run's mask (:func:`_run_pointers` of ``masks``; 1 for a parameter without one)."""
+    if MASKED:
+        at, readable = _run_pointers(masks, param, run_offsets, run_starts, run, start, local,
+                                     present)  # fmt: skip
+        m = m * tl.load(at, mask=readable, other=1.0)
+    return m
+
+
+@triton.jit
 def _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
               USE_INV: tl.constexpr, INV_PTR: tl.constexpr):  # fmt: skip
     """Each element's gradient, read in place through its run's tensor (:func:`_run_pointers`;
@@ -279,19 +291,19 @@ def lerp_coefficient(weight: float) -> tuple[float, bool]:
 @launched(4)
 @triton.jit(do_not_specialize=["stride", "chunk", "n"])
 def _momentum_pass(
-    grads, inv, dense, bits, stride, chunk, momentum_scales, coeff, post, error,
+    grads, inv, dense, bits, stride, chunk, momentum_scales, masks, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     signs, partials, scales, out, n,
     BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
-    SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr,
-    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    MASKED: tl.constexpr, SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr,
+    SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     """Passes 1 and 2 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
     ``w - 1`` where ``SMALL`` is false), then :func:`_emit`. Pieces are runs' parts: each run has
     its parameter (its gradient's address is ``grads[param]``, 0: zeros; its factor
-    ``post[param]``), momentum column (< 0: padding, ``y = e``) and segment. A bucket's length
-    ``n`` is a multiple of 8."""
+    ``post[param]``; the packed ``m``'s mask, ``masks[param]`` where ``MASKED``), momentum column
+    (< 0: padding, ``y = e``) and segment. A bucket's length ``n`` is a multiple of 8."""
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
     p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
                                                 run_columns, run_params)  # fmt: skip
@@ -302,6 +314,7 @@ def _momentum_pass(
     else:
         m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
                              BLOCK)  # fmt: skip
+        m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     y = _lerp(m, g, coeff, SMALL)
     if HAS_POST:
         y = y * tl.load(post + param, mask=present, other=1.0)
@@ -316,8 +329,9 @@ def _momentum_pass(
 @launched(8)
 @triton.jit(do_not_specialize=["stride", "chunk", "n"])
 def _momentum_update(
-    bases, bits, stride, chunk, momentum_scales, denominator, decay, value, run_starts,
+    bases, bits, stride, chunk, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter, as ``torch._foreach_mul_`` and
@@ -332,6 +346,7 @@ def _momentum_update(
     p = tl.where(d != 1.0, p * d, p)
     m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
                          BLOCK)  # fmt: skip
+    m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
@@ -831,6 +846,7 @@ class TritonKernels(TorchKernels):
     # The packed momentum's fused passes (:mod:`onebit.kernels.fused`).
 
     packs_momentum = True
+    packs_masked_momentum = True
 
     def momentum_signs(
         self, runs: BucketRuns, grads: Tensor, inv_scale: float | Tensor | None,
@@ -859,11 +875,13 @@ class TritonKernels(TorchKernels):
     ) -> None:  # fmt: skip
         device = denominator.device
         tables = self._runs(runs, device)
+        masks = momentum.masks
         _momentum_update[(tables.tiling.blocks,)](
             params.to(device), momentum.bits, momentum.bits.stride(0), momentum.chunk,
-            momentum.scales, denominator, decay.to(device), value.to(device), tables.starts,
-            tables.columns, tables.params, tables.offsets, *tables.tiling.table(), tables.numel,
-            BLOCK=BLOCK,
+            momentum.scales, momentum.bits if masks is None else masks, denominator,
+            decay.to(device), value.to(device), tables.starts, tables.columns, tables.params,
+            tables.offsets, *tables.tiling.table(), tables.numel,
+            BLOCK=BLOCK, MASKED=masks is not None,
         )  # fmt: skip
 
     @staticmethod
@@ -883,21 +901,22 @@ class TritonKernels(TorchKernels):
         device = tables.starts.device
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
+        masks = None if dense else momentum.masks
         coeff, small = lerp_coefficient(weight)
         any_ = bits
         _momentum_pass[(tables.tiling.blocks,)](
             grads.to(device), 1.0 if inv_scale is None else inv_scale, momentum if dense else any_,
             bits, 0 if dense else bits.stride(0), 1 if dense else momentum.chunk,
-            any_ if dense else momentum.scales, coeff,
+            any_ if dense else momentum.scales, any_ if masks is None else masks, coeff,
             any_ if post is None else post.to(device=device, dtype=torch.float32).contiguous(),
             any_ if error is None else error, tables.starts, tables.columns, tables.segments,
             tables.params, tables.offsets, *tables.tiling.table(), any_ if signs is None else signs,
             any_ if partials is None else partials, any_ if scales is None else scales,
             any_ if out is None else out, tables.numel,
             BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
-            DENSE=dense, SMALL=small, HAS_POST=post is not None, HAS_ERROR=error is not None,
-            SIGNS=signs is not None, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
-            COMMIT=scales is not None,
+            DENSE=dense, MASKED=masks is not None, SMALL=small, HAS_POST=post is not None,
+            HAS_ERROR=error is not None, SIGNS=signs is not None, SUMS=sums is not None,
+            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
         )  # fmt: skip
 
     @staticmethod

@@ -37,6 +37,7 @@ from .triton_kernels import (
     _emit,
     _gradient,
     _lerp,
+    _masked,
     _packed_momentum,
     _piece_columns,
     _rows,
@@ -94,18 +95,19 @@ def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK:
 @launched(4)
 @triton.jit(do_not_specialize=["row_stride", "bits_stride"])
 def _worker_pass(
-    grads, inv, dense, bits, bits_stride, momentum_scales, coeff, post, error,
+    grads, inv, dense, bits, bits_stride, momentum_scales, masks, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     block_starts, block_buckets, bucket_starts, bucket_ends, chunks, parts1, parts2,
     message, row_stride, partials, scales, out,
     BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
-    SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, SIGNS: tl.constexpr,
-    SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    MASKED: tl.constexpr, SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr,
+    SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
     """``_momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
     per piece, or ``out = y - ±scales``. The packed momentum ``m`` is read from the last
-    phase-2 message (``bits``, each bucket's part at ``parts2``)."""
+    phase-2 message (``bits``, each bucket's part at ``parts2``), times ``masks`` where
+    ``MASKED``."""
     bucket, start, origin, local, valid, p0, p1, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
@@ -120,6 +122,7 @@ def _worker_pass(
             bits + tl.load(parts2 + bucket), bits_stride, chunk, momentum_scales, column,
             start - origin, local, present, BLOCK,
         )  # fmt: skip
+        m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     y = _lerp(m, g, coeff, SMALL)
     if HAS_POST:
         y = y * tl.load(post + param, mask=present, other=1.0)
@@ -214,9 +217,10 @@ def _serve_pass(
 @launched(8)
 @triton.jit(do_not_specialize=["bits_stride"])
 def _update_pass(
-    bases, bits, bits_stride, momentum_scales, denominator, decay, value, run_starts,
+    bases, bits, bits_stride, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2, BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
     """``_momentum_update`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter, ``m`` read from the phase-2
@@ -233,6 +237,7 @@ def _update_pass(
         bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
         column, start - origin, local, present, BLOCK,
     )  # fmt: skip
+    m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
     tl.store(at, p + u, mask=present)
@@ -601,12 +606,14 @@ class ModelPasses:
     ) -> None:  # fmt: skip
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
+        masks = None if dense else momentum.masks
         coeff, small = lerp_coefficient(weight)
         any_ = bits
         blocks = self.worker
         _worker_pass[(blocks.blocks,)](
             grads, 1.0 if inv_scale is None else inv_scale, momentum if dense else any_, bits,
-            0 if dense else bits.stride(0), any_ if dense else momentum.scales, coeff,
+            0 if dense else bits.stride(0), any_ if dense else momentum.scales,
+            any_ if masks is None else masks, coeff,
             any_ if post is None else post, any_ if error is None else error, *self.run_tables,
             blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
             blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts1, self.parts2,
@@ -614,9 +621,9 @@ class ModelPasses:
             any_ if partials is None else partials, any_ if scales is None else scales,
             any_ if out is None else out,
             BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
-            DENSE=dense, SMALL=small, HAS_POST=post is not None, HAS_ERROR=error is not None,
-            SIGNS=message is not None, SUMS=sums is not None, MEAN_ABS=sums == "mean_abs",
-            COMMIT=scales is not None,
+            DENSE=dense, MASKED=masks is not None, SMALL=small, HAS_POST=post is not None,
+            HAS_ERROR=error is not None, SIGNS=message is not None, SUMS=sums is not None,
+            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
         )  # fmt: skip
 
     def signs(
@@ -747,13 +754,14 @@ class ModelPasses:
     ) -> None:  # fmt: skip
         """Pass 3 of every bucket (``fused.update``), the momentum read from the last phase-2
         message (``momentum.bits``, as received) and its scales (:meth:`momentum`)."""
-        blocks = self.worker
+        blocks, masks = self.worker, momentum.masks
         _update_pass[(blocks.blocks,)](
-            bases, momentum.bits, momentum.bits.stride(0), momentum.scales, denominator, decay,
-            value, self.run_tables[0], self.run_tables[1], self.run_tables[3],
-            self.run_tables[4], blocks.starts, blocks.ends, blocks.columns, blocks.first,
-            blocks.block_starts, blocks.block_buckets, *self.worker_bounds, self.chunks,
-            self.parts2, BLOCK=BLOCK,
+            bases, momentum.bits, momentum.bits.stride(0), momentum.scales,
+            momentum.bits if masks is None else masks, denominator, decay, value,
+            self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
+            blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
+            blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts2,
+            BLOCK=BLOCK, MASKED=masks is not None,
         )  # fmt: skip
 
     # 0/1 Adam's sync step.
