@@ -593,7 +593,7 @@ def test_group_exp_avg_mask_becomes_onebit_exp_avg_mask():
     opt, _ = _build({"type": "OneBitAdam", "params": {"freeze_step": 2}}, groups)
     assert "exp_avg_mask" not in opt.param_groups[0]
     _train(model, opt, 5)
-    exp_avg = opt.state[weight]["exp_avg"]
+    exp_avg = opt.state_dict()["state"][0]["exp_avg"]  # packed: unpacked here
     assert torch.all(exp_avg[:, 1:3] == 0) and torch.all(exp_avg[:, 0] != 0)
     groups[0]["exp_avg_mask"] = torch.ones(3)
     with pytest.raises(ValueError, match="does not broadcast"):

@@ -256,7 +256,7 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
        g = grad * inv (if use_inv) or grad
        m = dense[i] if dense, else +-mscales[c] from bit i of the packed momentum (row i / chunk
            of mbits, rows stride bytes apart), times the mask where masks[r] is the address of
-           the run's mask at `start` (masks NULL or masks[r] 0: none)
+           the run's 0/1 byte mask at `start` (masks NULL or masks[r] 0: none)
        y = lerp(m, g, w) * post[r] + e[i]   (post = NULL: * 1.0f, which changes nothing; e = NULL:
                                          + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
@@ -264,7 +264,7 @@ typedef struct {
     const float *g;     /* the run's gradient, from its start, or NULL */
     const float *dense; /* fp32 momentum, or NULL */
     const uint8_t *row; /* packed: the sign of element i is bit i % 8 of row[i / 8] */
-    const float *mask;  /* packed: the run's mask (exp_avg_mask), from its start, or NULL */
+    const uint8_t *mask; /* packed: the run's 0/1 mask (exp_avg_mask), from its start, or NULL */
     float s, ns;        /* packed: the momentum's scale and -1 * it */
     float post;         /* the run's factor after the lerp (1-bit LAMB's momentum scaling) */
     int pad;
@@ -279,7 +279,7 @@ KERNEL INLINE Source run_source(const int64_t *runs, int64_t r, const int64_t *g
     if (!dense && !x.pad) {
         int64_t j = runs[4 * r] / chunk;
         x.row = mbits + j * stride - j * (chunk / 8);
-        x.mask = masks ? (const float *)(intptr_t)masks[r] : NULL;
+        x.mask = masks ? (const uint8_t *)(intptr_t)masks[r] : NULL;
         x.s = mscales[runs[4 * r + 3]];
         x.ns = x.s * -1.0f;
     }
@@ -297,12 +297,18 @@ KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int 
     if (x->pad) return 0.0f + ei;
     float g = x->g ? (use_inv ? x->g[k] * inv : x->g[k]) : 0.0f;
     float m = x->dense ? x->dense[i] : ((x->row[i >> 3] >> (i & 7)) & 1 ? x->s : x->ns);
-    if (x->mask) m = m * x->mask[k];
+    if (x->mask) m = m * (float)x->mask[k];
     return lerp_one(m, g, w) * x->post + ei;
 }
 
 KERNEL INLINE __m256 signed_byte(uint8_t byte, __m256 vs, __m256 vns) {
     return _mm256_blendv_ps(vns, vs, _mm256_load_ps((const float *)&SELECT[byte]));
+}
+
+/* 8 bytes of a 0/1 mask as floats. */
+KERNEL INLINE __m256 mask_vec(const uint8_t *mask) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)mask);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
 }
 
 KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int use_inv, float w,
@@ -316,7 +322,7 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
     }
     __m256 m = x->dense ? _mm256_loadu_ps(x->dense + i)
                         : signed_byte(x->row[i >> 3], _mm256_set1_ps(x->s), _mm256_set1_ps(x->ns));
-    if (x->mask) m = _mm256_mul_ps(m, _mm256_loadu_ps(x->mask + k));
+    if (x->mask) m = _mm256_mul_ps(m, mask_vec(x->mask + k));
     int small = __builtin_fabsf(w) < 0.5f;
     __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
     __m256 y = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g);
@@ -492,7 +498,7 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
         int64_t start = runs[4 * r], end = runs[4 * r + 1];
         Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, masks, NULL);
         if (x.pad) continue;
-        const float *mask = x.mask;
+        const uint8_t *mask = x.mask;
         float *p = (float *)(intptr_t)params[r];
         const float d = decay[r], v = value[r];
         const __m256 vs = _mm256_set1_ps(x.s), vns = _mm256_set1_ps(x.ns);
@@ -501,7 +507,7 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
             float t = d != 1.0f ? p[i - start] * d : p[i - start];
             float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
-            if (mask) m = m * mask[i - start];
+            if (mask) m = m * (float)mask[i - start];
             p[i - start] = t + (v * m) / denom[i];
         }
         for (; i + 8 <= end; i += 8) {
@@ -510,14 +516,14 @@ KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *p
             __m256 t = _mm256_loadu_ps(p + i - start);
             if (d != 1.0f) t = _mm256_mul_ps(t, vd);
             __m256 m = signed_byte(x.row[i >> 3], vs, vns);
-            if (mask) m = _mm256_mul_ps(m, _mm256_loadu_ps(mask + i - start));
+            if (mask) m = _mm256_mul_ps(m, mask_vec(mask + i - start));
             __m256 u = _mm256_div_ps(_mm256_mul_ps(vv, m), _mm256_loadu_ps(denom + i));
             _mm256_storeu_ps(p + i - start, _mm256_add_ps(t, u));
         }
         for (; i < end; i++) {
             float t = d != 1.0f ? p[i - start] * d : p[i - start];
             float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
-            if (mask) m = m * mask[i - start];
+            if (mask) m = m * (float)mask[i - start];
             p[i - start] = t + (v * m) / denom[i];
         }
     }

@@ -1610,8 +1610,9 @@ def _check_parameters(params: list[Tensor]) -> None:
 
 
 def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tuple[int, Tensor]]:
-    """Validate ``exp_avg_mask``; return ``(offset in the flat buffers, flat fp32 mask)``, each
-    mask in the flat buffers' order."""
+    """Validate ``exp_avg_mask``; return ``(offset in the flat buffers, flat uint8 mask)``, each
+    mask in the flat buffers' order (a byte per entry: multiplying by it is multiplying by 0.0
+    or 1.0)."""
     where = {id(p): i for i, p in enumerate(layout.params)}
     checked = []
     for p, mask in masks.items():
@@ -1622,7 +1623,11 @@ def _check_masks(masks: Mapping[Tensor, Tensor], layout: FlatLayout) -> list[tup
                 f"exp_avg_mask of shape {tuple(getattr(mask, 'shape', ()))} for a parameter of "
                 f"shape {tuple(p.shape)}"
             )
+        mask = mask.detach()
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("exp_avg_mask must hold only 0s and 1s: each momentum entry is kept "
+                             "or zeroed")  # fmt: skip
         i = where[id(p)]
-        flat = layout.flat(i, mask.detach().to(device=p.device, dtype=torch.float32))
+        flat = layout.flat(i, mask.to(device=p.device, dtype=torch.uint8))
         checked.append((layout.offsets[i], flat))
     return sorted(checked, key=lambda item: item[0])

@@ -39,8 +39,9 @@ class PackedMomentum:
     """Momentum that is ``±scale`` per element: ``bits`` ``uint8 [rows, chunk // 8]`` (rows may
     be strided, as in a gathered message; bit ``i % 8`` of byte ``(i % chunk) // 8`` of row
     ``i // chunk`` is element ``i``'s sign) and ``scales`` fp32, indexed by the runs' columns;
-    times a mask where ``masks`` (int64 per parameter: the address of its fp32 ``exp_avg_mask``
-    in the flat buffers' order, 0 for none) has one (backends with ``packs_masked_momentum``)."""
+    times a mask where ``masks`` (int64 per parameter: the address of its ``exp_avg_mask``, 0/1
+    bytes in the flat buffers' order, 0 for none) has one (backends with
+    ``packs_masked_momentum``)."""
 
     bits: Tensor
     scales: Tensor
@@ -113,11 +114,13 @@ class BucketRuns:
             )
         return self.device_tables[key]
 
-    def addresses(self, bases: Tensor) -> Tensor:
+    def addresses(self, bases: Tensor, itemsize: int = 4) -> Tensor:
         """Per run, the address of its first element given each parameter's base address in
-        ``bases`` (int64; 0 for a missing tensor, which stays 0), on the CPU."""
+        ``bases`` (int64; 0 for a missing tensor, which stays 0) of ``itemsize``-byte elements
+        (fp32; a mask's 1), on the CPU."""
         base = bases.cpu().numpy()[self._params]
-        return torch.from_numpy(np.where(self._padding | (base == 0), 0, base + self._offsets))
+        first = base + self._offsets // 4 * itemsize
+        return torch.from_numpy(np.where(self._padding | (base == 0), 0, first))
 
 
 @dataclass

@@ -258,7 +258,7 @@ def _momentum(m: Tensor | PackedMomentum, runs: BucketRuns) -> tuple[tuple, Tens
     point into (to be kept alive while the kernel runs)."""
     if not isinstance(m, PackedMomentum):
         return (m.data_ptr(), 0, 0, 1, 0, 0), None
-    masks = None if m.masks is None else runs.addresses(m.masks)
+    masks = None if m.masks is None else runs.addresses(m.masks, itemsize=1)
     pointer = 0 if masks is None else masks.data_ptr()
     return (0, m.bits.data_ptr(), m.bits.stride(0), m.chunk, m.scales.data_ptr(), pointer), masks
 

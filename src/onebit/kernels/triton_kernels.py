@@ -243,11 +243,14 @@ def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, pres
 def _masked(m, masks, param, run_offsets, run_starts, run, start, local, present,
             MASKED: tl.constexpr):  # fmt: skip
     """``m`` times each element's ``exp_avg_mask`` where ``MASKED``, read in place through its
-    run's mask (:func:`_run_pointers` of ``masks``; 1 for a parameter without one)."""
+    run's mask of 0/1 bytes (as :func:`_run_pointers` reads fp32: ``masks[param]`` is its
+    address, 0 for a parameter without one, whose elements take 1)."""
     if MASKED:
-        at, readable = _run_pointers(masks, param, run_offsets, run_starts, run, start, local,
-                                     present)  # fmt: skip
-        m = m * tl.load(at, mask=readable, other=1.0)
+        base = tl.load(masks + param, mask=present, other=0)
+        first = base + tl.load(run_offsets + run, mask=present, other=0) // 4
+        into = (start - tl.load(run_starts + run, mask=present, other=0)).to(tl.int32) + local
+        at = first.to(tl.pointer_type(tl.uint8)) + into
+        m = m * tl.load(at, mask=present & (base != 0), other=1).to(tl.float32)
     return m
 
 
