@@ -212,7 +212,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CompressedOptimizer:
         self = super().__new__(cls)
-        self._constructor_options = dict(kwargs)  # for rehearsal.rehearse's copy
+        # For rehearsal.rehearse's copy; not the masks, which it makes anew (they would be kept).
+        self._constructor_options = {k: v for k, v in kwargs.items() if k != "exp_avg_mask"}
         return self
 
     def __init__(

@@ -65,7 +65,7 @@ def rehearse(optimizer: CompressedOptimizer) -> None:
         **type(optimizer)._rehearsal_options,
         "process_group": optimizer.process_group,
     }
-    if options.get("exp_avg_mask"):
+    if optimizer._masks:
         options["exp_avg_mask"] = {first: torch.ones_like(first)}
     copy = type(optimizer)(groups, **options)
     copy._compiles_ahead = False
