@@ -52,7 +52,9 @@ class OnebitAdam(CompressedOptimizer):
             implementation). Each scale costs 4 bytes per message.
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter.
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
-            (unused embedding rows, say) at zero in the compression stage.
+            (unused embedding rows, say) at zero in the compression stage. Masks other than
+            0s and 1s raise ``ValueError``; they are kept as bytes, and the packed momentum
+            below applies with them (the passes read each entry's mask).
         max_grad_norm: clip gradients to this global norm (``None``: no clipping). Use it
             instead of ``torch.nn.utils.clip_grad_norm_``, which would clip each rank's local
             gradient. In warmup it clips the averaged gradient exactly as DDP +
@@ -110,8 +112,7 @@ class OnebitAdam(CompressedOptimizer):
       once) and ``exp_avg``;
     * on the fused path (fp32 parameters, contiguous or not (``channels_last``: the flat buffers
       follow each parameter's memory order), with the C kernels on the CPU or the Triton
-      kernels on CUDA, a scale per tensor, no ``exp_avg_mask``, nor ``overlap_backward`` with
-      ``max_grad_norm``),
+      kernels on CUDA, a scale per tensor, not ``overlap_backward`` with ``max_grad_norm``),
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
       buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then
