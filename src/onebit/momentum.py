@@ -44,7 +44,7 @@ def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
 
     Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), where the
     parameters are not fp32 (the passes update them in place as fp32), or ``masked`` on a
-    backend whose passes do not read masks (``packs_masked_momentum``: the C kernels do, a
+    backend whose passes do not read masks (``packs_masked_momentum``: the C and Triton kernels do, a
     masked momentum being ``±σ·mask``); nor, as the optimizer checks, with ``overlap_backward``
     and ``max_grad_norm`` together (the buckets leave before the rank's norm is known, so the
     result is clipped, and is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model
@@ -81,7 +81,7 @@ class PackedMomentumStage:
             the results become the momentum only at :meth:`install`; at the first applied step
             the worker errors are committed there too, into the fp32 momentum's storage once
             it has been read (so the step holds no second model-sized buffer).
-        masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat fp32
+        masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat 0/1 uint8
             mask)`` per masked parameter: the momentum is then the allreduce's result times the
             mask, which the passes read where they read the packed momentum.
 
