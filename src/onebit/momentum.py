@@ -44,12 +44,13 @@ def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
 
     Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), where the
     parameters are not fp32 (the passes update them in place as fp32), or ``masked`` on a
-    backend whose passes do not read masks (``packs_masked_momentum``: the C and Triton kernels do, a
-    masked momentum being ``±σ·mask``); nor, as the optimizer checks, with ``overlap_backward``
-    and ``max_grad_norm`` together (the buckets leave before the rank's norm is known, so the
-    result is clipped, and is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model
-    sizes for 1-bit Adam. Parameters that are not contiguous but fill their memory
-    (``channels_last``, a transpose) are packed: the flat layout follows their memory order."""
+    backend whose passes do not read masks (``packs_masked_momentum``: the C and Triton kernels
+    do, a masked momentum being ``±σ·mask``); nor, as the optimizer checks, with
+    ``overlap_backward`` and ``max_grad_norm`` together (the buckets leave before the rank's
+    norm is known, so the result is clipped, and is no longer ``±σ``). Those keep an fp32
+    momentum: 4 + 1/n model sizes for 1-bit Adam. Parameters that are not contiguous but fill
+    their memory (``channels_last``, a transpose) are packed: the flat layout follows their
+    memory order."""
     if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout):
         return False
     return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum
