@@ -110,11 +110,36 @@ def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error(packing):
     assert torch.equal(m[:numel], want_error[:numel])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients_give_the_bits_of_their_fp32_values(packing, dtype):
+    """bf16 and fp16 gradients read in place: the signs, scales and error of the same values
+    in fp32 (which the test above checks against the torch formulation)."""
+    gen = torch.Generator().manual_seed(5)
+    geometry, runs, grads, numel, padded = _bucket(3, gen)
+    low = [g.to(dtype) for g in grads]
+    momentum, _ = _packed(geometry, 3, padded, gen)
+    error = torch.randn(padded, generator=gen) * 0.1
+    results = []
+    for given, kind in ((low, dtype), ([g.float() for g in low], torch.float32)):
+        addresses, e = _addresses(runs, given), error.clone()
+        bits = torch.empty(padded // 8, dtype=torch.uint8)
+        scales = fused.signs(runs, addresses, 2.0**-7, momentum, 0.1, e, bits, dtype=kind)
+        fused.commit(runs, addresses, 2.0**-7, momentum, 0.1, e, scales, out=e, dtype=kind)
+        results.append((bits, scales, e))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_update_matches_adamw_update(packing, world, weight_decay):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_update_matches_adamw_update(packing, world, weight_decay, dtype):
+    """Parameters in fp32, bf16 or fp16, each result rounded to their dtype as torch rounds it:
+    ``_foreach_mul_`` takes its factor in the parameters' dtype on the CPU (the C kernels), in
+    fp32 on CUDA (Triton)."""
     gen = torch.Generator().manual_seed(world)
     geometry, runs, params, numel, padded = _bucket(world, gen)
+    params = [p.to(dtype) for p in params]
     momentum, m = _packed(geometry, world, padded, gen)
     denominator = torch.rand(numel, generator=gen) + 1e-3
     lrs = [1e-3 * (1 + i) for i in range(len(SIZES))]  # a "param group" per tensor
@@ -123,14 +148,18 @@ def test_update_matches_adamw_update(packing, world, weight_decay):
     ms = list(m[:numel].split(SIZES))
     denoms = list(denominator.split(SIZES))
     for i, lr in enumerate(lrs):
-        if weight_decay:
+        if weight_decay and packing == "c":
             torch._foreach_mul_(want[i : i + 1], 1 - lr * weight_decay)
+        elif weight_decay:
+            factor = torch.tensor(1 - lr * weight_decay)  # fp32, as CUDA's foreach takes it
+            want[i].copy_(want[i].float() * factor)
         torch._foreach_addcdiv_(want[i : i + 1], ms[i : i + 1], denoms[i : i + 1],
                                 value=-lr * step_scale)  # fmt: skip
 
     decay = torch.tensor([1 - lr * weight_decay for lr in lrs], dtype=torch.float32)
     value = torch.tensor([-lr * step_scale for lr in lrs], dtype=torch.float32)
-    fused.update(runs, _addresses(runs, params), momentum, denominator, decay, value)
+    addresses = _addresses(runs, params)
+    fused.update(runs, addresses, momentum, denominator, decay, value, dtype)
     for p, q in zip(params, want):
         assert torch.equal(p, q)
 

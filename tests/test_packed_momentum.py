@@ -54,7 +54,7 @@ def _optimizer(
     ]
     saved = momentum.applies
     if not fused:
-        momentum.applies = lambda *args: False
+        momentum.applies = lambda *args, **kwargs: False
     try:
         opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64, **options)
     finally:
@@ -69,7 +69,7 @@ def _steps(model, opt, scaler, rank: int, start: int, stop: int) -> list[list[to
     history = []
     for t in range(start, stop):
         gen = torch.Generator().manual_seed(100 * t + rank)
-        x, y = torch.randn(16, 7, generator=gen), torch.randn(16, 3, generator=gen)
+        x, y = (torch.randn(16, n, generator=gen).to(model[0].weight) for n in (7, 3))
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         if t == 5:
@@ -82,8 +82,8 @@ def _steps(model, opt, scaler, rank: int, start: int, stop: int) -> list[list[to
     return history
 
 
-def _scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=2)
+def _scaler(device: str = "cpu") -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(device, init_scale=2.0**7, growth_interval=2)
 
 
 def _masks(model: torch.nn.Module) -> dict[str, dict]:
@@ -100,7 +100,8 @@ def _masks(model: torch.nn.Module) -> dict[str, dict]:
 def _run(rank, world_size, name, fused, resume_fused, options=None):
     options = dict(options or {})
     strided, masked = options.pop("strided", False), options.pop("masked", False)
-    model = _model(strided)
+    dtype = options.pop("dtype", torch.float32)
+    model = _model(strided).to(dtype)
     opt = _optimizer(model, fused, name, **options, **(_masks(model) if masked else {}))
     scaler = _scaler()
     history = _steps(model, opt, scaler, rank, 0, 5)
@@ -118,7 +119,7 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
 
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
-    model2 = _model(strided)
+    model2 = _model(strided).to(dtype)
     model2.load_state_dict(checkpoint["model"])
     opt2 = _optimizer(model2, resume_fused, name, **options, **(_masks(model2) if masked else {}))
     scaler2 = _scaler()
@@ -135,15 +136,19 @@ LOOPS = {
     "max_grad_norm": {"max_grad_norm": 0.05},
     "channels_last": {"strided": True},
     "exp_avg_mask": {"masked": True},
+    "bf16": {"dtype": torch.bfloat16},
+    "fp16": {"dtype": torch.float16},
 }
 """The loops the packed momentum is checked in, as the optimizer's options. With
 ``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by;
 ``strided`` and ``masked`` (not options: :func:`_run` reads them) step :func:`_model`'s strided
 parameters, which the flat buffers hold in memory order, and give it :func:`_masks` (1-bit Adam
-only: 1-bit LAMB keeps a masked momentum in fp32)."""
+only: 1-bit LAMB keeps a masked momentum in fp32); ``dtype``: the model in bf16 or fp16, its
+gradients read and its parameters updated in that dtype (1-bit Adam only)."""
 
 CASES = [(name, loop) for name in STATE for loop in LOOPS]
-CASES.remove(("OnebitLamb", "exp_avg_mask"))
+for unpacked in ("exp_avg_mask", "bf16", "fp16"):
+    CASES.remove(("OnebitLamb", unpacked))
 
 
 @pytest.mark.parametrize("name,loop", CASES)
@@ -210,6 +215,21 @@ def _two_runs(name, change=None, reload_at=None) -> list[list[torch.Tensor]]:
 def test_a_warmup_state_reloaded_stays_a_warmup_state(name):
     fused, unfused = _two_runs(name, reload_at=0)  # an all-zero momentum is not a packed one
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_on_cuda_take_the_unfused_bits(dtype):
+    """On a GPU the Triton passes read bf16 and fp16 gradients and update the parameters in
+    their dtype as CUDA's ops round them: through AMP, weight decay, a missing gradient and a
+    skipped step, the unfused path's bits."""
+    runs = []
+    for fused in (True, False):
+        model = _model().to("cuda", dtype)
+        opt = _optimizer(model, fused)
+        runs.append(_steps(model, opt, _scaler("cuda"), 0, 0, STEPS))
+    for t, (got, expected) in enumerate(zip(*runs)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
 
 
 def test_1bit_lamb_keeps_a_masked_momentum_in_fp32():
@@ -294,7 +314,7 @@ def _run_triton(
     [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
     + [(name, 3, "max_grad_norm") for name in STATE]
     + [(name, 1, "channels_last") for name in STATE]
-    + [("OnebitAdam", 3, "exp_avg_mask")],
+    + [("OnebitAdam", 3, "exp_avg_mask"), ("OnebitAdam", 1, "bf16"), ("OnebitAdam", 3, "fp16")],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
@@ -302,8 +322,9 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
     and both errors, through AMP, a missing gradient, a skipped step and a resume (1-bit LAMB
     keeps its last momentum until its step has read it); with ``max_grad_norm``, the clipping
     coefficient the passes load from the device; with ``channels_last``, parameters addressed in
-    memory order, and with ``exp_avg_mask`` the masks the passes read (the C kernels' test above
-    checks those against the unfused path)."""
+    memory order, with ``exp_avg_mask`` the masks the passes read, and in bf16 and fp16 the
+    gradients and parameters read and rounded in their dtype (the C kernels' test above checks
+    those against the unfused path)."""
     args = (world_size, name, "signs")
     whole = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
     per_bucket = run_ranks(_run_triton, *args, "stage", LOOPS[loop], timeout=600)

@@ -5,8 +5,9 @@
 #include <stdint.h>
 #include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 
-#define KERNEL __attribute__((target("avx2,fma")))
+#define KERNEL __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 #define BLOCK 4096
 
@@ -20,7 +21,8 @@ __attribute__((constructor)) static void fill_select(void) {
 
 int ob_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 }
 
 KERNEL INLINE __m256 sum_step(__m256 acc, __m256 v, int mean_abs) {
@@ -249,10 +251,85 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
     }
 }
 
+/* The element types of the tensors the fused passes read and update in place (gradients,
+   parameters): dtype F32, BF16 or F16. Loads are exact; a value stored is rounded to nearest,
+   ties to even, as torch rounds a float it stores (a bf16 NaN as torch's scalar 0x7FC0). */
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+KERNEL INLINE float load_one(const void *p, int64_t k, int dtype) {
+    if (dtype == F32) return ((const float *)p)[k];
+    uint16_t h = ((const uint16_t *)p)[k];
+    if (dtype == F16) return _cvtsh_ss(h);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+KERNEL INLINE __m256 load_vec(const void *p, int64_t k, int dtype) {
+    if (dtype == F32) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    if (dtype == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+KERNEL INLINE uint16_t bf16_one(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* 8 fp32 as bf16 bits, in the low halves of the 32-bit lanes. */
+KERNEL INLINE __m256i bf16_vec(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb),
+                                                   _mm256_set1_epi32(0x7FFF)), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+/* f rounded to dtype, as fp32. */
+KERNEL INLINE float round_one(float f, int dtype) {
+    if (dtype == F32) return f;
+    if (dtype == F16) return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+    uint32_t u = (uint32_t)bf16_one(f) << 16;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+KERNEL INLINE __m256 round_vec(__m256 v, int dtype) {
+    if (dtype == F32) return v;
+    if (dtype == F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_vec(v), 16));
+}
+
+KERNEL INLINE void store_one(void *p, int64_t k, float f, int dtype) {
+    if (dtype == F32)
+        ((float *)p)[k] = f;
+    else
+        ((uint16_t *)p)[k] = dtype == F16 ? _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT) : bf16_one(f);
+}
+
+KERNEL INLINE void store_vec(void *p, int64_t k, __m256 v, int dtype) {
+    if (dtype == F32) {
+        _mm256_storeu_ps((float *)p + k, v);
+        return;
+    }
+    __m128i h;
+    if (dtype == F16) {
+        h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        __m256i b = bf16_vec(v);
+        h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + k), h);
+}
+
 /* The fused passes of a 1-bit Adam compression step (onebit/fused.py). A bucket is walked in
    runs, in order: runs[4r..4r+3] = start, end (bucket positions), segment q, momentum column c;
-   grads[r] is the address of the gradient element at `start` (0: no gradient, zeros). Element i
-   of a run computes, as torch does (torch.lerp is an FMA):
+   grads[r] is the address of the gradient element at `start` (0: no gradient, zeros), of type
+   dtype (the parameters'). Element i of a run computes, as torch does (torch.lerp is an FMA):
        g = grad * inv (if use_inv) or grad
        m = dense[i] if dense, else +-mscales[c] from bit i of the packed momentum (row i / chunk
            of mbits, rows stride bytes apart), times the mask where masks[r] is the address of
@@ -261,7 +338,8 @@ KERNEL void ob_decompress_pieces(const uint8_t *packed, int64_t stride, const fl
                                          + 0.0f)
    A run with c < 0 is padding: y = 0.0f + e[i]. */
 typedef struct {
-    const float *g;     /* the run's gradient, from its start, or NULL */
+    const void *g;      /* the run's gradient, from its start (of type dtype), or NULL */
+    int dtype;
     const float *dense; /* fp32 momentum, or NULL */
     const uint8_t *row; /* packed: the sign of element i is bit i % 8 of row[i / 8] */
     const uint8_t *mask; /* packed: the run's 0/1 mask (exp_avg_mask), from its start, or NULL */
@@ -273,8 +351,8 @@ typedef struct {
 KERNEL INLINE Source run_source(const int64_t *runs, int64_t r, const int64_t *grads,
                                 const float *dense, const uint8_t *mbits, int64_t stride,
                                 int64_t chunk, const float *mscales, const int64_t *masks,
-                                const float *post) {
-    Source x = {(const float *)(intptr_t)grads[r], dense, NULL, NULL, 0.0f, 0.0f,
+                                const float *post, int dtype) {
+    Source x = {(const void *)(intptr_t)grads[r], dtype, dense, NULL, NULL, 0.0f, 0.0f,
                 post ? post[r] : 1.0f, runs[4 * r + 3] < 0};
     if (!dense && !x.pad) {
         int64_t j = runs[4 * r] / chunk;
@@ -295,7 +373,8 @@ KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int 
                           const float *e) {
     float ei = e ? e[i] : 0.0f;
     if (x->pad) return 0.0f + ei;
-    float g = x->g ? (use_inv ? x->g[k] * inv : x->g[k]) : 0.0f;
+    float g = x->g ? load_one(x->g, k, x->dtype) : 0.0f;
+    if (x->g && use_inv) g = g * inv;
     float m = x->dense ? x->dense[i] : ((x->row[i >> 3] >> (i & 7)) & 1 ? x->s : x->ns);
     if (x->mask) m = m * (float)x->mask[k];
     return lerp_one(m, g, w) * x->post + ei;
@@ -317,7 +396,7 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
     if (x->pad) return _mm256_add_ps(_mm256_setzero_ps(), ev);
     __m256 g = _mm256_setzero_ps();
     if (x->g) {
-        g = _mm256_loadu_ps(x->g + k);
+        g = load_vec(x->g, k, x->dtype);
         if (use_inv) g = _mm256_mul_ps(g, _mm256_set1_ps(inv));
     }
     __m256 m = x->dense ? _mm256_loadu_ps(x->dense + i)
@@ -338,12 +417,12 @@ typedef struct {
 } Fast;
 
 KERNEL INLINE int fast_run(const Source *x, const float *e) {
-    return !x->pad && x->g && x->row && !x->mask && e;
+    return !x->pad && x->g && x->dtype == F32 && x->row && !x->mask && e;
 }
 
 KERNEL INLINE Fast fast_of(const Source *x, int64_t start, float inv, int use_inv, float w,
                            const float *e) {
-    Fast f = {x->g - start, e, x->row, _mm256_set1_ps(use_inv ? inv : 1.0f), _mm256_set1_ps(x->s),
+    Fast f = {(const float *)x->g - start, e, x->row, _mm256_set1_ps(use_inv ? inv : 1.0f), _mm256_set1_ps(x->s),
               _mm256_set1_ps(x->ns), _mm256_set1_ps(__builtin_fabsf(w) < 0.5f ? w : w - 1.0f),
               _mm256_set1_ps(x->post)};
     return f;
@@ -417,7 +496,7 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
                            int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
                            int64_t chunk, const float *mscales, const int64_t *masks, float w,
                            const float *post, const float *e, uint8_t *restrict bits,
-                           int mean_abs, double *totals, int64_t nseg) {
+                           int mean_abs, double *totals, int64_t nseg, int dtype) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
     Sum sum;
@@ -425,7 +504,8 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
     int64_t current = -1;
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post,
+                              dtype);
         if (q != current) {
             if (current >= 0) {
                 sum_flush(&sum);
@@ -459,11 +539,12 @@ KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *g
                             int use_inv, const float *dense, const uint8_t *mbits,
                             int64_t stride, int64_t chunk, const float *mscales,
                             const int64_t *masks, float w, const float *post, const float *e,
-                            const float *scales, float *e_out) {
+                            const float *scales, float *e_out, int dtype) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
-        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post);
+        Source x = run_source(runs, r, grads, dense, mbits, stride, chunk, mscales, masks, post,
+                              dtype);
         const float sq = scales[q], nsq = sq * -1.0f;
         const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
         int64_t i = start;
@@ -487,45 +568,47 @@ KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *g
 }
 
 /* Pass 3, AdamW's update from the new packed momentum: per run r (parameter element at address
-   params[r]), p = p * decay[r] (skipped when it is 1) then p = p + (value[r] * m) / denom[i],
-   as torch._foreach_mul_ and _foreach_addcdiv_ compute it, m masked as in pass 1. Padding runs
-   (c < 0) are skipped. */
+   params[r], of type dtype), p = p * decay[r] (skipped when it is 1) then
+   p = p + (value[r] * m) / denom[i], as torch._foreach_mul_ and _foreach_addcdiv_ compute it:
+   in fp32, each result rounded to dtype. m is masked as in pass 1; padding runs (c < 0) are
+   skipped. */
 KERNEL void ob_fused_update(const int64_t *runs, int64_t nruns, const int64_t *params,
                             const uint8_t *mbits, int64_t stride, int64_t chunk,
                             const float *mscales, const int64_t *masks, const float *denom,
-                            const float *decay, const float *value) {
+                            const float *decay, const float *value, int dtype) {
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1];
-        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, masks, NULL);
+        Source x = run_source(runs, r, params, NULL, mbits, stride, chunk, mscales, masks, NULL,
+                              dtype);
         if (x.pad) continue;
         const uint8_t *mask = x.mask;
-        float *p = (float *)(intptr_t)params[r];
+        char *p = (char *)(intptr_t)params[r];
+        const int64_t size = dtype == F32 ? 4 : 2;
         const float d = decay[r], v = value[r];
         const __m256 vs = _mm256_set1_ps(x.s), vns = _mm256_set1_ps(x.ns);
         const __m256 vd = _mm256_set1_ps(d), vv = _mm256_set1_ps(v);
         int64_t i = start;
-        for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float t = d != 1.0f ? p[i - start] * d : p[i - start];
-            float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
-            if (mask) m = m * (float)mask[i - start];
-            p[i - start] = t + (v * m) / denom[i];
-        }
+#define UPDATE_ONE(i)                                                                      \
+    {                                                                                      \
+        float t = load_one(p, (i) - start, dtype);                                         \
+        if (d != 1.0f) t = round_one(t * d, dtype);                                        \
+        float m = (x.row[(i) >> 3] >> ((i) & 7)) & 1 ? x.s : x.ns;                         \
+        if (mask) m = m * (float)mask[(i) - start];                                        \
+        store_one(p, (i) - start, t + (v * m) / denom[i], dtype);                          \
+    }
+        for (; i < end && ((i & 7) || i + 8 > end); i++) UPDATE_ONE(i)
         for (; i + 8 <= end; i += 8) {
-            ahead(p + i - start);
+            ahead((const float *)(p + (i - start) * size));
             ahead(denom + i);
-            __m256 t = _mm256_loadu_ps(p + i - start);
-            if (d != 1.0f) t = _mm256_mul_ps(t, vd);
+            __m256 t = load_vec(p, i - start, dtype);
+            if (d != 1.0f) t = round_vec(_mm256_mul_ps(t, vd), dtype);
             __m256 m = signed_byte(x.row[i >> 3], vs, vns);
             if (mask) m = _mm256_mul_ps(m, mask_vec(mask + i - start));
             __m256 u = _mm256_div_ps(_mm256_mul_ps(vv, m), _mm256_loadu_ps(denom + i));
-            _mm256_storeu_ps(p + i - start, _mm256_add_ps(t, u));
+            store_vec(p, i - start, _mm256_add_ps(t, u), dtype);
         }
-        for (; i < end; i++) {
-            float t = d != 1.0f ? p[i - start] * d : p[i - start];
-            float m = (x.row[i >> 3] >> (i & 7)) & 1 ? x.s : x.ns;
-            if (mask) m = m * (float)mask[i - start];
-            p[i - start] = t + (v * m) / denom[i];
-        }
+        for (; i < end; i++) UPDATE_ONE(i)
+#undef UPDATE_ONE
     }
 }
 

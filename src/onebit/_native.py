@@ -93,11 +93,11 @@ def _load() -> ctypes.CDLL | None:
     lib.ob_decompress_pieces.restype = None
     momentum = [ptr, ptr, i64, i64, ptr, ptr]  # dense, packed bits, stride, chunk, scales, masks
     y = [ptr, i64, ptr, f32, ctypes.c_int, *momentum, f32, ptr, ptr]  # ... weight, post, error
-    lib.ob_fused_signs.argtypes = [*y, ptr, ctypes.c_int, ptr, i64]
+    lib.ob_fused_signs.argtypes = [*y, ptr, ctypes.c_int, ptr, i64, ctypes.c_int]  # ..., dtype
     lib.ob_fused_signs.restype = None
-    lib.ob_fused_commit.argtypes = [*y, ptr, ptr]
+    lib.ob_fused_commit.argtypes = [*y, ptr, ptr, ctypes.c_int]
     lib.ob_fused_commit.restype = None
-    lib.ob_fused_update.argtypes = [ptr, i64, ptr, *momentum[1:], ptr, ptr, ptr]
+    lib.ob_fused_update.argtypes = [ptr, i64, ptr, *momentum[1:], ptr, ptr, ptr, ctypes.c_int]
     lib.ob_fused_update.restype = None
     served = [ptr, i64, ptr, i64, i64, ptr, i64]  # packed, stride, scales, ncols, k, pieces, count
     lib.ob_serve_store.argtypes = [*served, ptr, ptr, ptr, ctypes.c_int, ptr]

@@ -205,9 +205,10 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
         # A masked momentum is not packed here: the fresh variance reads the unmasked result.
-        if not self._masks and momentum.applies(self.layout, self.scale_per):
+        fp32 = (torch.float32,)  # its update after the allreduce writes fp32 parameters
+        if not self._masks and momentum.applies(self.layout, self.scale_per, dtypes=fp32):
             self._fused = momentum.PackedMomentumStage(
-                self.layout, self.comms, self._exp_avg, keeps_last=True
+                self.layout, self.comms, self._exp_avg, keeps_last=True, dtypes=fp32
             )
 
     def _settings(self) -> dict[str, Any]:

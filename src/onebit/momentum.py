@@ -14,9 +14,10 @@ fresh variance, 8). With the errors kept in bf16 (the communicators' ``error_dty
 error gets a buffer of its own (2 bytes) and the fp32 momentum's storage is released while the
 momentum is packed: 2 + 2/n bytes for both errors.
 
-It applies to fp32 parameters whose backend has the fused passes (the C kernels on the CPU,
-Triton on CUDA), a scale per tensor and no ``exp_avg_mask`` (:func:`applies`); elsewhere the
-optimizers run the unfused formulation, which gives the same bits. ``max_grad_norm`` costs it
+It applies to parameters of one dtype (fp32; bf16 or fp16 for 1-bit Adam) whose backend has
+the fused passes (the C kernels on the CPU, Triton on CUDA) and a scale per tensor
+(:func:`applies`); elsewhere the optimizers run the unfused formulation, which gives the same
+bits. ``max_grad_norm`` costs it
 nothing: each rank clips its own gradient before it is sent, by a factor the passes multiply
 the gradient by with the inverse loss scale, so the momentum stays what the allreduce returned.
 """
@@ -38,32 +39,42 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
+def applies(
+    layout: FlatLayout,
+    scale_per: str,
+    masked: bool = False,
+    dtypes: Sequence[torch.dtype] = fused.DTYPES,
+) -> bool:
     """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps on the
-    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``).
+    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``), all of one of ``dtypes``
+    (fp32, bf16 or fp16: the passes read a low-precision gradient and update a parameter in
+    place, rounding as torch's ops do).
 
-    Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), where the
-    parameters are not fp32 (the passes update them in place as fp32), or ``masked`` on a
-    backend whose passes do not read masks (``packs_masked_momentum``: the C and Triton kernels
-    do, a masked momentum being ``±σ·mask``); nor, as the optimizer checks, with
+    Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), with parameters
+    of mixed dtypes, or ``masked`` on a backend whose passes do not read masks
+    (``packs_masked_momentum``: the C and Triton kernels do, a masked momentum being
+    ``±σ·mask``); nor, as the optimizer checks, with
     ``overlap_backward`` and ``max_grad_norm`` together (the buckets leave before the rank's
     norm is known, so the result is clipped, and is no longer ``±σ``). Those keep an fp32
     momentum: 4 + 1/n model sizes for 1-bit Adam. Parameters that are not contiguous but fill
     their memory (``channels_last``, a transpose) are packed: the flat layout follows their
     memory order."""
-    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout):
+    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout, dtypes):
         return False
     return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum
 
 
-def fused_parameters(layout: FlatLayout) -> bool:
+def fused_parameters(layout: FlatLayout, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> bool:
     """Whether the backend of the parameters of ``layout`` has the fused passes and they can
-    update them in place: fp32, in the layout's order (:meth:`~onebit.layout.FlatLayout.
-    in_order`). Checked at every step, since ``model.half()``, ``model.cuda()`` or
-    ``.to(memory_format=...)`` can change it."""
+    update them in place: all of one dtype, one of ``dtypes``, and in the layout's order
+    (:meth:`~onebit.layout.FlatLayout.in_order`). Checked at every step, since
+    ``model.half()``, ``model.cuda()`` or ``.to(memory_format=...)`` can change it."""
     params = layout.params
-    return kernels.for_tensors(*params).packs_momentum and all(
-        p.dtype == torch.float32 and layout.in_order(i, p) for i, p in enumerate(params)
+    dtype = params[0].dtype if params else torch.float32
+    return (
+        kernels.for_tensors(*params).packs_momentum
+        and dtype in dtypes
+        and all(p.dtype == dtype and layout.in_order(i, p) for i, p in enumerate(params))
     )
 
 
@@ -85,6 +96,9 @@ class PackedMomentumStage:
         masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat 0/1 uint8
             mask)`` per masked parameter: the momentum is then the allreduce's result times the
             mask, which the passes read where they read the packed momentum.
+        dtypes: the parameter dtypes the optimizer runs the stage with (:func:`applies`); the
+            optimizer unpacks the momentum once its parameters are of another
+            (:func:`fused_parameters`).
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -99,8 +113,9 @@ class PackedMomentumStage:
         momentum: Tensor,
         keeps_last: bool = False,
         masks: Sequence[tuple[int, Tensor]] = (),
+        dtypes: Sequence[torch.dtype] = fused.DTYPES,
     ) -> None:
-        self.layout, self.comms, self.momentum = layout, comms, momentum
+        self.layout, self.comms, self.momentum, self.dtypes = layout, comms, momentum, dtypes
         self.keeps_last, self.masks = keeps_last, list(masks)
         self._mask_bases: Tensor | None = None  # per parameter, its mask's address (or 0)
         if self.masks:
@@ -122,6 +137,12 @@ class PackedMomentumStage:
         self._scaled: tuple[Tensor, Tensor] | None = None  # see _divided
         self._deferred: dict[int, Callable[[], None]] = {}  # commits that wait for install()
         self._block_pieces: dict[tuple[int, int, int], Tensor] = {}  # see momentum_
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (:func:`fused_parameters`): the passes read the gradients and
+        update the parameters in it."""
+        return self.layout.params[0].dtype
 
     def _source(self, k: int) -> Tensor | fused.PackedMomentum:
         if self.packed is None:
@@ -153,7 +174,7 @@ class PackedMomentumStage:
         call = ModelCall(phase_exchange(self.comms, 1), inputs=inputs, keep=keep)
         with call.exchange.filling() as exchange:
             call.scales = self.passes().signs(*inputs, self.comms[0].scale, headers,
-                                              exchange.message)  # fmt: skip
+                                              exchange.message, self.dtype)  # fmt: skip
         return call
 
     def commit_all(self, call: ModelCall) -> None:
@@ -163,7 +184,7 @@ class PackedMomentumStage:
         (``None``) gives them and :meth:`install` makes them the momentum."""
 
         def commit() -> None:
-            self.passes().commit(*call.inputs, call.scales, self._error_buffer())
+            self.passes().commit(*call.inputs, call.scales, self._error_buffer(), self.dtype)
             for view, comm in zip(self._error_slices, self.comms):
                 if comm._worker_error is not view:
                     comm.worker_error = view
@@ -244,14 +265,15 @@ class PackedMomentumStage:
         weight, post = 1 - beta1, scaling
         error = comm._worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8, device=self.momentum.device)
-        scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post)
+        scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post,
+                             self.dtype)  # fmt: skip
 
         def commit(keep: Sequence[Tensor] = keep) -> None:  # holds keep until it runs
             if error is None:  # the momentum's storage (or the bf16 errors') becomes the error
                 self._error_buffer()
                 comm.worker_error = self._error_slices[k]
             fused.commit(runs, grads, inv_scale, m, weight, error, scales, comm.worker_error,
-                         post)  # fmt: skip
+                         post, self.dtype)  # fmt: skip
 
         if error is None and self.keeps_last:  # the fp32 momentum is read after
             self._deferred[k] = commit
@@ -406,11 +428,11 @@ class PackedMomentumStage:
         decay, value = host.upload_rows([decay, value], device, torch.float32)
         passes = self.passes()
         if passes is not None:
-            passes.update(bases, self._momentum_source(), denominator, decay, value)
+            passes.update(bases, self._momentum_source(), denominator, decay, value, self.dtype)
             return
         for k, (start, end) in enumerate(self.layout.buckets):
             fused.update(self.runs[k], bases, self._source(k), denominator[start:end], decay,
-                         value)  # fmt: skip
+                         value, self.dtype)  # fmt: skip
 
     def materialize(self) -> Tensor:
         """The momentum as a new flat fp32 buffer (``layout.numel``)."""

@@ -33,6 +33,11 @@ from torch import Tensor
 from .. import host
 from .errors import fp32, written
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The parameter dtypes the passes update in place and read the gradients of, in that dtype:
+loaded exactly, computed in fp32 and each stored result rounded to nearest, ties to even, as
+torch's ops round a low-precision result."""
+
 
 @dataclass
 class PackedMomentum:
@@ -179,18 +184,20 @@ def signs(
     out: Tensor,
     scale: str = "rms",
     post: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Pass 1: pack the signs of ``y = lerp(m, g·inv_scale, weight)·post + error`` into ``out``
     (``uint8``, one bit per element of the bucket) and return each segment's scale (fp32).
 
     ``grads`` holds each parameter's gradient address (int64, on ``out``'s device; 0 is a zero
-    gradient: :func:`gradient_addresses`). ``inv_scale`` is a number, or on Triton a 0-dim fp32
-    tensor on the device (the inverse loss scale and clipping coefficient, never read).
+    gradient: :func:`gradient_addresses`), gradients of ``dtype`` (one of :data:`DTYPES`).
+    ``inv_scale`` is a number, or on Triton a 0-dim fp32 tensor on the device (the inverse loss
+    scale and clipping coefficient, never read).
     ``error`` ``None`` is an error of zeros; a bf16 one is read through an fp32 copy. ``post``
     is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
     """
     return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, fp32(error),
-                                        out, scale, post)  # fmt: skip
+                                        out, scale, post, dtype)  # fmt: skip
 
 
 def commit(
@@ -203,6 +210,7 @@ def commit(
     scales: Tensor,
     out: Tensor,
     post: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
@@ -210,7 +218,7 @@ def commit(
     with written(out) as staged:
         error = staged if error is out else fp32(error)
         _backend(out).momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales,
-                                      staged, post)  # fmt: skip
+                                      staged, post, dtype)  # fmt: skip
 
 
 def update(
@@ -220,15 +228,19 @@ def update(
     denominator: Tensor,
     decay: Tensor,
     value: Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Pass 3: per parameter ``i``, ``p = p·decay[i]`` (skipped where it is 1), then
-    ``p = p + (value[i]·m) / denominator`` with ``m = ±σ`` from ``momentum``.
+    ``p = p + (value[i]·m) / denominator`` with ``m = ±σ`` from ``momentum``, each result
+    rounded to the parameters' ``dtype`` (one of :data:`DTYPES`; on the CPU ``decay`` too, as
+    ``torch._foreach_mul_`` rounds its factor there).
 
     ``params`` holds each parameter's address (int64, on ``denominator``'s device),
     ``denominator`` is the bucket's fp32 slice, ``decay`` and ``value`` are fp32 per parameter,
     on the same device.
     """
-    _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value)
+    _backend(denominator).momentum_update(runs, params, momentum, denominator, decay, value,
+                                          dtype)  # fmt: skip
 
 
 def laid_out(t: Tensor, strides: Sequence[int]) -> bool:
@@ -241,10 +253,10 @@ def gradient_addresses(
     params: Sequence[Tensor], strides: Sequence[Sequence[int]]
 ) -> tuple[list[int], list[Tensor], bool]:
     """Each parameter's gradient as the address the fused passes read (upload them with a
-    :class:`~onebit.host.Uploaded`): an fp32 ``.grad`` with the parameter's ``strides`` (its
-    flat layout's, :attr:`~onebit.layout.FlatLayout.strides`) in place, any other through an
-    fp32 copy with them (returned, to be kept alive while the passes run); 0 for no gradient or
-    a sparse one (then also returns True)."""
+    :class:`~onebit.host.Uploaded`): a ``.grad`` of the parameter's dtype and ``strides`` (its
+    flat layout's, :attr:`~onebit.layout.FlatLayout.strides`) in place, any other through a
+    copy with them (returned, to be kept alive while the passes run); 0 for no gradient or a
+    sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False
     for p, stride in zip(params, strides):
         g = p.grad
@@ -252,8 +264,8 @@ def gradient_addresses(
             sparse |= g is not None
             addresses.append(0)
             continue
-        if g.dtype != torch.float32 or g.device != p.device or not laid_out(g, stride):
-            g = torch.empty_strided(p.shape, stride, device=p.device).copy_(g)
+        if g.dtype != p.dtype or g.device != p.device or not laid_out(g, stride):
+            g = torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device).copy_(g)
             keep.append(g)
         addresses.append(g.data_ptr())
     return addresses, keep, sparse

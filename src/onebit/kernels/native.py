@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
-from .fused import BucketRuns, PackedMomentum
+from .fused import DTYPES, BucketRuns, PackedMomentum
 from .numpy_chunks import NumpyKernels, finish_scale, np, suits
 from .reference import scales_from_totals
 
@@ -46,37 +46,38 @@ class CKernels(NumpyKernels):
     def momentum_signs(
         self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
-        scale: str, post: Tensor | None,
+        scale: str, post: Tensor | None, dtype: torch.dtype = torch.float32,
     ) -> Tensor:  # fmt: skip
         totals = torch.empty(len(runs.lengths), dtype=torch.float64)
         post = None if post is None else runs.per_run(post)
-        addresses = runs.addresses(grads)  # kept alive while the kernel reads it
+        addresses = runs.addresses(grads, dtype.itemsize)  # kept alive while the kernel reads it
         y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
-                                      len(totals))  # fmt: skip
+                                      len(totals), DTYPES.index(dtype))  # fmt: skip
         return scales_from_totals(totals, runs.lengths, scale)
 
     def momentum_commit(
         self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
-        out: Tensor, post: Tensor | None,
+        out: Tensor, post: Tensor | None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         scales = scales.to(torch.float32).contiguous()
         post = None if post is None else runs.per_run(post)
-        addresses = runs.addresses(grads)  # kept alive while the kernel reads it
+        addresses = runs.addresses(grads, dtype.itemsize)  # kept alive while the kernel reads it
         y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
-        _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr())
+        _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr(), DTYPES.index(dtype))
 
     def momentum_update(
         self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
-        decay: Tensor, value: Tensor,
+        decay: Tensor, value: Tensor, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
+        decay = decay.to(dtype).float()  # torch's _foreach_mul_ on the CPU rounds it so
         decay, value = runs.per_run(decay), runs.per_run(value, padding=0.0)
-        addresses = runs.addresses(params)
+        addresses = runs.addresses(params, dtype.itemsize)
         where, _ = _momentum(momentum, runs)
         _native.load().ob_fused_update(
             runs.runs.data_ptr(), len(runs.runs), addresses.data_ptr(), *where[1:],
-            denominator.data_ptr(), decay.data_ptr(), value.data_ptr(),
+            denominator.data_ptr(), decay.data_ptr(), value.data_ptr(), DTYPES.index(dtype),
         )  # fmt: skip
 
     def subtract_compressed_(

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import host
-from .fused import BucketRuns, PackedMomentum
+from .fused import DTYPES, BucketRuns, PackedMomentum
 from .reference import QuantizedBucket, TorchKernels
 
 BLOCK = 1024
@@ -231,12 +231,76 @@ def _packed_momentum(bits, stride, chunk, scales, column, start, local, present,
 
 @triton.jit
 def _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present):
-    """Each element's address in its run's tensor (``bases[param]`` plus the run's offset), and
-    whether it has one (a base of 0 is a tensor without data: zeros)."""
+    """Each element's address in its run's fp32 tensor (``bases[param]`` plus the run's offset),
+    and whether it has one (a base of 0 is a tensor without data: zeros)."""
+    return _element_pointers(bases, param, run_offsets, run_starts, run, start, local, present, 0)
+
+
+@triton.jit
+def _element_pointers(bases, param, run_offsets, run_starts, run, start, local, present,
+                      ELEMENT: tl.constexpr):  # fmt: skip
+    """:func:`_run_pointers` for tensors of ``ELEMENT``, the index of their dtype in
+    :data:`~onebit.kernels.fused.DTYPES`: fp32, or bf16 and fp16 as 16-bit words (read and
+    written with :func:`_element_load` and :func:`_element_store`)."""
     base = tl.load(bases + param, mask=present, other=0)
-    first = base + tl.load(run_offsets + run, mask=present, other=0)
+    offset = tl.load(run_offsets + run, mask=present, other=0)  # in bytes of fp32
     into = (start - tl.load(run_starts + run, mask=present, other=0)).to(tl.int32) + local
-    return first.to(tl.pointer_type(tl.float32)) + into, present & (base != 0)
+    if ELEMENT == 0:
+        at = (base + offset).to(tl.pointer_type(tl.float32)) + into
+    else:
+        at = (base + offset // 2).to(tl.pointer_type(tl.uint16)) + into
+    return at, present & (base != 0)
+
+
+@triton.jit
+def _widened(word, ELEMENT: tl.constexpr):
+    """The fp32 value of a bf16 (``ELEMENT`` 1) or fp16 (2) 16-bit ``word``, exactly."""
+    if ELEMENT == 1:
+        value = (word.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        value = word.to(tl.float16, bitcast=True).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _narrowed(value, ELEMENT: tl.constexpr):
+    """fp32 ``value`` rounded to bf16 (``ELEMENT`` 1) or fp16 (2) as torch rounds a result it
+    stores, to nearest, ties to even (a bf16 NaN as 0x7FC0), as a 16-bit word; in integer ops
+    for bf16, which Triton's interpreter would truncate."""
+    if ELEMENT == 1:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        word = tl.where(value != value, 0x7FC0, bits).to(tl.uint16)
+    else:
+        word = value.to(tl.float16).to(tl.uint16, bitcast=True)
+    return word
+
+
+@triton.jit
+def _element_load(at, mask, ELEMENT: tl.constexpr):
+    """The values at ``at`` (:func:`_element_pointers`) as fp32, exactly; 0 where masked."""
+    if ELEMENT == 0:
+        value = tl.load(at, mask=mask, other=0.0)
+    else:
+        value = _widened(tl.load(at, mask=mask, other=0), ELEMENT)
+    return value
+
+
+@triton.jit
+def _element_round(value, ELEMENT: tl.constexpr):
+    """fp32 ``value`` as a tensor of ``ELEMENT`` stores it, back in fp32."""
+    if ELEMENT != 0:
+        value = _widened(_narrowed(value, ELEMENT), ELEMENT)
+    return value
+
+
+@triton.jit
+def _element_store(at, value, mask, ELEMENT: tl.constexpr):
+    """Store fp32 ``value`` at ``at`` (:func:`_element_pointers`), rounded as torch rounds it."""
+    if ELEMENT == 0:
+        tl.store(at, value, mask=mask)
+    else:
+        tl.store(at, _narrowed(value, ELEMENT), mask=mask)
 
 
 @triton.jit
@@ -256,13 +320,15 @@ def _masked(m, masks, param, run_offsets, run_starts, run, start, local, present
 
 @triton.jit
 def _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
-              USE_INV: tl.constexpr, INV_PTR: tl.constexpr):  # fmt: skip
-    """Each element's gradient, read in place through its run's tensor (:func:`_run_pointers`;
-    zeros without one), times ``inv`` where ``USE_INV`` (a GradScaler's inverse scale, times
-    the coefficient that clips the rank's gradient): a number, or with ``INV_PTR`` a pointer to
-    it on the device, so that clipping needs no read of the device."""
-    at, readable = _run_pointers(grads, param, run_offsets, run_starts, run, start, local, present)
-    g = tl.load(at, mask=readable, other=0.0)
+              USE_INV: tl.constexpr, INV_PTR: tl.constexpr, ELEMENT: tl.constexpr):  # fmt: skip
+    """Each element's gradient in fp32, read in place through its run's tensor of ``ELEMENT``
+    (:func:`_element_pointers`; zeros without one), times ``inv`` where ``USE_INV`` (a
+    GradScaler's inverse scale, times the coefficient that clips the rank's gradient): a number,
+    or with ``INV_PTR`` a pointer to it on the device, so that clipping needs no read of the
+    device."""
+    at, readable = _element_pointers(grads, param, run_offsets, run_starts, run, start, local,
+                                     present, ELEMENT)  # fmt: skip
+    g = _element_load(at, readable, ELEMENT)
     if USE_INV:
         if INV_PTR:
             g = g * tl.load(inv)
@@ -300,18 +366,20 @@ def _momentum_pass(
     BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
     MASKED: tl.constexpr, SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr,
     SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    ELEMENT: tl.constexpr,
 ):  # fmt: skip
     """Passes 1 and 2 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``y = lerp(m, g·inv, w)·post + e`` as ``torch.lerp`` rounds it (``coeff`` is ``w``, or
     ``w - 1`` where ``SMALL`` is false), then :func:`_emit`. Pieces are runs' parts: each run has
     its parameter (its gradient's address is ``grads[param]``, 0: zeros; its factor
     ``post[param]``; the packed ``m``'s mask, ``masks[param]`` where ``MASKED``), momentum column
-    (< 0: padding, ``y = e``) and segment. A bucket's length ``n`` is a multiple of 8."""
+    (< 0: padding, ``y = e``) and segment; gradients are of ``ELEMENT`` (:func:`_gradient`). A
+    bucket's length ``n`` is a multiple of 8."""
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
     p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
                                                 run_columns, run_params)  # fmt: skip
     g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
-                  INV_PTR)  # fmt: skip
+                  INV_PTR, ELEMENT)  # fmt: skip
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:
@@ -334,25 +402,26 @@ def _momentum_pass(
 def _momentum_update(
     bases, bits, stride, chunk, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, ELEMENT: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of :mod:`onebit.kernels.fused` on a block of a bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter, as ``torch._foreach_mul_`` and
-    ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1). A bucket's
-    length ``n`` is a multiple of 8."""
+    ``torch._foreach_addcdiv_`` round it on the CPU (no step where ``decay`` is 1), each result
+    rounded to the parameters' ``ELEMENT``. A bucket's length ``n`` is a multiple of 8."""
     start, local, valid = _block(tl.multiple_of(n, 8), BLOCK)
     _, _, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
                                               run_columns, run_params)  # fmt: skip
-    at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
-    p = tl.load(at, mask=present, other=0.0)
+    at, present = _element_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                    present, ELEMENT)  # fmt: skip
+    p = _element_load(at, present, ELEMENT)
     d = tl.load(decay + param, mask=present, other=1.0)
-    p = tl.where(d != 1.0, p * d, p)
+    p = tl.where(d != 1.0, _element_round(p * d, ELEMENT), p)
     m = _packed_momentum(bits, stride, chunk, momentum_scales, column, start, local, present,
                          BLOCK)  # fmt: skip
     m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
-    tl.store(at, p + u, mask=present)
+    _element_store(at, p + u, present, ELEMENT)
 
 
 @launched()
@@ -854,27 +923,27 @@ class TritonKernels(TorchKernels):
     def momentum_signs(
         self, runs: BucketRuns, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
-        scale: str, post: Tensor | None,
+        scale: str, post: Tensor | None, dtype: torch.dtype = torch.float32,
     ) -> Tensor:  # fmt: skip
         tables = self._runs(runs, out.device)
         partials = torch.empty(len(tables.tiling.starts), dtype=torch.float32, device=out.device)
-        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post,
+        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post, dtype,
                             signs=out, partials=partials, sums=scale)  # fmt: skip
         return self._scales(tables.tiling, partials, scale)
 
     def momentum_commit(
         self, runs: BucketRuns, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
-        out: Tensor, post: Tensor | None,
+        out: Tensor, post: Tensor | None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         tables = self._runs(runs, out.device)
         scales = scales.to(device=out.device, dtype=torch.float32).contiguous()
-        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post,
+        self._momentum_pass(tables, grads, inv_scale, momentum, weight, error, post, dtype,
                             scales=scales, out=out)  # fmt: skip
 
     def momentum_update(
         self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
-        decay: Tensor, value: Tensor,
+        decay: Tensor, value: Tensor, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         device = denominator.device
         tables = self._runs(runs, device)
@@ -884,7 +953,7 @@ class TritonKernels(TorchKernels):
             momentum.scales, momentum.bits if masks is None else masks, denominator,
             decay.to(device), value.to(device), tables.starts, tables.columns, tables.params,
             tables.offsets, *tables.tiling.table(), tables.numel,
-            BLOCK=BLOCK, MASKED=masks is not None,
+            BLOCK=BLOCK, MASKED=masks is not None, ELEMENT=DTYPES.index(dtype),
         )  # fmt: skip
 
     @staticmethod
@@ -898,7 +967,8 @@ class TritonKernels(TorchKernels):
     def _momentum_pass(
         tables: _RunTables, grads: Tensor, inv_scale: float | Tensor | None,
         momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None,
-        post: Tensor | None, *, signs: Tensor | None = None, partials: Tensor | None = None,
+        post: Tensor | None, dtype: torch.dtype, *, signs: Tensor | None = None,
+        partials: Tensor | None = None,
         sums: str | None = None, scales: Tensor | None = None, out: Tensor | None = None,
     ) -> None:  # fmt: skip
         device = tables.starts.device
@@ -919,7 +989,7 @@ class TritonKernels(TorchKernels):
             BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
             DENSE=dense, MASKED=masks is not None, SMALL=small, HAS_POST=post is not None,
             HAS_ERROR=error is not None, SIGNS=signs is not None, SUMS=sums is not None,
-            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None, ELEMENT=DTYPES.index(dtype),
         )  # fmt: skip
 
     @staticmethod

@@ -28,12 +28,16 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import host
-from .fused import ModelGeometry, PackedMomentum
+from .fused import DTYPES, ModelGeometry, PackedMomentum
 from .triton_kernels import (
     BLOCK,
     Tiling,
     _as_stored,
     _bit,
+    _element_load,
+    _element_pointers,
+    _element_round,
+    _element_store,
     _emit,
     _gradient,
     _lerp,
@@ -102,6 +106,7 @@ def _worker_pass(
     BLOCK: tl.constexpr, USE_INV: tl.constexpr, INV_PTR: tl.constexpr, DENSE: tl.constexpr,
     MASKED: tl.constexpr, SMALL: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr,
     SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
+    ELEMENT: tl.constexpr,
 ):  # fmt: skip
     """``_momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
@@ -113,7 +118,7 @@ def _worker_pass(
         run_columns, run_params, BLOCK,
     )  # fmt: skip
     g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
-                  INV_PTR)  # fmt: skip
+                  INV_PTR, ELEMENT)  # fmt: skip
     chunk = tl.load(chunks + bucket)
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
@@ -220,19 +225,20 @@ def _update_pass(
     bases, bits, bits_stride, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2, BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, ELEMENT: tl.constexpr,
 ):  # fmt: skip
     """``_momentum_update`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
-    ``p = p·decay + (value·m) / denominator`` per parameter, ``m`` read from the phase-2
-    message as in :func:`_worker_pass`."""
+    ``p = p·decay + (value·m) / denominator`` per parameter of ``ELEMENT``, ``m`` read from the
+    phase-2 message as in :func:`_worker_pass`."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
-    p = tl.load(at, mask=present, other=0.0)
+    at, present = _element_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                    present, ELEMENT)  # fmt: skip
+    p = _element_load(at, present, ELEMENT)
     d = tl.load(decay + param, mask=present, other=1.0)
-    p = tl.where(d != 1.0, p * d, p)
+    p = tl.where(d != 1.0, _element_round(p * d, ELEMENT), p)
     m = _packed_momentum(
         bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
         column, start - origin, local, present, BLOCK,
@@ -240,7 +246,7 @@ def _update_pass(
     m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
-    tl.store(at, p + u, mask=present)
+    _element_store(at, p + u, present, ELEMENT)
 
 
 @launched(8)
@@ -270,7 +276,7 @@ def _sync_progress_pass(
     d = tl.load(denominator + start + local, mask=present, other=1.0)
     if STEP:
         g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
-                      USE_INV, False)  # fmt: skip
+                      USE_INV, False, 0)  # fmt: skip
         m = tl.load(momentum + start + local, mask=present, other=0.0)
         m = _lerp(m, g, coeff, SMALL)
         w = tl.load(decay + param, mask=present, other=1.0)
@@ -600,9 +606,9 @@ class ModelPasses:
 
     def _worker(
         self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
-        weight: float, error: Tensor | None, post: Tensor | None, *, message: Tensor | None = None,
-        partials: Tensor | None = None, sums: str | None = None, scales: Tensor | None = None,
-        out: Tensor | None = None,
+        weight: float, error: Tensor | None, post: Tensor | None, dtype: torch.dtype, *,
+        message: Tensor | None = None, partials: Tensor | None = None, sums: str | None = None,
+        scales: Tensor | None = None, out: Tensor | None = None,
     ) -> None:  # fmt: skip
         dense = not isinstance(momentum, PackedMomentum)
         bits = momentum if dense else momentum.bits
@@ -623,32 +629,34 @@ class ModelPasses:
             BLOCK=BLOCK, USE_INV=inv_scale is not None, INV_PTR=torch.is_tensor(inv_scale),
             DENSE=dense, MASKED=masks is not None, SMALL=small, HAS_POST=post is not None,
             HAS_ERROR=error is not None, SIGNS=message is not None, SUMS=sums is not None,
-            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None,
+            MEAN_ABS=sums == "mean_abs", COMMIT=scales is not None, ELEMENT=DTYPES.index(dtype),
         )  # fmt: skip
 
     def signs(
         self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
         weight: float, error: Tensor | None, post: Tensor | None, scale: str, headers: Tensor,
-        message: Tensor,
+        message: Tensor, dtype: torch.dtype = torch.float32,
     ) -> Tensor:  # fmt: skip
-        """Pass 1 of every bucket: the signs of ``y`` into each bucket's part of the phase-1
-        ``message`` (``[world_size, width1]`` bytes), the segments' scales after them in every
-        row, and the last row of ``headers`` (``[buckets, header_numel]`` fp32; a step's are
-        the same in every bucket) after the last bucket's. Returns the scales, fp32, every
-        bucket's segments end to end."""
+        """Pass 1 of every bucket, gradients of ``dtype``: the signs of ``y`` into each bucket's
+        part of the phase-1 ``message`` (``[world_size, width1]`` bytes), the segments' scales
+        after them in every row, and the last row of ``headers`` (``[buckets, header_numel]``
+        fp32; a step's are the same in every bucket) after the last bucket's. Returns the
+        scales, fp32, every bucket's segments end to end."""
         blocks = self.worker
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
-        self._worker(grads, inv_scale, momentum, weight, error, post, message=message,
+        self._worker(grads, inv_scale, momentum, weight, error, post, dtype, message=message,
                      partials=partials, sums=scale)  # fmt: skip
         return self._scales(blocks, partials, scale, message, self.scale_places, headers)
 
     def commit(
         self, grads: Tensor, inv_scale: float | Tensor | None, momentum: Tensor | PackedMomentum,
         weight: float, error: Tensor | None, post: Tensor | None, scales: Tensor, out: Tensor,
+        dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         """Pass 2 of every bucket: ``out = y - ±scales`` (``out`` may be ``error`` or the dense
         ``momentum``)."""
-        self._worker(grads, inv_scale, momentum, weight, error, post, scales=scales, out=out)
+        self._worker(grads, inv_scale, momentum, weight, error, post, dtype, scales=scales,
+                     out=out)  # fmt: skip
 
     def received(self, received: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """From the phase-1 message as received: every rank's scales, ``[world_size,
@@ -750,10 +758,11 @@ class ModelPasses:
 
     def update(
         self, bases: Tensor, momentum: PackedMomentum, denominator: Tensor, decay: Tensor,
-        value: Tensor,
+        value: Tensor, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
-        """Pass 3 of every bucket (``fused.update``), the momentum read from the last phase-2
-        message (``momentum.bits``, as received) and its scales (:meth:`momentum`)."""
+        """Pass 3 of every bucket (``fused.update``, parameters of ``dtype``), the momentum read
+        from the last phase-2 message (``momentum.bits``, as received) and its scales
+        (:meth:`momentum`)."""
         blocks, masks = self.worker, momentum.masks
         _update_pass[(blocks.blocks,)](
             bases, momentum.bits, momentum.bits.stride(0), momentum.scales,
@@ -761,7 +770,7 @@ class ModelPasses:
             self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
             blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
             blocks.block_buckets, *self.worker_bounds, self.chunks, self.parts2,
-            BLOCK=BLOCK, MASKED=masks is not None,
+            BLOCK=BLOCK, MASKED=masks is not None, ELEMENT=DTYPES.index(dtype),
         )  # fmt: skip
 
     # 0/1 Adam's sync step.
