@@ -69,7 +69,6 @@ first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 paramet
 
 UNPACKED = {
     "exp_avg_mask": "fp32 momentum: 1-bit LAMB's fresh variance reads the result before the mask",
-    "bf16": "fp32 momentum: the fused passes update fp32 parameters only",
 }
 """Why a loop keeps the onebit momentum in fp32 (:func:`onebit.momentum.applies`)."""
 

@@ -47,7 +47,7 @@ from .functional import (
     layer_norms,
 )
 from .kernels.errors import check_error_dtype
-from .kernels.fused import gradient_addresses
+from .kernels.fused import DTYPES, gradient_addresses
 from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall
 from .model_quantized import ModelQuantized
@@ -1222,7 +1222,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _packed_stage(self) -> PackedMomentumStage | None:
         """The packed momentum stage, if the parameters still suit its kernels; once they do not
         (say after ``model.half()``) it is unpacked, and the unfused path runs from then on."""
-        if self._fused is not None and not fused_parameters(self.layout, self._fused.dtypes):
+        if self._fused is not None and not fused_parameters(self.layout, DTYPES):
             self._fused.unpack_()
             self._fused = None
             self.flat.expose("exp_avg", self._exp_avg)

@@ -205,10 +205,9 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
         # A masked momentum is not packed here: the fresh variance reads the unmasked result.
-        fp32 = (torch.float32,)  # its update after the allreduce writes fp32 parameters
-        if not self._masks and momentum.applies(self.layout, self.scale_per, dtypes=fp32):
+        if not self._masks and momentum.applies(self.layout, self.scale_per):
             self._fused = momentum.PackedMomentumStage(
-                self.layout, self.comms, self._exp_avg, keeps_last=True, dtypes=fp32
+                self.layout, self.comms, self._exp_avg, keeps_last=True
             )
 
     def _settings(self) -> dict[str, Any]:
@@ -370,7 +369,7 @@ class OnebitLamb(CompressedOptimizer):
             bc1 = bias_correction(self._beta1, t, self.bias_correction)
             step_sizes = host.upload(sizes, self.device, torch.float32)
             passes.lamb_update(self._param_addresses(), stage.whole(new), self._exp_avg_sq,
-                               self._decays(decays), step_sizes, bc1)  # fmt: skip
+                               self._decays(decays), step_sizes, bc1, stage.dtype)  # fmt: skip
         else:
             for indices, params, updates in self._packed_updates(new, t):
                 scaled_sub_(params, updates, [sizes[i] for i in indices])
@@ -393,6 +392,7 @@ class OnebitLamb(CompressedOptimizer):
             self._exp_avg_sq, self._decays(decays), (self._beta1, self._beta2),
             (bias_correction(self._beta1, t, self.bias_correction),
              bias_correction(self._beta2, t, self.bias_correction)), self._eps, any(decays),
+            stage.dtype,
         )  # fmt: skip
 
     def _param_addresses(self) -> Tensor:

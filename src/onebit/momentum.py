@@ -14,7 +14,7 @@ fresh variance, 8). With the errors kept in bf16 (the communicators' ``error_dty
 error gets a buffer of its own (2 bytes) and the fp32 momentum's storage is released while the
 momentum is packed: 2 + 2/n bytes for both errors.
 
-It applies to parameters of one dtype (fp32; bf16 or fp16 for 1-bit Adam) whose backend has
+It applies to parameters of one dtype (fp32, bf16 or fp16) whose backend has
 the fused passes (the C kernels on the CPU, Triton on CUDA) and a scale per tensor
 (:func:`applies`); elsewhere the optimizers run the unfused formulation, which gives the same
 bits. ``max_grad_norm`` costs it
@@ -39,16 +39,11 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(
-    layout: FlatLayout,
-    scale_per: str,
-    masked: bool = False,
-    dtypes: Sequence[torch.dtype] = fused.DTYPES,
-) -> bool:
+def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
     """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps on the
-    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``), all of one of ``dtypes``
-    (fp32, bf16 or fp16: the passes read a low-precision gradient and update a parameter in
-    place, rounding as torch's ops do).
+    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``), all fp32, bf16 or fp16
+    (the passes read a low-precision gradient and update a parameter in place, rounding as
+    torch's ops do: :data:`~onebit.kernels.fused.DTYPES`).
 
     Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), with parameters
     of mixed dtypes, or ``masked`` on a backend whose passes do not read masks
@@ -59,7 +54,7 @@ def applies(
     momentum: 4 + 1/n model sizes for 1-bit Adam. Parameters that are not contiguous but fill
     their memory (``channels_last``, a transpose) are packed: the flat layout follows their
     memory order."""
-    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout, dtypes):
+    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout, fused.DTYPES):
         return False
     return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum
 
@@ -96,9 +91,6 @@ class PackedMomentumStage:
         masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat 0/1 uint8
             mask)`` per masked parameter: the momentum is then the allreduce's result times the
             mask, which the passes read where they read the packed momentum.
-        dtypes: the parameter dtypes the optimizer runs the stage with (:func:`applies`); the
-            optimizer unpacks the momentum once its parameters are of another
-            (:func:`fused_parameters`).
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -113,9 +105,8 @@ class PackedMomentumStage:
         momentum: Tensor,
         keeps_last: bool = False,
         masks: Sequence[tuple[int, Tensor]] = (),
-        dtypes: Sequence[torch.dtype] = fused.DTYPES,
     ) -> None:
-        self.layout, self.comms, self.momentum, self.dtypes = layout, comms, momentum, dtypes
+        self.layout, self.comms, self.momentum = layout, comms, momentum
         self.keeps_last, self.masks = keeps_last, list(masks)
         self._mask_bases: Tensor | None = None  # per parameter, its mask's address (or 0)
         if self.masks:

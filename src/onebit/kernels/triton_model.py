@@ -338,12 +338,13 @@ def _lamb_pass(
     run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2,
     BLOCK: tl.constexpr, UPDATE: tl.constexpr, DENSE: tl.constexpr, NORMS: tl.constexpr,
+    ELEMENT: tl.constexpr,
 ):  # fmt: skip
     """1-bit LAMB's step after its allreduce, on a block of any bucket, each op rounded as the
-    torch formulation rounds it. ``m`` is the new momentum (``new``, packed as in
-    :func:`_update_pass`), ``last`` the one before (packed, or the fp32 buffer ``last_bits``
-    where ``DENSE``), ``frozen`` the frozen denominator and ``u = m / frozen / bc1`` Adam's
-    update.
+    torch formulation rounds it (parameters of ``ELEMENT``: :func:`_element_pointers`). ``m``
+    is the new momentum (``new``, packed as in :func:`_update_pass`), ``last`` the one before
+    (packed, or the fp32 buffer ``last_bits`` where ``DENSE``), ``frozen`` the frozen
+    denominator and ``u = m / frozen / bc1`` Adam's update.
 
     Without ``UPDATE``: the gradient the two momenta imply goes into the fresh variance
     (``fresh``, in place); each layer's largest ratio of ``frozen`` to the fresh denominator
@@ -361,14 +362,14 @@ def _lamb_pass(
     d = tl.load(frozen + start + local, mask=present, other=1.0)
     u = tl.math.div_rn(tl.math.div_rn(m, d), tl.zeros_like(m) + bc1)
     if UPDATE or NORMS:
-        at, present = _run_pointers(bases, param, run_offsets, run_starts, run, start, local,
-                                    present)  # fmt: skip
-        p = tl.load(at, mask=present, other=0.0)
+        at, present = _element_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                        present, ELEMENT)  # fmt: skip
+        p = _element_load(at, present, ELEMENT)
         wd = tl.load(decay + param, mask=present, other=0.0)
         decayed = tl.where(wd != 0.0, tl.fma(wd, p, u), u)
     if UPDATE:
         size = tl.load(sizes + param, mask=present, other=0.0)
-        tl.store(at, p - size * decayed, mask=present)
+        _element_store(at, p - size * decayed, present, ELEMENT)
     else:
         if DENSE:
             last = tl.load(last_bits + start + local, mask=present, other=0.0)
@@ -831,6 +832,7 @@ class ModelPasses:
         sizes: Tensor | None = None, last: Tensor | PackedMomentum | None = None,
         fresh: Tensor | None = None, coefficients: tuple[float, ...] = (0.0,) * 6,
         maxima: Tensor | None = None, partials: Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         blocks, dense = self.worker, not isinstance(last, PackedMomentum)
         last_bits = frozen if last is None else last if dense else last.bits
@@ -843,20 +845,22 @@ class ModelPasses:
             blocks.pieces, *coefficients, bc1, *self.run_tables[:2], *self.run_tables[3:],
             *blocks.table(), *self.worker_bounds, self.chunks, self.parts2,
             BLOCK=BLOCK, UPDATE=sizes is not None, DENSE=dense, NORMS=partials is not None,
+            ELEMENT=DTYPES.index(dtype),
         )  # fmt: skip
 
     def lamb_ratios(
         self, bases: Tensor, new: PackedMomentum, last: Tensor | PackedMomentum, fresh: Tensor,
         frozen: Tensor, decay: Tensor, betas: tuple[float, float],
         bias_corrections: tuple[float, float], eps: float, norms: bool,
+        dtype: torch.dtype = torch.float32,
     ) -> Tensor:  # fmt: skip
         """1-bit LAMB's pass after its allreduce (:func:`_lamb_pass`): ``last`` and ``new``
         momentum (over their scaling) imply the averaged gradient, which goes into the fresh
         variance ``fresh`` (flat fp32, in place). Returns, fp32 on the device, each layer's
         largest ratio of the ``frozen`` denominator to the fresh one; with ``norms``, the last
         ``2·layers`` values are each layer's ``||u||`` and ``||u + decay·p||`` (``u = new /
-        frozen / bc1``, Adam's update; the parameters at ``bases``, their weight decays
-        ``decay``), from a 16-byte boundary, so that the number of layers does not choose the
+        frozen / bc1``, Adam's update; the parameters at ``bases``, of ``dtype``, their weight
+        decays ``decay``), from a 16-byte boundary, so that the number of layers does not choose the
         variant of the kernel that writes them."""
         layers = decay.numel()
         at = -(-layers // 4) * 4
@@ -868,7 +872,8 @@ class ModelPasses:
         bc1, bc2 = bias_corrections
         coefficients = (-beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps)
         self._lamb(bases, new, frozen, decay, bc1, last=last, fresh=fresh,
-                   coefficients=coefficients, maxima=out, partials=partials)  # fmt: skip
+                   coefficients=coefficients, maxima=out, partials=partials,
+                   dtype=dtype)  # fmt: skip
         if norms:  # each layer's pieces' sums, added in fp64: the square root of the total
             first, ones = self._layer_pieces(layers)
             _segment_scales[(2 * layers,)](partials, first, ones, out[at:], CHUNK=1024,
@@ -877,11 +882,11 @@ class ModelPasses:
 
     def lamb_update(
         self, bases: Tensor, new: PackedMomentum, frozen: Tensor, decay: Tensor, sizes: Tensor,
-        bc1: float,
+        bc1: float, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         """1-bit LAMB's update: ``p = p - sizes[layer]·(u + decay·p)``, ``u`` as in
-        :meth:`lamb_ratios`."""
-        self._lamb(bases, new, frozen, decay, bc1, sizes=sizes)
+        :meth:`lamb_ratios`, rounded to the parameters' ``dtype``."""
+        self._lamb(bases, new, frozen, decay, bc1, sizes=sizes, dtype=dtype)
 
     def _layer_pieces(self, layers: int) -> tuple[Tensor, Tensor]:
         """The worker pieces of each of ``layers`` layers, twice over (two sums per piece,
