@@ -193,9 +193,10 @@ def test_state_holds_the_frozen_denominator_and_a_packed_momentum(name):
     assert set(opt.state[p]) == STATE[name]
 
 
-def _two_runs(name, change=None, reload_at=None) -> list[list[torch.Tensor]]:
+def _two_runs(name, change=None, reload_at=None, packed=None) -> list[list[torch.Tensor]]:
     """The same single-process run fused and unfused; ``change(model)`` after step 4,
-    ``reload_at``: the fused optimizer reloads its own state_dict before that step."""
+    ``reload_at``: the fused optimizer reloads its own state_dict before that step; ``packed``:
+    whether the fused one's momentum is still packed at the end (``None``: not checked)."""
     runs = []
     for fused in (True, False):
         model = _model()
@@ -207,6 +208,8 @@ def _two_runs(name, change=None, reload_at=None) -> list[list[torch.Tensor]]:
             change(model)
         _steps(model, opt, scaler, 0, FREEZE + 2, STEPS)
         runs.append([p.detach().clone() for p in model.parameters()])
+        if fused and packed is not None:
+            assert (opt._fused is not None and opt._fused.packed is not None) == packed
     return runs
 
 
@@ -238,13 +241,30 @@ def test_1bit_lamb_keeps_a_masked_momentum_in_fp32():
     assert onebit.OnebitLamb(model.parameters(), freeze_step=3, **_masks(model))._fused is None
 
 
-@pytest.mark.parametrize("name", STATE)
-def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path(name):
-    def strided(model):
-        weight = model[0].weight
-        weight.data = weight.data.t().contiguous().t()  # same values, not contiguous
+def _strided(model: torch.nn.Module) -> None:
+    weight = model[0].weight
+    weight.data = weight.data.t().contiguous().t()  # same values, not contiguous
 
-    fused, unfused = _two_runs(name, change=strided)
+
+def _mixed(model: torch.nn.Module) -> None:
+    layer = model[3].bfloat16()  # the last layer in bf16, the others in fp32
+    layer.register_forward_pre_hook(lambda _, args: tuple(a.bfloat16() for a in args))
+    layer.register_forward_hook(lambda _, args, out: out.float())
+
+
+@pytest.mark.parametrize("name", STATE)
+@pytest.mark.parametrize("change", [_strided, _mixed])
+def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path(name, change):
+    """Parameters whose strides change, or of mixed dtypes: the momentum is unpacked, and the
+    steps go on with the bits of the unfused path."""
+    fused, unfused = _two_runs(name, change=change, packed=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+@pytest.mark.parametrize("name", STATE)
+def test_parameters_cast_to_bf16_stay_packed(name):
+    """``model.bfloat16()`` after the freeze: the passes go on in bf16, with the unfused bits."""
+    fused, unfused = _two_runs(name, change=torch.nn.Module.bfloat16, packed=True)
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
 
 
