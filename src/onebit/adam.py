@@ -110,9 +110,10 @@ class OnebitAdam(CompressedOptimizer):
       the ``.grad`` views, and the compression stage works on its own;
     * from the freeze, ``frozen_denom`` (``sqrt(v̂) + eps``, kept instead of ``v`` and computed
       once) and ``exp_avg``;
-    * on the fused path (fp32 parameters, contiguous or not (``channels_last``: the flat buffers
-      follow each parameter's memory order), with the C kernels on the CPU or the Triton
-      kernels on CUDA, a scale per tensor, not ``overlap_backward`` with ``max_grad_norm``),
+    * on the fused path (parameters all fp32, bf16 or fp16, contiguous or not
+      (``channels_last``: the flat buffers follow each parameter's memory order), with the C
+      kernels on the CPU or the Triton kernels on CUDA, a scale per tensor, not
+      ``overlap_backward`` with ``max_grad_norm``),
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
       buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then

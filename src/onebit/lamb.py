@@ -109,7 +109,7 @@ class OnebitLamb(CompressedOptimizer):
     (trust ratios, scaling coefficients, factors) are in ``state_dict()["onebit"]``. Memory in the
     warmup: AdamW's (momentum and variance), as the fp32 ``.grad`` live in the bucket buffer as
     in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage, with the C kernels on the
-    CPU or Triton on CUDA (fp32 parameters, contiguous or ``channels_last``,
+    CPU or Triton on CUDA (parameters all fp32, bf16 or fp16, contiguous or ``channels_last``,
     ``scale_per="tensor"``, no ``exp_avg_mask``):
     three model-sized fp32 buffers (frozen denominator, fresh variance, worker error), the server
     error and the momentum packed to 1 bit (:mod:`onebit.momentum`); ``exp_avg`` then leaves
