@@ -67,11 +67,6 @@ LOOPS = ("plain", "max_grad_norm", "GradScaler", "overlap_backward", "exp_avg_ma
 first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters, and
 3x3 convolutions of about as many parameters as the linear layers, in ``channels_last``."""
 
-UNPACKED = {
-    "exp_avg_mask": "fp32 momentum: 1-bit LAMB's fresh variance reads the result before the mask",
-}
-"""Why a loop keeps the onebit momentum in fp32 (:func:`onebit.momentum.applies`)."""
-
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
@@ -345,7 +340,7 @@ def _loops(
             note = ""
             if target is not None:
                 ok = held <= target and peak <= ddp_peak + (2.0 if loop == "bf16" else 0.5)
-                note = ("ok" if ok else "MISSED") + ("" if packed else f"; {UNPACKED[loop]}")
+                note = ("ok" if ok else "MISSED") + ("" if packed else "; fp32 momentum")
             cells = f"{held:>7.3f}{'' if target is None else f'{target:.3f}':>8}{peak:>7.2f}"
             print(f"{loop:<17}{name:<12}{cells}{peak - ddp_peak:>+8.2f}  {note}".rstrip())
 

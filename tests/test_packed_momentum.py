@@ -142,12 +142,11 @@ LOOPS = {
 """The loops the packed momentum is checked in, as the optimizer's options. With
 ``max_grad_norm`` each rank clips its own gradient by a factor the fused passes multiply it by;
 ``strided`` and ``masked`` (not options: :func:`_run` reads them) step :func:`_model`'s strided
-parameters, which the flat buffers hold in memory order, and give it :func:`_masks` (1-bit Adam
-only: 1-bit LAMB keeps a masked momentum in fp32); ``dtype``: the model in bf16 or fp16, its
-gradients read and its parameters updated in that dtype."""
+parameters, which the flat buffers hold in memory order, and give it :func:`_masks`;
+``dtype``: the model in bf16 or fp16, its gradients read and its parameters updated in that
+dtype."""
 
 CASES = [(name, loop) for name in STATE for loop in LOOPS]
-CASES.remove(("OnebitLamb", "exp_avg_mask"))
 
 
 @pytest.mark.parametrize("name,loop", CASES)
@@ -232,13 +231,6 @@ def test_low_precision_parameters_on_cuda_take_the_unfused_bits(dtype):
         runs.append(_steps(model, opt, _scaler("cuda"), 0, 0, STEPS))
     for t, (got, expected) in enumerate(zip(*runs)):
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
-
-
-def test_1bit_lamb_keeps_a_masked_momentum_in_fp32():
-    """Its fresh variance reads the allreduce's result before the mask: not packed."""
-    model = _model()
-    assert onebit.OnebitAdam(model.parameters(), freeze_step=3, **_masks(model))._fused
-    assert onebit.OnebitLamb(model.parameters(), freeze_step=3, **_masks(model))._fused is None
 
 
 def _strided(model: torch.nn.Module) -> None:
@@ -333,8 +325,9 @@ def _run_triton(
     [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
     + [(name, 3, "max_grad_norm") for name in STATE]
     + [(name, 1, "channels_last") for name in STATE]
-    + [("OnebitAdam", 3, "exp_avg_mask"), ("OnebitAdam", 3, "fp16")]
-    + [(name, 1, "bf16") for name in STATE],
+    + [("OnebitAdam", 3, "fp16")]
+    + [(name, 1, "bf16") for name in STATE]
+    + [(name, 3, "exp_avg_mask") for name in STATE],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
@@ -363,14 +356,15 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
             assert torch.equal(a["server_error"], b["server_error"])
 
 
-@pytest.mark.parametrize("world_size,loop", [(3, "plain"), (1, "bf16")])
+@pytest.mark.parametrize("world_size,loop", [(3, "plain"), (1, "bf16"), (1, "exp_avg_mask")])
 def test_lamb_after_its_allreduce_in_two_passes_follows_the_torch_formulation(world_size, loop):
     """On Triton, what 1-bit LAMB does after its allreduce (the fresh variance, each layer's
     largest ratio and norms, the update) is two passes over every bucket, each op rounded as
     the torch formulation rounds it but the square root (torch's on the CPU is within an ulp)
     and the norms' sums (added in another order): parameters and state stay within 1e-5 of
-    it through AMP, a missing gradient, a skipped step, weight decay and a resume, in fp32
-    and with bf16 parameters (read and rounded in bf16)."""
+    it through AMP, a missing gradient, a skipped step, weight decay and a resume, in fp32,
+    with bf16 parameters (read and rounded in bf16) and with masks (the gradient the momenta
+    imply takes the new one before its mask)."""
     args = (world_size, "OnebitLamb", "lamb_ratios")
     passes = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
     torch_ = run_ranks(_run_triton, *args, "model", LOOPS[loop], timeout=600)

@@ -110,7 +110,7 @@ class OnebitLamb(CompressedOptimizer):
     warmup: AdamW's (momentum and variance), as the fp32 ``.grad`` live in the bucket buffer as
     in :class:`~onebit.OnebitAdam`'s warmup. In the compression stage, with the C kernels on the
     CPU or Triton on CUDA (parameters all fp32, bf16 or fp16, contiguous or ``channels_last``,
-    ``scale_per="tensor"``, no ``exp_avg_mask``):
+    ``scale_per="tensor"``, with or without ``exp_avg_mask``):
     three model-sized fp32 buffers (frozen denominator, fresh variance, worker error), the server
     error and the momentum packed to 1 bit (:mod:`onebit.momentum`); ``exp_avg`` then leaves
     ``optimizer.state`` and appears, fp32 and exact, in ``state_dict()``. Elsewhere also the
@@ -204,10 +204,9 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        # A masked momentum is not packed here: the fresh variance reads the unmasked result.
-        if not self._masks and momentum.applies(self.layout, self.scale_per):
+        if momentum.applies(self.layout, self.scale_per, bool(self._masks)):
             self._fused = momentum.PackedMomentumStage(
-                self.layout, self.comms, self._exp_avg, keeps_last=True
+                self.layout, self.comms, self._exp_avg, keeps_last=True, masks=self._masks
             )
 
     def _settings(self) -> dict[str, Any]:
@@ -414,7 +413,7 @@ class OnebitLamb(CompressedOptimizer):
         for k, lo, hi in self._blocks():
             origin = self.layout.buckets[k][0]
             g, last = self._scratch(hi - lo), self._scratch(hi - lo, 1)
-            stage.momentum_(k, g, new, lo)
+            stage.momentum_(k, g, new, lo, masked=False)  # the allreduce's result
             stage.momentum_(k, last, start=lo).mul_(-beta1).add_(g).div_(1 - beta1)
             v_fresh = self._exp_avg_sq_fresh[origin + lo : origin + hi]
             v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)

@@ -40,7 +40,7 @@ from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
 def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
-    """Whether :class:`PackedMomentumStage` can run 1-bit Adam's compression steps on the
+    """Whether :class:`PackedMomentumStage` can run the compression steps on the
     parameters of ``layout`` (``masked``: with an ``exp_avg_mask``), all fp32, bf16 or fp16
     (the passes read a low-precision gradient and update a parameter in place, rounding as
     torch's ops do: :data:`~onebit.kernels.fused.DTYPES`).
@@ -90,7 +90,8 @@ class PackedMomentumStage:
             it has been read (so the step holds no second model-sized buffer).
         masks: the optimizer's ``exp_avg_mask``, ``(offset in the flat buffers, flat 0/1 uint8
             mask)`` per masked parameter: the momentum is then the allreduce's result times the
-            mask, which the passes read where they read the packed momentum.
+            mask, which the passes read where they read the packed momentum (1-bit LAMB's
+            fresh variance reads the result before it: :meth:`momentum_`).
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
@@ -359,16 +360,19 @@ class PackedMomentumStage:
         out: Tensor,
         packed: list[tuple[Tensor, Tensor]] | None = None,
         start: int = 0,
+        masked: bool = True,
     ) -> Tensor:
         """Bucket ``k``'s momentum (``packed``, else the current one) into ``out`` (fp32): the
-        whole bucket's ``end - start`` elements, or from ``start`` one of its :meth:`blocks`."""
+        whole bucket's ``end - start`` elements, or from ``start`` one of its :meth:`blocks`;
+        without ``masked``, a packed one before its masks (the allreduce's result)."""
         packed = self.packed if packed is None else packed
         origin, end = self.layout.buckets[k]
         if packed is None:
             return out.copy_(self.momentum[origin + start : origin + start + out.numel()])
         geometry = self.comms[k].scale_geometry
         if start == 0 and out.numel() == end - origin:
-            return self._masked(decompress_pieces_(*packed[k], geometry.gathered, out), origin)
+            decompress_pieces_(*packed[k], geometry.gathered, out)
+            return self._masked(out, origin) if masked else out
         signs, scales = packed[k]
         j, a = divmod(start, self.comms[k].chunk_numel)
         key = (k, start, out.numel())
@@ -379,7 +383,7 @@ class PackedMomentumStage:
             self._block_pieces[key] = table[table[:, 1] < table[:, 2]].contiguous()
         pieces = self._block_pieces[key]
         decompress_pieces_(signs[j : j + 1, a // 8 :], scales[j : j + 1], pieces, out)
-        return self._masked(out, origin + start)
+        return self._masked(out, origin + start) if masked else out
 
     def _masked(self, out: Tensor, start: int) -> Tensor:
         """``out``, the packed momentum's elements from ``start`` in the flat buffers, times the

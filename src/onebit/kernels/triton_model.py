@@ -333,18 +333,20 @@ def _sync_apply_pass(
 @launched(8)
 @triton.jit(do_not_specialize=["new_stride", "last_stride", "pieces"])
 def _lamb_pass(
-    bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, fresh, frozen,
-    decay, sizes, maxima, partials, pieces, neg_beta1, keep1, beta2, keep2, root_bc2, eps, bc1,
-    run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
-    block_buckets, bucket_starts, bucket_ends, chunks, parts2,
+    bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, masks, fresh,
+    frozen, decay, sizes, maxima, partials, pieces, neg_beta1, keep1, beta2, keep2, root_bc2, eps,
+    bc1, run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first,
+    block_starts, block_buckets, bucket_starts, bucket_ends, chunks, parts2,
     BLOCK: tl.constexpr, UPDATE: tl.constexpr, DENSE: tl.constexpr, NORMS: tl.constexpr,
-    ELEMENT: tl.constexpr,
+    ELEMENT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """1-bit LAMB's step after its allreduce, on a block of any bucket, each op rounded as the
     torch formulation rounds it (parameters of ``ELEMENT``: :func:`_element_pointers`). ``m``
     is the new momentum (``new``, packed as in :func:`_update_pass`), ``last`` the one before
     (packed, or the fp32 buffer ``last_bits`` where ``DENSE``), ``frozen`` the frozen
-    denominator and ``u = m / frozen / bc1`` Adam's update.
+    denominator and ``u = m / frozen / bc1`` Adam's update. Where ``MASKED`` both momenta are
+    times their ``exp_avg_mask`` (``masks``, as :func:`_worker_pass` reads them) but in the
+    gradient they imply, which takes the new one as the allreduce returned it.
 
     Without ``UPDATE``: the gradient the two momenta imply goes into the fresh variance
     (``fresh``, in place); each layer's largest ratio of ``frozen`` to the fresh denominator
@@ -357,8 +359,9 @@ def _lamb_pass(
     )  # fmt: skip
     chunk = tl.load(chunks + bucket)
     part2 = tl.load(parts2 + bucket)
-    m = _packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column, start - origin,
-                         local, present, BLOCK)  # fmt: skip
+    result = _packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column,
+                              start - origin, local, present, BLOCK)  # fmt: skip
+    m = _masked(result, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     d = tl.load(frozen + start + local, mask=present, other=1.0)
     u = tl.math.div_rn(tl.math.div_rn(m, d), tl.zeros_like(m) + bc1)
     if UPDATE or NORMS:
@@ -376,7 +379,9 @@ def _lamb_pass(
         else:
             last = _packed_momentum(last_bits + part2, last_stride, chunk, last_scales, column,
                                     start - origin, local, present, BLOCK)  # fmt: skip
-        g = tl.math.div_rn(last * neg_beta1 + m, tl.zeros_like(m) + keep1)
+            last = _masked(last, masks, param, run_offsets, run_starts, run, start, local,
+                           present, MASKED)  # fmt: skip
+        g = tl.math.div_rn(last * neg_beta1 + result, tl.zeros_like(m) + keep1)
         v = tl.load(fresh + start + local, mask=present, other=0.0)
         v = tl.fma(g * keep2, g, v * beta2)
         tl.store(fresh + start + local, v, mask=present)
@@ -840,12 +845,13 @@ class ModelPasses:
         _lamb_pass[(blocks.blocks,)](
             bases, new.bits, new.bits.stride(0), new.scales, last_bits,
             0 if dense else last_bits.stride(0), any_ if dense else last.scales,
-            any_ if fresh is None else fresh, frozen, decay, any_ if sizes is None else sizes,
-            any_ if maxima is None else maxima, any_ if partials is None else partials,
-            blocks.pieces, *coefficients, bc1, *self.run_tables[:2], *self.run_tables[3:],
-            *blocks.table(), *self.worker_bounds, self.chunks, self.parts2,
+            any_ if new.masks is None else new.masks, any_ if fresh is None else fresh, frozen,
+            decay, any_ if sizes is None else sizes, any_ if maxima is None else maxima,
+            any_ if partials is None else partials, blocks.pieces, *coefficients, bc1,
+            *self.run_tables[:2], *self.run_tables[3:], *blocks.table(), *self.worker_bounds,
+            self.chunks, self.parts2,
             BLOCK=BLOCK, UPDATE=sizes is not None, DENSE=dense, NORMS=partials is not None,
-            ELEMENT=DTYPES.index(dtype),
+            ELEMENT=DTYPES.index(dtype), MASKED=new.masks is not None,
         )  # fmt: skip
 
     def lamb_ratios(
