@@ -5,7 +5,7 @@ Measures, side by side in one run on the same parameters:
 * ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
   compression stage (a scale per tensor, the default, which runs the fused passes of
   :mod:`onebit.momentum`; one per bucket; with ``max_grad_norm``; with bf16 errors; with an
-  ``exp_avg_mask``),
+  ``exp_avg_mask``; on bf16 parameters),
   of ZeroOneAdam's 1-bit sync step and OnebitLamb's compression step (each also with bf16
   errors);
 * forward + backward of the same model with and without OnebitAdam's gradient hooks (they count
@@ -45,6 +45,7 @@ VARIANTS = [
     ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),
     ("  ... errors in bf16", "OnebitAdam", "compression", {"error_dtype": torch.bfloat16}),
     ("  ... exp_avg_mask", "OnebitAdam", "compression", {"exp_avg_mask": "first"}),
+    ("  ... bf16 parameters", "OnebitAdam", "compression", {"dtype": torch.bfloat16}),
     ("ZeroOneAdam 1-bit sync step", "ZeroOneAdam", "compression", {}),
     ("ZeroOneAdam, bf16 errors", "ZeroOneAdam", "compression", {"error_dtype": torch.bfloat16}),
     ("OnebitLamb compression step", "OnebitLamb", "compression", {}),
@@ -52,7 +53,8 @@ VARIANTS = [
     ("OnebitLamb + clip", "OnebitLamb", "compression", {"max_grad_norm": 1.0}),
 ]
 """The steps measured: name, optimizer, stage, constructor options (defaults otherwise;
-``exp_avg_mask`` ``"first"``: a mask of alternate ones and zeros on the first parameter)."""
+``exp_avg_mask`` ``"first"``: a mask of alternate ones and zeros on the first parameter;
+``dtype``: the parameters and gradients cast to it, the ratio still to AdamW on fp32)."""
 
 
 def _gpt_shapes(layers: int, d: int, vocab: int, context: int) -> list[tuple[int, ...]]:
@@ -112,6 +114,12 @@ def _peak_mb(step, device: torch.device) -> float:
 
 def _optimizer(name: str, params, freeze: int, options: dict) -> torch.optim.Optimizer:
     """``name`` with its warmup ending after ``freeze`` steps (0/1 Adam: a sync every step)."""
+    if "dtype" in options:
+        options = dict(options)
+        dtype = options.pop("dtype")
+        params = list(params)
+        for p in params:
+            p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
     if options.get("exp_avg_mask") == "first":
         params = list(params)
         mask = torch.ones_like(params[0]).view(-1)

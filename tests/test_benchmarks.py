@@ -98,7 +98,7 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
     or one per bucket) launches the same six kernels at any number of buckets, ZeroOneAdam's
     sync six (its own passes before and after the allreduce, in place of the allreduce's input
     pass and decompression), 1-bit LAMB's the same seven and the int8 warmup the same six; with
-    bf16 errors or an ``exp_avg_mask``, the same kernels (their variants)."""
+    bf16 errors, an ``exp_avg_mask`` or bf16 parameters, the same kernels (their variants)."""
     if "triton" not in kernels.available():
         pytest.skip("Triton cannot run here")
     monkeypatch.setenv(kernels.ENV, "triton")
@@ -123,6 +123,7 @@ def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkey
         "OnebitAdam warmup, int8": 6,
         "... errors in bf16": 6,
         "... exp_avg_mask": 6,
+        "... bf16 parameters": 6,
         "ZeroOneAdam, bf16 errors": 6,
         "OnebitLamb compression step": 7,  # and its two passes after the allreduce
         "OnebitLamb, bf16 errors": 7,
