@@ -1221,7 +1221,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _packed_stage(self) -> PackedMomentumStage | None:
         """The packed momentum stage, if the parameters still suit its kernels; once they do not
-        (say after ``model.half()``) it is unpacked, and the unfused path runs from then on."""
+        (one layer cast to another dtype, or given other strides) it is unpacked, and the
+        unfused path runs from then on."""
         if self._fused is not None and not fused_parameters(self.layout, DTYPES):
             self._fused.unpack_()
             self._fused = None

@@ -14,11 +14,10 @@ fresh variance, 8). With the errors kept in bf16 (the communicators' ``error_dty
 error gets a buffer of its own (2 bytes) and the fp32 momentum's storage is released while the
 momentum is packed: 2 + 2/n bytes for both errors.
 
-It applies to parameters of one dtype (fp32, bf16 or fp16) whose backend has
-the fused passes (the C kernels on the CPU, Triton on CUDA) and a scale per tensor
-(:func:`applies`); elsewhere the optimizers run the unfused formulation, which gives the same
-bits. ``max_grad_norm`` costs it
-nothing: each rank clips its own gradient before it is sent, by a factor the passes multiply
+It applies to parameters of one dtype (fp32, bf16 or fp16) whose backend has the fused passes
+(the C kernels on the CPU, Triton on CUDA) and a scale per tensor (:func:`applies`); elsewhere
+the optimizers run the unfused formulation, which gives the same bits. ``max_grad_norm`` costs
+it nothing: each rank clips its own gradient before it is sent, by a factor the passes multiply
 the gradient by with the inverse loss scale, so the momentum stays what the allreduce returned.
 """
 
@@ -40,20 +39,19 @@ from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
 def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
-    """Whether :class:`PackedMomentumStage` can run the compression steps on the
-    parameters of ``layout`` (``masked``: with an ``exp_avg_mask``), all fp32, bf16 or fp16
+    """Whether :class:`PackedMomentumStage` can run the compression steps on the parameters of
+    ``layout`` (``masked``: with an ``exp_avg_mask``), all fp32, bf16 or fp16
     (the passes read a low-precision gradient and update a parameter in place, rounding as
     torch's ops do: :data:`~onebit.kernels.fused.DTYPES`).
 
     Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), with parameters
     of mixed dtypes, or ``masked`` on a backend whose passes do not read masks
     (``packs_masked_momentum``: the C and Triton kernels do, a masked momentum being
-    ``±σ·mask``); nor, as the optimizer checks, with
-    ``overlap_backward`` and ``max_grad_norm`` together (the buckets leave before the rank's
-    norm is known, so the result is clipped, and is no longer ``±σ``). Those keep an fp32
-    momentum: 4 + 1/n model sizes for 1-bit Adam. Parameters that are not contiguous but fill
-    their memory (``channels_last``, a transpose) are packed: the flat layout follows their
-    memory order."""
+    ``±σ·mask``); nor, as the optimizer checks, with ``overlap_backward`` and ``max_grad_norm``
+    together (the buckets leave before the rank's norm is known, so the result is clipped, and
+    is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model sizes for 1-bit Adam.
+    Parameters that are not contiguous but fill their memory (``channels_last``, a transpose)
+    are packed: the flat layout follows their memory order."""
     if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout, fused.DTYPES):
         return False
     return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum

@@ -121,9 +121,7 @@ def _as_stored(value, pointer):
     bf16 (an error kept compact), as torch's ``copy_`` rounds; Triton's interpreter would
     truncate."""
     if pointer.dtype.element_ty == tl.bfloat16:  # the fp32 of that bf16: any cast keeps it
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        value = bits.to(tl.float32, bitcast=True)
+        value = _element_round(value, 1)
     return value
 
 
