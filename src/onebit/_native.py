@@ -10,9 +10,10 @@ time, so nothing is ever loaded from a directory other than the installed packag
 is the first kernel call's only cost.
 
 When it does not apply: the install had no C compiler or was not on x86-64 (the extension is
-optional, so the install still succeeds), a CPU without AVX2 and FMA, or ``ONEBIT_NATIVE=0`` in
-the environment. :func:`load` then returns ``None``, the reason is in :data:`unavailable`, and
-:mod:`onebit.compress` uses its numpy kernels, which give the same bits.
+optional, so the install still succeeds), a CPU without AVX2, FMA and F16C, or
+``ONEBIT_NATIVE=0`` in the environment. :func:`load` then returns ``None``, the reason is in
+:data:`unavailable`, and :mod:`onebit.compress` uses its numpy kernels, which give the same
+bits.
 
 The kernels reproduce the torch formulation bit for bit: signs are ``x >= 0`` (ordered compare:
 NaN is negative, ``-0.0`` positive), the error update is ``y - s`` or ``y - (-1 * s)``, and the
@@ -72,7 +73,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     if not lib.ob_supported():
-        unavailable = "CPU lacks AVX2/FMA"
+        unavailable = "CPU lacks AVX2/FMA/F16C"
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.ob_compress.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
