@@ -227,7 +227,8 @@ def test_low_precision_parameters_keep_fp32_state(dtype):
         opt.step()
         ref_opt.step()
     assert all(p.dtype == dtype for p in params)
-    assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in params)
+    state = opt.state_dict()["state"]  # the momentum is packed: unpacked here
+    assert all(s[key].dtype == torch.float32 for s in state.values() for key in s)
     for p, q in zip(params, ref):
         torch.testing.assert_close(p.float(), q, rtol=0.05, atol=0.05)
 
