@@ -61,11 +61,14 @@ from onebit.train.optim import ERROR_DTYPES
 OPTIMIZERS = ("AdamW", "AdamW+DDP", "OnebitAdam", "ZeroOneAdam", "OnebitLamb")
 
 LOOPS = ("plain", "max_grad_norm", "GradScaler", "overlap_backward", "exp_avg_mask",
-         "ddp_comm_hook", "bf16", "channels_last")  # fmt: skip
+         "ddp_comm_hook", "bf16", "channels_last", "overlap+clip", "scale_per_bucket",
+         "mixed_dtypes")  # fmt: skip
 """The training loops of ``--loops``: ``max_grad_norm=1.0`` (``clip_grad_norm_`` for AdamW), a
 ``GradScaler``, ``overlap_backward=True`` (OnebitAdam only), an all-ones ``exp_avg_mask`` on the
-first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters, and
-3x3 convolutions of about as many parameters as the linear layers, in ``channels_last``."""
+first layer, the model under DDP with :func:`onebit.ddp_comm_hook`, bf16 parameters, 3x3
+convolutions of about as many parameters as the linear layers, in ``channels_last``; and three
+that keep an fp32 momentum: ``overlap_backward`` with ``max_grad_norm``, ``scale_per="bucket"``,
+and bf16 parameters but the first layer's in fp32, under ``torch.autocast``."""
 
 
 def _rss() -> int:
@@ -134,10 +137,12 @@ def _make(
     if name == "AdamW":
         return torch.optim.AdamW(params, lr=1e-3), 4
     options: dict = {"error_dtype": ERROR_DTYPES[errors]}
-    if loop == "max_grad_norm":
+    if loop in ("max_grad_norm", "overlap+clip"):
         options["max_grad_norm"] = 1.0
-    elif loop == "overlap_backward":
+    if loop in ("overlap_backward", "overlap+clip"):
         options["overlap_backward"] = True
+    if loop == "scale_per_bucket":
+        options["scale_per"] = "bucket"
     elif loop == "exp_avg_mask":
         options["exp_avg_mask"] = {params[0]: torch.ones_like(params[0])}
     if name == "OnebitAdam":
@@ -175,17 +180,19 @@ def _shard(model: torch.nn.Sequential, name: str, shards: int) -> dist.ProcessGr
 def _run(
     name: str, layers: list[torch.nn.Module], before: int = 0, shards: int = 1,
     loop: str = "plain", errors: str = "fp32",
-) -> tuple[dict[str, int], dict[str, int], bool]:  # fmt: skip
+) -> tuple[dict[str, int], dict[str, int], str | None]:  # fmt: skip
     """Step ``name`` through its stages in ``loop``; return its largest state and peak per
-    stage, and whether a onebit optimizer kept its momentum packed.
+    stage, and why a onebit optimizer did not keep its momentum packed (``None`` if it did).
 
     ``AdamW+DDP`` runs forward and backward under ``DistributedDataParallel`` (whose gradient
     buckets are not optimizer state: they show in its peak only); ``+HSDP`` shards the model
     with FSDP2 over ``shards`` ranks per node.
     """
     model = torch.nn.Sequential(*layers)
-    if loop == "bf16":
+    if loop in ("bf16", "mixed_dtypes"):
         model.bfloat16()
+    if loop == "mixed_dtypes":
+        layers[0].float()
     if isinstance(layers[0], torch.nn.Conv2d):
         model.to(memory_format=torch.channels_last)
         x = torch.randn(4, layers[0].in_channels, 2, 2).to(memory_format=torch.channels_last)
@@ -210,9 +217,10 @@ def _run(
         stage = getattr(opt, "stage", "-")
         _reset_peak_rss()
         opt.zero_grad()
-        loss = forward(x).float().sum()
+        with torch.autocast("cpu", torch.bfloat16, enabled=loop == "mixed_dtypes"):
+            loss = forward(x).float().sum()
         (loss if scaler is None else scaler.scale(loss)).backward()
-        if loop == "max_grad_norm" and name.startswith("AdamW"):
+        if loop in ("max_grad_norm", "overlap+clip") and name.startswith("AdamW"):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         if scaler is None:
             opt.step()
@@ -221,15 +229,15 @@ def _run(
             scaler.update()
         peaks[stage] = max(peaks.get(stage, 0), _peak_rss() - before)
         state[stage] = max(state.get(stage, 0), _storage_bytes(opt))
-    return state, peaks, getattr(opt, "_fused", None) is not None
+    return state, peaks, getattr(opt, "_unpacked", None)
 
 
 def _rank(
     rank: int, world_size: int, name: str, width: int, depth: int, shards: int = 1,
     loop: str = "plain", errors: str = "fp32",
-) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
+) -> tuple[int, dict[str, int], dict[str, int], str | None]:  # fmt: skip
     """One rank of :func:`measure` (a gloo group is up): model bytes, state and peak per stage,
-    and whether the momentum was kept packed."""
+    and why the momentum was not kept packed."""
     _run(name, _layers(loop, 64, 1), shards=shards, loop=loop)  # page code in, warm pools
     torch.manual_seed(0)
     layers = _layers(loop, width, depth)
@@ -251,9 +259,9 @@ def _layers(loop: str, width: int, depth: int) -> list[torch.nn.Module]:
 def measure(
     name: str, world_size: int, width: int, depth: int, shards: int = 1, loop: str = "plain",
     errors: str = "fp32",
-) -> tuple[int, dict[str, int], dict[str, int], bool]:  # fmt: skip
-    """Rank 0's model bytes, largest optimizer state and peak per stage, and whether the
-    momentum was kept packed, in fresh processes."""
+) -> tuple[int, dict[str, int], dict[str, int], str | None]:  # fmt: skip
+    """Rank 0's model bytes, largest optimizer state and peak per stage, and why the momentum
+    was not kept packed (``None``: it was), in fresh processes."""
     return run_ranks(
         _rank, world_size, name, width, depth, shards, loop, errors, timeout=None,
         collective_timeout=300,
@@ -321,26 +329,28 @@ def _loops(
         f"{width // 3}, 3)); {n} gloo ranks; figures for rank 0; onebit errors in {errors}"
     )
     print("state after the warmup (AdamW: its state) and the largest peak of a step, in model")
-    print("sizes (fp32 bytes of the parameters; bf16: in bytes per parameter)")
+    print("sizes (fp32 bytes of the parameters; bf16, mixed_dtypes: in bytes per parameter)")
     print(f"{'loop':<17}{'optimizer':<12}{'state':>7}{'target':>8}{'peak':>7}{'vs DDP':>8}  note")
     for loop in loops:
         ddp_peak = None
         for name in ("AdamW+DDP", "OnebitAdam", "OnebitLamb"):
-            if loop == "overlap_backward" and name == "OnebitLamb":
+            if loop.startswith("overlap") and name == "OnebitLamb":
                 continue
-            model_bytes, state, peaks, packed = measure(name, n, width, depth, loop=loop,
-                                                        errors=errors)  # fmt: skip
-            unit = model_bytes / 4 if loop == "bf16" else model_bytes
+            model_bytes, state, peaks, why = measure(name, n, width, depth, loop=loop,
+                                                     errors=errors)  # fmt: skip
+            per_parameter = loop in ("bf16", "mixed_dtypes")
+            unit = model_bytes / 4 if per_parameter else model_bytes
             after = [b for stage, b in state.items() if stage not in ("warmup", "variance")]
             held, peak = max(after) / unit, max(peaks.values()) / unit
             ddp_peak = peak if ddp_peak is None else ddp_peak
             target = targets.get(name)
-            if target is not None and loop == "bf16":
+            if target is not None and per_parameter:
                 target *= 4
             note = ""
             if target is not None:
-                ok = held <= target and peak <= ddp_peak + (2.0 if loop == "bf16" else 0.5)
-                note = ("ok" if ok else "MISSED") + ("" if packed else "; fp32 momentum")
+                ok = held <= target and peak <= ddp_peak + (2.0 if per_parameter else 0.5)
+                note = "ok" if ok else "MISSED"
+                note += "" if why is None else f"; fp32 momentum: {why}"
             cells = f"{held:>7.3f}{'' if target is None else f'{target:.3f}':>8}{peak:>7.2f}"
             print(f"{loop:<17}{name:<12}{cells}{peak - ddp_peak:>+8.2f}  {note}".rstrip())
 

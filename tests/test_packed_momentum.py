@@ -4,6 +4,7 @@ skipped steps and resume.
 """
 
 import io
+import re
 
 import pytest
 import torch
@@ -52,13 +53,13 @@ def _optimizer(
         {"params": layers[0].parameters(), "lr": 3e-3, "weight_decay": 0.1},
         {"params": [*layers[2].parameters(), *layers[3].parameters()], "lr": 1e-3},
     ]
-    saved = momentum.applies
+    saved = momentum.unpacked_because
     if not fused:
-        momentum.applies = lambda *args, **kwargs: False
+        momentum.unpacked_because = lambda *args, **kwargs: "the test's unfused run"
     try:
         opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64, **options)
     finally:
-        momentum.applies = saved
+        momentum.unpacked_because = saved
     assert (opt._fused is not None) == fused
     return opt
 
@@ -192,10 +193,11 @@ def test_state_holds_the_frozen_denominator_and_a_packed_momentum(name):
     assert set(opt.state[p]) == STATE[name]
 
 
-def _two_runs(name, change=None, reload_at=None, packed=None) -> list[list[torch.Tensor]]:
+def _two_runs(name, change=None, reload_at=None, packed=None, why=None) -> list[list[torch.Tensor]]:
     """The same single-process run fused and unfused; ``change(model)`` after step 4,
     ``reload_at``: the fused optimizer reloads its own state_dict before that step; ``packed``:
-    whether the fused one's momentum is still packed at the end (``None``: not checked)."""
+    whether the fused one's momentum is still packed at the end (``None``: not checked);
+    ``why``: a pattern of the reason it gives where it is not."""
     runs = []
     for fused in (True, False):
         model = _model()
@@ -209,6 +211,8 @@ def _two_runs(name, change=None, reload_at=None, packed=None) -> list[list[torch
         runs.append([p.detach().clone() for p in model.parameters()])
         if fused and packed is not None:
             assert (opt._fused is not None and opt._fused.packed is not None) == packed
+        if fused and why is not None:
+            assert re.search(why, opt._unpacked), opt._unpacked
     return runs
 
 
@@ -245,12 +249,41 @@ def _mixed(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("name", STATE)
-@pytest.mark.parametrize("change", [_strided, _mixed])
-def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path(name, change):
-    """Parameters whose strides change, or of mixed dtypes: the momentum is unpacked, and the
-    steps go on with the bits of the unfused path."""
-    fused, unfused = _two_runs(name, change=change, packed=False)
+@pytest.mark.parametrize(
+    "change, why",
+    [(_strided, "in the layout's order"), (_mixed, r"mixed dtypes \(bfloat16, float32\)")],
+)
+def test_parameters_that_stop_suiting_the_kernels_switch_to_the_unfused_path(name, change, why):
+    """Parameters whose strides change, or of mixed dtypes: the momentum is unpacked, saying
+    why, and the steps go on with the bits of the unfused path."""
+    fused, unfused = _two_runs(name, change=change, packed=False, why=why)
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+@pytest.mark.parametrize(
+    "name, options, why",
+    [
+        ("OnebitAdam", {"scale_per": "bucket"}, 'scale_per="bucket"'),
+        ("OnebitLamb", {"scale_per": "bucket"}, 'scale_per="bucket"'),
+        ("OnebitAdam", {"overlap_backward": True, "max_grad_norm": 1.0}, "is no longer ±σ"),
+        ("OnebitAdam", {"mixed": True}, r"mixed dtypes \(bfloat16, float32\)"),
+        ("OnebitLamb", {"backend": "numpy"}, "the numpy kernels have no fused passes"),
+    ],
+)
+def test_an_optimizer_without_a_packed_momentum_says_why(monkeypatch, name, options, why):
+    """Each configuration that keeps an fp32 momentum gives its reason (which
+    ``benchmarks/memory.py`` prints); the same optimizer without it packs."""
+    for given in (options, {}):
+        model = _model()
+        if given.get("mixed"):
+            _mixed(model)
+        monkeypatch.setenv("ONEBIT_BACKEND", given.get("backend", "auto"))
+        knobs = {k: v for k, v in given.items() if k not in ("mixed", "backend")}
+        opt = getattr(onebit, name)(model.parameters(), freeze_step=FREEZE, **knobs)
+        if given:
+            assert opt._fused is None and re.search(why, opt._unpacked), opt._unpacked
+        else:
+            assert opt._fused is not None and opt._unpacked is None
 
 
 @pytest.mark.parametrize("name", STATE)

@@ -179,7 +179,10 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
-        if not clips_result and momentum.applies(self.layout, self.scale_per, bool(self._masks)):
+        self._unpacked = momentum.unpacked_because(
+            self.layout, self.scale_per, bool(self._masks), clips_result
+        )
+        if self._unpacked is None:
             self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg,
                                                        masks=self._masks)  # fmt: skip
 

@@ -51,7 +51,7 @@ from .kernels.fused import DTYPES, gradient_addresses
 from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall
 from .model_quantized import ModelQuantized
-from .momentum import PackedMomentumStage, fused_parameters
+from .momentum import PackedMomentumStage, fused_parameters, unpacked_because
 from .quantized import QuantizedAllreduce
 from .sharding import Replicated, has_dtensors, local_tensor, shards_of
 from .stats import CommStats
@@ -1218,6 +1218,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum), where it applies.
 
     _fused: PackedMomentumStage | None = None
+    _unpacked: str | None = None  # why _fused is None (momentum.unpacked_because)
 
     def _packed_stage(self) -> PackedMomentumStage | None:
         """The packed momentum stage, if the parameters still suit its kernels; once they do not
@@ -1226,6 +1227,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._fused is not None and not fused_parameters(self.layout, DTYPES):
             self._fused.unpack_()
             self._fused = None
+            self._unpacked = unpacked_because(self.layout, self.scale_per)
             self.flat.expose("exp_avg", self._exp_avg)
         return self._fused
 

@@ -204,7 +204,8 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        if momentum.applies(self.layout, self.scale_per, bool(self._masks)):
+        self._unpacked = momentum.unpacked_because(self.layout, self.scale_per, bool(self._masks))
+        if self._unpacked is None:
             self._fused = momentum.PackedMomentumStage(
                 self.layout, self.comms, self._exp_avg, keeps_last=True, masks=self._masks
             )

@@ -15,10 +15,11 @@ error gets a buffer of its own (2 bytes) and the fp32 momentum's storage is rele
 momentum is packed: 2 + 2/n bytes for both errors.
 
 It applies to parameters of one dtype (fp32, bf16 or fp16) whose backend has the fused passes
-(the C kernels on the CPU, Triton on CUDA) and a scale per tensor (:func:`applies`); elsewhere
-the optimizers run the unfused formulation, which gives the same bits. ``max_grad_norm`` costs
-it nothing: each rank clips its own gradient before it is sent, by a factor the passes multiply
-the gradient by with the inverse loss scale, so the momentum stays what the allreduce returned.
+(the C kernels on the CPU, Triton on CUDA) and a scale per tensor; elsewhere the optimizers run
+the unfused formulation, which gives the same bits, and say why (:func:`unpacked_because`).
+``max_grad_norm`` costs it nothing: each rank clips its own gradient before it is sent, by a
+factor the passes multiply the gradient by with the inverse loss scale, so the momentum stays
+what the allreduce returned.
 """
 
 from __future__ import annotations
@@ -38,23 +39,39 @@ from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
-def applies(layout: FlatLayout, scale_per: str, masked: bool = False) -> bool:
-    """Whether :class:`PackedMomentumStage` can run the compression steps on the parameters of
-    ``layout`` (``masked``: with an ``exp_avg_mask``), all fp32, bf16 or fp16
-    (the passes read a low-precision gradient and update a parameter in place, rounding as
-    torch's ops do: :data:`~onebit.kernels.fused.DTYPES`).
+def unpacked_because(
+    layout: FlatLayout, scale_per: str, masked: bool = False, clips_result: bool = False
+) -> str | None:
+    """Why :class:`PackedMomentumStage` cannot run the compression steps on the parameters of
+    ``layout``, or ``None`` where it can: parameters all fp32, bf16 or fp16 (the passes read a
+    low-precision gradient and update a parameter in place, rounding as torch's ops do:
+    :data:`~onebit.kernels.fused.DTYPES`), on a backend with the fused passes, with a scale per
+    tensor. Where it cannot, the optimizer keeps an fp32 momentum: 4 + 1/n model sizes for 1-bit
+    Adam.
 
-    Not yet with ``scale_per="bucket"`` (the passes take a scale per tensor), with parameters
-    of mixed dtypes, or ``masked`` on a backend whose passes do not read masks
-    (``packs_masked_momentum``: the C and Triton kernels do, a masked momentum being
-    ``±σ·mask``); nor, as the optimizer checks, with ``overlap_backward`` and ``max_grad_norm``
-    together (the buckets leave before the rank's norm is known, so the result is clipped, and
-    is no longer ``±σ``). Those keep an fp32 momentum: 4 + 1/n model sizes for 1-bit Adam.
-    Parameters that are not contiguous but fill their memory (``channels_last``, a transpose)
-    are packed: the flat layout follows their memory order."""
-    if scale_per != "tensor" or layout.numel == 0 or not fused_parameters(layout, fused.DTYPES):
-        return False
-    return not masked or kernels.for_tensors(*layout.params).packs_masked_momentum
+    It cannot (yet) with ``scale_per="bucket"`` (the passes take a scale per tensor), with
+    parameters of mixed dtypes (one dtype per pass), with ``masked`` (an ``exp_avg_mask``) on a
+    backend whose passes do not read masks (``packs_masked_momentum``: the C and Triton kernels
+    do, a masked momentum being ``±σ·mask``), nor with ``clips_result``: ``overlap_backward``
+    and ``max_grad_norm`` together, where the buckets leave before the rank's norm is known, so
+    the result is clipped and is no longer ``±σ``. Parameters that are not contiguous but fill
+    their memory (``channels_last``, a transpose) are packed: the flat layout follows their
+    memory order."""
+    if layout.numel == 0:
+        return "no parameters"
+    if scale_per != "tensor":
+        return f'scale_per="{scale_per}": the fused passes take a scale per tensor'
+    if clips_result:
+        return (
+            "overlap_backward with max_grad_norm: the buckets leave before the rank's norm is "
+            "known, so the result is clipped and is no longer ±σ"
+        )
+    problem = _parameters_problem(layout, fused.DTYPES)
+    if problem is None and masked:
+        backend = kernels.for_tensors(*layout.params)
+        if not backend.packs_masked_momentum:
+            problem = f"exp_avg_mask: the {backend.name} kernels' passes do not read masks"
+    return problem
 
 
 def fused_parameters(layout: FlatLayout, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> bool:
@@ -62,13 +79,25 @@ def fused_parameters(layout: FlatLayout, dtypes: Sequence[torch.dtype] = (torch.
     update them in place: all of one dtype, one of ``dtypes``, and in the layout's order
     (:meth:`~onebit.layout.FlatLayout.in_order`). Checked at every step, since
     ``model.half()``, ``model.cuda()`` or ``.to(memory_format=...)`` can change it."""
+    return _parameters_problem(layout, dtypes) is None
+
+
+def _parameters_problem(layout: FlatLayout, dtypes: Sequence[torch.dtype]) -> str | None:
+    """Why the fused passes cannot update the parameters of ``layout`` (see
+    :func:`fused_parameters`), or ``None``."""
     params = layout.params
-    dtype = params[0].dtype if params else torch.float32
-    return (
-        kernels.for_tensors(*params).packs_momentum
-        and dtype in dtypes
-        and all(p.dtype == dtype and layout.in_order(i, p) for i, p in enumerate(params))
-    )
+    backend = kernels.for_tensors(*params)
+    if not backend.packs_momentum:
+        return f"the {backend.name} kernels have no fused passes"
+    found = {p.dtype for p in params}
+    if len(found) > 1:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in found))
+        return f"parameters of mixed dtypes ({names}): each pass takes one"
+    if found and (dtype := found.pop()) not in dtypes:
+        return f"{str(dtype).removeprefix('torch.')} parameters"
+    if not all(layout.in_order(i, p) for i, p in enumerate(params)):
+        return "parameters that do not fill their memory in the layout's order"
+    return None
 
 
 class PackedMomentumStage:
