@@ -14,6 +14,7 @@ from optimizer_state import roundtrip, storage_bytes
 from torch.nn.parallel import DistributedDataParallel
 
 import onebit
+from onebit.compress import serve_pieces_
 
 STEPS = 9
 LOOPS = {
@@ -97,6 +98,31 @@ def test_bf16_errors_are_fp32_errors_rounded_once_written(name, world_size, loop
         assert all(errors)
         fused = name != "zero_one" and loop == "plain" and backend in ("c", "triton")
         assert packed or not fused
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_the_server_pass_on_a_bf16_store_gives_its_fp32_copys_bits(monkeypatch, last):
+    """:func:`~onebit.compress.serve_pieces_` on a bf16 server store (the error, or with
+    ``last`` the last ``z``), which the C kernels read and write in place: the signs, scales
+    and store of the torch reference on an fp32 copy, rounded once written."""
+    gen = torch.Generator().manual_seed(1)
+    k, m = 3, 4096 // 8 + 5  # a block, then a tail
+    packed = torch.randint(0, 256, (k, m + 7), dtype=torch.uint8, generator=gen)[:, :m]
+    bounds = torch.tensor([0, 5, 17, 2000, 8 * m])
+    pieces = torch.stack([bounds[:-1], bounds[1:], torch.arange(len(bounds) - 1)], 1)
+    scales = torch.rand(k, len(pieces), generator=gen)
+    store = (torch.randn(8 * m, generator=gen) * 0.1).bfloat16()
+    previous = torch.rand(len(pieces), generator=gen) if last else None
+    results = []
+    for backend in ("c", "torch"):
+        use_backend(backend, monkeypatch)
+        kept = store.clone()
+        served = serve_pieces_(packed, scales, pieces, bounds, kept, previous, "rms")
+        results.append((*served, kept))
+    (signs, sigma, kept), (want_signs, want_sigma, want_kept) = results
+    assert torch.equal(signs, want_signs) and torch.equal(kept, want_kept)
+    torch.testing.assert_close(sigma, want_sigma, rtol=1e-6, atol=0)  # C sums in blocks
+    assert not torch.equal(kept, store)
 
 
 def test_bf16_errors_would_differ_unrounded():

@@ -110,6 +110,34 @@ def test_no_error_is_zeros_and_the_momentum_buffer_can_take_the_error(packing):
     assert torch.equal(m[:numel], want_error[:numel])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_errors_give_the_bits_of_their_fp32_copies_rounded(packing, packed):
+    """An error kept in bf16, read (the C kernels read it in place) and written back in place
+    or into the fp32 momentum: the signs, scales and new error of the fp32 copy, the error
+    rounded to nearest even once written."""
+    gen = torch.Generator().manual_seed(6)
+    geometry, runs, grads, numel, padded = _bucket(3, gen)
+    if packed:
+        momentum, _ = _packed(geometry, 3, padded, gen)
+    else:
+        momentum = torch.randn(padded, generator=gen)
+    error = (torch.randn(padded, generator=gen) * 0.1).bfloat16()
+    addresses = _addresses(runs, grads)
+    results = []
+    for e in (error.clone(), error.float()):
+        bits = torch.empty(padded // 8, dtype=torch.uint8)
+        scales = fused.signs(runs, addresses, 2.0**-7, momentum, 0.1, e, bits)
+        into_fp32 = torch.empty(padded)
+        fused.commit(runs, addresses, 2.0**-7, momentum, 0.1, e, scales, out=into_fp32)
+        fused.commit(runs, addresses, 2.0**-7, momentum, 0.1, e, scales, out=e)
+        results.append((bits, scales, into_fp32, e))
+    (bits, scales, into_fp32, e), (want_bits, want_scales, want_fp32, want_e) = results
+    assert e.dtype == torch.bfloat16 and into_fp32.dtype == torch.float32
+    assert torch.equal(bits, want_bits) and torch.equal(scales, want_scales)
+    assert torch.equal(into_fp32, want_fp32)
+    assert torch.equal(e.view(torch.int16), want_e.bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_gradients_give_the_bits_of_their_fp32_values(packing, dtype):
     """bf16 and fp16 gradients read in place: the signs, scales and error of the same values

@@ -370,8 +370,8 @@ KERNEL INLINE float lerp_one(float m, float g, float w) {
 }
 
 KERNEL INLINE float y_one(const Source *x, int64_t i, int64_t k, float inv, int use_inv, float w,
-                          const float *e) {
-    float ei = e ? e[i] : 0.0f;
+                          const void *e, int edtype) {
+    float ei = e ? load_one(e, i, edtype) : 0.0f;
     if (x->pad) return 0.0f + ei;
     float g = x->g ? load_one(x->g, k, x->dtype) : 0.0f;
     if (x->g && use_inv) g = g * inv;
@@ -391,8 +391,8 @@ KERNEL INLINE __m256 mask_vec(const uint8_t *mask) {
 }
 
 KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int use_inv, float w,
-                           const float *e) {
-    __m256 ev = e ? _mm256_loadu_ps(e + i) : _mm256_setzero_ps();
+                           const void *e, int edtype) {
+    __m256 ev = e ? load_vec(e, i, edtype) : _mm256_setzero_ps();
     if (x->pad) return _mm256_add_ps(_mm256_setzero_ps(), ev);
     __m256 g = _mm256_setzero_ps();
     if (x->g) {
@@ -408,22 +408,24 @@ KERNEL INLINE __m256 y_vec(const Source *x, int64_t i, int64_t k, float inv, int
     return _mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(x->post)), ev);
 }
 
-/* y_vec for the common run, with its constants in registers: a gradient, the packed momentum
-   and an error. g * 1.0f is g, so the gradient is always multiplied. SMALL is |w| < 0.5. */
+/* y_vec for the common run, with its constants in registers: an fp32 gradient, the packed
+   momentum and an error (fp32 or bf16). g * 1.0f is g, so the gradient is always multiplied.
+   SMALL is |w| < 0.5; E16: the error is bf16. */
 typedef struct {
-    const float *g, *e;
+    const float *g;
+    const void *e;
     const uint8_t *row;
     __m256 inv, s, ns, coeff, post;
 } Fast;
 
-KERNEL INLINE int fast_run(const Source *x, const float *e) {
+KERNEL INLINE int fast_run(const Source *x, const void *e) {
     return !x->pad && x->g && x->dtype == F32 && x->row && !x->mask && e;
 }
 
 KERNEL INLINE Fast fast_of(const Source *x, int64_t start, float inv, int use_inv, float w,
-                           const float *e) {
-    Fast f = {(const float *)x->g - start, e, x->row, _mm256_set1_ps(use_inv ? inv : 1.0f), _mm256_set1_ps(x->s),
-              _mm256_set1_ps(x->ns), _mm256_set1_ps(__builtin_fabsf(w) < 0.5f ? w : w - 1.0f),
+                           const void *e) {
+    Fast f = {(const float *)x->g - start, e, x->row, _mm256_set1_ps(use_inv ? inv : 1.0f),
+              _mm256_set1_ps(x->s), _mm256_set1_ps(x->ns), _mm256_set1_ps(__builtin_fabsf(w) < 0.5f ? w : w - 1.0f),
               _mm256_set1_ps(x->post)};
     return f;
 }
@@ -434,24 +436,38 @@ KERNEL INLINE void ahead(const float *p) {
     _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
 }
 
-KERNEL INLINE __m256 y_fast(const Fast *f, int64_t i, int small) {
+/* ahead() of element i of p, of type dtype. */
+KERNEL INLINE void ahead_at(const void *p, int64_t i, int dtype) {
+    ahead(dtype == F32 ? (const float *)p + i : (const float *)((const uint16_t *)p + i));
+}
+
+KERNEL INLINE __m256 y_fast(const Fast *f, int64_t i, int small, int e16) {
     ahead(f->g + i);
-    ahead(f->e + i);
+    ahead_at(f->e, i, e16 ? BF16 : F32);
     __m256 g = _mm256_mul_ps(_mm256_loadu_ps(f->g + i), f->inv);
     __m256 m = signed_byte(f->row[i >> 3], f->s, f->ns);
     __m256 y = _mm256_fmadd_ps(f->coeff, _mm256_sub_ps(g, m), small ? m : g);
-    return _mm256_add_ps(_mm256_mul_ps(y, f->post), _mm256_loadu_ps(f->e + i));
+    return _mm256_add_ps(_mm256_mul_ps(y, f->post), load_vec(f->e, i, e16 ? BF16 : F32));
 }
 
-#define Y_SMALL(i) y_fast(&f, i, 1)
-#define Y_LARGE(i) y_fast(&f, i, 0)
-#define Y_ANY(i) y_vec(&x, i, i - start, inv, use_inv, w, e)
+#define Y_SMALL(i) y_fast(&f, i, 1, 0)
+#define Y_LARGE(i) y_fast(&f, i, 0, 0)
+#define Y_SMALL16(i) y_fast(&f, i, 1, 1)
+#define Y_LARGE16(i) y_fast(&f, i, 0, 1)
+#define Y_ANY(i) y_vec(&x, i, i - start, inv, use_inv, w, e, edtype)
 
 /* BODY(Y) with Y the fastest y of the run (x; the variables of y_vec in scope). */
 #define WITH_Y(BODY)                                                                       \
     if (fast_run(&x, e)) {                                                                 \
         const Fast f = fast_of(&x, start, inv, use_inv, w, e);                             \
-        if (__builtin_fabsf(w) < 0.5f) {                                                   \
+        int small = __builtin_fabsf(w) < 0.5f;                                             \
+        if (edtype == BF16) {                                                              \
+            if (small) {                                                                   \
+                BODY(Y_SMALL16)                                                            \
+            } else {                                                                       \
+                BODY(Y_LARGE16)                                                            \
+            }                                                                              \
+        } else if (small) {                                                                \
             BODY(Y_SMALL)                                                                  \
         } else {                                                                           \
             BODY(Y_LARGE)                                                                  \
@@ -491,12 +507,13 @@ KERNEL INLINE void set_bit(uint8_t *bits, int64_t i, float v) {
     }
 
 /* Pass 1: the signs of y, packed into bits (bit i of byte i / 8), and totals[q] = the sum of
-   y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats. */
+   y*y (|y| if mean_abs) over each of the nseg segments, in the order of Sum. Writes no floats.
+   The error e is of type edtype (F32 or BF16). */
 KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                            int use_inv, const float *dense, const uint8_t *mbits, int64_t stride,
                            int64_t chunk, const float *mscales, const int64_t *masks, float w,
-                           const float *post, const float *e, uint8_t *restrict bits,
-                           int mean_abs, double *totals, int64_t nseg, int dtype) {
+                           const float *post, const void *e, uint8_t *restrict bits,
+                           int mean_abs, double *totals, int64_t nseg, int dtype, int edtype) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t q = 0; q < nseg; q++) totals[q] = 0.0;
     Sum sum;
@@ -516,13 +533,13 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
         }
         int64_t i = start;
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e, edtype);
             sum_one(&sum, i, y, mean_abs);
             set_bit(bits, i, y);
         }
         WITH_Y(SIGNS_BODY)
         for (; i < end; i++) {
-            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e, edtype);
             sum_one(&sum, i, y, mean_abs);
             set_bit(bits, i, y);
         }
@@ -534,12 +551,14 @@ KERNEL void ob_fused_signs(const int64_t *runs, int64_t nruns, const int64_t *gr
 }
 
 /* Pass 2, once every rank's scales are known finite: e_out[i] = y - (y >= 0 ? s_q : -1 * s_q)
-   with s_q = scales[q], y recomputed as in pass 1. e_out may be e or dense. */
+   with s_q = scales[q], y recomputed as in pass 1, stored as odtype (F32 or BF16, rounded).
+   e_out may be e or dense. */
 KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *grads, float inv,
                             int use_inv, const float *dense, const uint8_t *mbits,
                             int64_t stride, int64_t chunk, const float *mscales,
-                            const int64_t *masks, float w, const float *post, const float *e,
-                            const float *scales, float *e_out, int dtype) {
+                            const int64_t *masks, float w, const float *post, const void *e,
+                            const float *scales, void *e_out, int dtype, int edtype,
+                            int odtype) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < nruns; r++) {
         int64_t start = runs[4 * r], end = runs[4 * r + 1], q = runs[4 * r + 2];
@@ -549,20 +568,20 @@ KERNEL void ob_fused_commit(const int64_t *runs, int64_t nruns, const int64_t *g
         const __m256 vs = _mm256_set1_ps(sq), vns = _mm256_set1_ps(nsq);
         int64_t i = start;
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
-            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
-            e_out[i] = y >= 0.0f ? y - sq : y - nsq;
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e, edtype);
+            store_one(e_out, i, y >= 0.0f ? y - sq : y - nsq, odtype);
         }
 #define COMMIT_BODY(Y)                                                                     \
     for (; i + 8 <= end; i += 8) {                                                         \
         __m256 y = Y(i);                                                                   \
         __m256 t = _mm256_blendv_ps(vns, vs, _mm256_cmp_ps(y, zero, _CMP_GE_OQ));          \
-        _mm256_storeu_ps(e_out + i, _mm256_sub_ps(y, t));                                  \
+        store_vec(e_out, i, _mm256_sub_ps(y, t), odtype);                                  \
     }
         WITH_Y(COMMIT_BODY)
 #undef COMMIT_BODY
         for (; i < end; i++) {
-            float y = y_one(&x, i, i - start, inv, use_inv, w, e);
-            e_out[i] = y >= 0.0f ? y - sq : y - nsq;
+            float y = y_one(&x, i, i - start, inv, use_inv, w, e, edtype);
+            store_one(e_out, i, y >= 0.0f ? y - sq : y - nsq, odtype);
         }
     }
 }
@@ -660,14 +679,26 @@ KERNEL INLINE __m256 error_vec(__m256 z, __m256 s, __m256 ns) {
                                                                   _CMP_GE_OQ)));
 }
 
+/* v stored at p[i] as dtype (rounded); returns v. */
+KERNEL INLINE float kept_one(void *p, int64_t i, float v, int dtype) {
+    store_one(p, i, v, dtype);
+    return v;
+}
+
+KERNEL INLINE __m256 kept_vec(void *p, int64_t i, __m256 v, int dtype) {
+    store_vec(p, i, v, dtype);
+    return v;
+}
+
 /* The server's share with a scale per piece in one pass, its error kept as the last z: store
-   holds the error, or with `last` (non-NULL) the last call's z, whose error is error_one(z,
-   last[p]) on piece p. z = (the rows' average, as z_one) + that error is written over store, its
-   signs into bits, and totals[p] = the sum of z*z (|z|) per piece. */
+   (of type sdtype, F32 or BF16) holds the error, or with `last` (non-NULL) the last call's z,
+   whose error is error_one(z, last[p]) on piece p. z = (the rows' average, as z_one) + that
+   error is written over store (rounded to sdtype), its signs into bits, and totals[p] = the sum
+   of z*z (|z|) per piece, both of z as computed. */
 KERNEL int ob_serve_store(const uint8_t *packed, int64_t stride, const float *scales,
                           int64_t ncols, int64_t k, const int64_t *pieces, int64_t npieces,
-                          float *store, const float *last, uint8_t *restrict bits, int mean_abs,
-                          double *totals) {
+                          void *store, const float *last, uint8_t *restrict bits, int mean_abs,
+                          double *totals, int sdtype) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t p = 0; p < npieces; p++) {
         int64_t start = pieces[3 * p], end = pieces[3 * p + 1], c = pieces[3 * p + 2];
@@ -676,7 +707,11 @@ KERNEL int ob_serve_store(const uint8_t *packed, int64_t stride, const float *sc
         Sum sum;
         sum_start(&sum);
         int64_t i = start;
-#define Z_ONE(i) (store[i] = z_one(packed, stride, scales, ncols, k, c, i, error_one(store[i], ls)))
+#define Z_ONE(i)                                                                           \
+    kept_one(store, i,                                                                     \
+             z_one(packed, stride, scales, ncols, k, c, i,                                 \
+                   error_one(load_one(store, i, sdtype), ls)),                             \
+             sdtype)
         for (; i < end && ((i & 7) || i + 8 > end); i++) {
             float z = Z_ONE(i);
             sum_one(&sum, i, z, mean_abs);
@@ -685,14 +720,27 @@ KERNEL int ob_serve_store(const uint8_t *packed, int64_t stride, const float *sc
         __m256 *rows = row_scales(scales, ncols, k, c);
         if (!rows) return -1;
         const __m256 s0 = rows[0], ns0 = rows[k];
-#define ERR(i) (ahead(store + (i)), error_vec(_mm256_loadu_ps(store + (i)), vls, vnls))
-#define Z1(i) stored(store + (i), _mm256_add_ps(signed_byte(packed[(i) >> 3], s0, ns0), ERR(i)))
-#define Z(i) stored(store + (i), z_vec(packed, stride, rows, rows + k, k, i, ERR(i)))
-        if (k == 1) {
-            SIGNS_BODY(Z1)
+#define ERR(i, T) (ahead_at(store, i, T), error_vec(load_vec(store, i, T), vls, vnls))
+#define Z1(i, T)                                                                           \
+    kept_vec(store, i, _mm256_add_ps(signed_byte(packed[(i) >> 3], s0, ns0), ERR(i, T)), T)
+#define Z(i, T) kept_vec(store, i, z_vec(packed, stride, rows, rows + k, k, i, ERR(i, T)), T)
+#define Z1_F32(i) Z1(i, F32)
+#define Z1_BF16(i) Z1(i, BF16)
+#define Z_F32(i) Z(i, F32)
+#define Z_BF16(i) Z(i, BF16)
+        if (k == 1 && sdtype == BF16) {
+            SIGNS_BODY(Z1_BF16)
+        } else if (k == 1) {
+            SIGNS_BODY(Z1_F32)
+        } else if (sdtype == BF16) {
+            SIGNS_BODY(Z_BF16)
         } else {
-            SIGNS_BODY(Z)
+            SIGNS_BODY(Z_F32)
         }
+#undef Z_BF16
+#undef Z_F32
+#undef Z1_BF16
+#undef Z1_F32
 #undef Z
 #undef Z1
 #undef ERR

@@ -276,7 +276,7 @@ def serve_pieces_(
     """
     check_scale(scale)
     backend = kernels.for_tensors(packed, store)
-    with written(store) as staged:
+    with written(store, backend.error_dtypes) as staged:
         return backend.serve_pieces_(packed, scales, pieces, bounds, staged, last, scale)
 
 

@@ -2,15 +2,16 @@
 
 A backend's kernels read and write fp32 errors. Where an error is kept in bf16, the dispatching
 functions (:mod:`onebit.compress`, :mod:`onebit.kernels.fused`) hand the kernels an fp32 copy of
-the call's buffer (:func:`fp32`) and round what they wrote back into it (:func:`written`); the
-passes over every bucket at once (:mod:`onebit.kernels.triton_model`) read and write bf16 where it
-is. Either way the bits are those of the fp32 formulation with each written error rounded to
-nearest, ties to even.
+the call's buffer (:func:`fp32`) and round what they wrote back into it (:func:`written`), except
+where the backend's ``error_dtypes`` has bf16: the C kernels' fused momentum passes and server
+pass with a scale per piece, and the Triton passes over every bucket at once
+(:mod:`onebit.kernels.triton_model`), read and write bf16 where it is. Either way the bits are
+those of the fp32 formulation with each written error rounded to nearest, ties to even.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -32,16 +33,18 @@ def check_error_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def fp32(error: Tensor | None) -> Tensor | None:
-    """``error`` as the kernels read it: itself if fp32 (or ``None``), else an fp32 copy."""
-    return error if error is None or error.dtype == torch.float32 else error.float()
+def fp32(error: Tensor | None, read: Sequence[torch.dtype] = (torch.float32,)) -> Tensor | None:
+    """``error`` as the kernels read it: itself if of a dtype they ``read`` (or ``None``), else
+    an fp32 copy."""
+    return error if error is None or error.dtype in read else error.float()
 
 
 @contextmanager
-def written(error: Tensor) -> Iterator[Tensor]:
-    """``error`` as the kernels update it: itself if fp32, else an fp32 copy, rounded back into
-    ``error`` when the block ends without raising (a bucket's worth of fp32 for the call)."""
-    staged = fp32(error)
+def written(error: Tensor, read: Sequence[torch.dtype] = (torch.float32,)) -> Iterator[Tensor]:
+    """``error`` as the kernels update it: itself if of a dtype they ``read`` and write, else an
+    fp32 copy, rounded back into ``error`` when the block ends without raising (a bucket's
+    worth of fp32 for the call)."""
+    staged = fp32(error, read)
     yield staged
     if staged is not error:
         error.copy_(staged)

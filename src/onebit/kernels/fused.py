@@ -196,8 +196,10 @@ def signs(
     ``error`` ``None`` is an error of zeros; a bf16 one is read through an fp32 copy. ``post``
     is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
     """
-    return _backend(out).momentum_signs(runs, grads, inv_scale, momentum, weight, fp32(error),
-                                        out, scale, post, dtype)  # fmt: skip
+    backend = _backend(out)
+    return backend.momentum_signs(runs, grads, inv_scale, momentum, weight,
+                                  fp32(error, backend.error_dtypes), out, scale, post,
+                                  dtype)  # fmt: skip
 
 
 def commit(
@@ -215,10 +217,11 @@ def commit(
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
     ``momentum`` itself, and bf16 (rounded to it, through an fp32 copy)."""
-    with written(out) as staged:
-        error = staged if error is out else fp32(error)
-        _backend(out).momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales,
-                                      staged, post, dtype)  # fmt: skip
+    backend = _backend(out)
+    with written(out, backend.error_dtypes) as staged:
+        error = staged if error is out else fp32(error, backend.error_dtypes)
+        backend.momentum_commit(runs, grads, inv_scale, momentum, weight, error, scales, staged,
+                                post, dtype)  # fmt: skip
 
 
 def update(

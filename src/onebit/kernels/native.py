@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from .errors import ERROR_DTYPES, written
 from .fused import DTYPES, BucketRuns, PackedMomentum
 from .numpy_chunks import NumpyKernels, finish_scale, np, suits
 from .reference import scales_from_totals
@@ -30,6 +31,7 @@ class CKernels(NumpyKernels):
     name = "c"
     packs_momentum = True
     packs_masked_momentum = True
+    error_dtypes = ERROR_DTYPES
 
     def unavailable(self) -> str | None:
         if np is None:
@@ -53,7 +55,7 @@ class CKernels(NumpyKernels):
         addresses = runs.addresses(grads, dtype.itemsize)  # kept alive while the kernel reads it
         y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
         _native.load().ob_fused_signs(*y, out.data_ptr(), scale == "mean_abs", totals.data_ptr(),
-                                      len(totals), DTYPES.index(dtype))  # fmt: skip
+                                      len(totals), DTYPES.index(dtype), _code(error))  # fmt: skip
         return scales_from_totals(totals, runs.lengths, scale)
 
     def momentum_commit(
@@ -65,7 +67,8 @@ class CKernels(NumpyKernels):
         post = None if post is None else runs.per_run(post)
         addresses = runs.addresses(grads, dtype.itemsize)  # kept alive while the kernel reads it
         y, _ = _y_arguments(runs, addresses, inv_scale, momentum, weight, post, error)
-        _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr(), DTYPES.index(dtype))
+        _native.load().ob_fused_commit(*y, scales.data_ptr(), out.data_ptr(), DTYPES.index(dtype),
+                                       _code(error), _code(out))  # fmt: skip
 
     def momentum_update(
         self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
@@ -224,8 +227,9 @@ class CKernels(NumpyKernels):
         last: Tensor | None,
         scale: str,
     ) -> tuple[Tensor, Tensor]:
-        if not (_fp32(store) and packed.stride(-1) == 1):
-            return super().serve_pieces_(packed, scales, pieces, bounds, store, last, scale)
+        if not (store.is_contiguous() and store.dtype in ERROR_DTYPES and packed.stride(-1) == 1):
+            with written(store) as staged:
+                return super().serve_pieces_(packed, scales, pieces, bounds, staged, last, scale)
         k = packed.shape[0]
         scales = scales.to(torch.float32).contiguous()
         last = None if last is None else last.to(torch.float32).contiguous()
@@ -235,8 +239,8 @@ class CKernels(NumpyKernels):
         if lib.ob_serve_store(packed.data_ptr(), packed.stride(0), scales.data_ptr(),
                               scales.shape[1], k, pieces.data_ptr(), len(pieces),
                               store.data_ptr(), 0 if last is None else last.data_ptr(),
-                              signs.data_ptr(), scale == "mean_abs",
-                              totals.data_ptr()):  # fmt: skip
+                              signs.data_ptr(), scale == "mean_abs", totals.data_ptr(),
+                              _code(store)):  # fmt: skip
             raise MemoryError("onebit's server kernel could not allocate its scale table")
         return signs, scales_from_totals(totals, bounds.diff().to(torch.float64), scale)
 
@@ -252,6 +256,11 @@ class CKernels(NumpyKernels):
                                             pieces.data_ptr(), len(pieces), out.data_ptr(),
                                             out.numel())  # fmt: skip
         return out
+
+
+def _code(error: Tensor | None) -> int:
+    """The C kernels' code of an error buffer's dtype (``None``: no buffer, read as zeros)."""
+    return 0 if error is None else DTYPES.index(error.dtype)
 
 
 def _momentum(m: Tensor | PackedMomentum, runs: BucketRuns) -> tuple[tuple, Tensor | None]:

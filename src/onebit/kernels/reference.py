@@ -92,6 +92,9 @@ class TorchKernels:
             which :mod:`onebit.momentum` needs; the C and Triton kernels do.
         packs_masked_momentum: whether those passes also read a packed momentum's masks
             (:class:`~onebit.kernels.fused.PackedMomentum`, ``exp_avg_mask``).
+        error_dtypes: the dtypes of error buffers that those passes and ``serve_pieces_``
+            read and write where they are; the others get an fp32 copy
+            (:mod:`onebit.kernels.errors`), as every error does in the other ops.
         tile_numel: elements per tile of the quantized warmup (:mod:`onebit.quantized`): what
             stays in a CPU core's cache, or bigger on a GPU, for fewer kernel launches.
     """
@@ -99,6 +102,7 @@ class TorchKernels:
     name = "torch"
     packs_momentum = False
     packs_masked_momentum = False
+    error_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     tile_numel = 1 << 20
 
     def unavailable(self) -> str | None:
