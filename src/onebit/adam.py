@@ -84,11 +84,10 @@ class OnebitAdam(CompressedOptimizer):
             With the packed momentum the state is then ``1.5 + 0.5/n + 1/32`` model sizes, below
             AdamW's 2 (``2 + 1/n + 1/32`` in fp32). Measured (``BENCHMARKS.md``): final
             validation losses within -0.45..+0.09% of fp32 errors' over 3 seeds of three
-            600-step tasks (none worse by more than 0.09%); on the CPU the C kernels read and
-            write each bucket's errors through an fp32 copy, which made the step 1.3-1.9x as
-            long as with fp32 errors, and the first compression step holds the fp32 momentum
-            beside the new errors once. On CUDA the Triton passes over every bucket read and
-            write bf16 in place. A checkpoint loads across the two dtypes, with a warning.
+            600-step tasks (none worse by more than 0.09%); the step takes as long as with
+            fp32 errors (the C kernels and Triton's passes read and write bf16 in place), and
+            the first compression step holds the fp32 momentum beside the new errors once. A
+            checkpoint loads across the two dtypes, with a warning.
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
