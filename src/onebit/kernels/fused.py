@@ -193,7 +193,8 @@ def signs(
     gradient: :func:`gradient_addresses`), gradients of ``dtype`` (one of :data:`DTYPES`).
     ``inv_scale`` is a number, or on Triton a 0-dim fp32 tensor on the device (the inverse loss
     scale and clipping coefficient, never read).
-    ``error`` ``None`` is an error of zeros; a bf16 one is read through an fp32 copy. ``post``
+    ``error`` ``None`` is an error of zeros; a bf16 one is read in place by backends whose
+    ``error_dtypes`` have it (C), through an fp32 copy by the others. ``post``
     is fp32 per parameter (1-bit LAMB's momentum scaling; ``None``: no factor).
     """
     backend = _backend(out)
@@ -216,7 +217,8 @@ def commit(
 ) -> None:
     """Pass 2: ``out = y - (y >= 0 ? s : -s)`` per segment, with ``y`` as in :func:`signs` (same
     arguments) and ``scales`` its segment scales; ``out`` may be ``error`` or the fp32
-    ``momentum`` itself, and bf16 (rounded to it, through an fp32 copy)."""
+    ``momentum`` itself, and bf16 (rounded to it, in place or through an fp32 copy, as
+    :func:`signs` reads it)."""
     backend = _backend(out)
     with written(out, backend.error_dtypes) as staged:
         error = staged if error is out else fp32(error, backend.error_dtypes)
