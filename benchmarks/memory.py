@@ -143,7 +143,7 @@ def _make(
         options["overlap_backward"] = True
     if loop == "scale_per_bucket":
         options["scale_per"] = "bucket"
-    elif loop == "exp_avg_mask":
+    if loop == "exp_avg_mask":
         options["exp_avg_mask"] = {params[0]: torch.ones_like(params[0])}
     if name == "OnebitAdam":
         return onebit.OnebitAdam(params, lr=1e-3, freeze_step=2, process_group=group, **options), 5
