@@ -95,6 +95,11 @@ class OnebitLamb(CompressedOptimizer):
     Entries whose variance is (about) 0 at the freeze take their tensor's mean variance, as in
     :class:`~onebit.OnebitAdam`.
 
+    The frozen variance makes the compression stage less tolerant of too large a learning rate
+    than LAMB: at LAMB's best rate and below it ends at or below LAMB's loss, but at four times
+    that rate it can diverge where LAMB merely stops learning. If the loss climbs after the
+    freeze, lower ``lr`` or freeze later.
+
     With weight decay the factor is blended towards 1 by the share of the update that does not
     depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
     implementation does (SPEC section 5 leaves this out).
