@@ -96,9 +96,9 @@ class OnebitLamb(CompressedOptimizer):
     :class:`~onebit.OnebitAdam`.
 
     The frozen variance makes the compression stage less tolerant of too large a learning rate
-    than LAMB: at LAMB's best rate and below it ends at or below LAMB's loss, but at four times
-    that rate it can diverge where LAMB merely stops learning. If the loss climbs after the
-    freeze, lower ``lr`` or freeze later.
+    than LAMB: in the runs of ``BENCHMARKS.md`` it ended at or below LAMB's loss at LAMB's best
+    rate and below, but at four times that rate it diverged where LAMB merely stopped learning.
+    If the loss climbs after the freeze, lower ``lr`` or freeze later.
 
     With weight decay the factor is blended towards 1 by the share of the update that does not
     depend on the variance, ``min(1, ||m̂/(sqrt(v_T)+eps)|| / ||update||)``, as the reference
