@@ -45,11 +45,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..adam import OnebitAdam
+from .. import registry
 from ..base import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE, CompressedOptimizer
 from ..comm import group_size_and_rank
-from ..lamb import OnebitLamb
-from ..zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "KEY_MAP",
@@ -64,16 +62,12 @@ __all__ = [
 
 ADAM, ZERO_ONE, LAMB = "OneBitAdam", "ZeroOneAdam", "OneBitLamb"
 
-OPTIMIZERS: dict[str, type[CompressedOptimizer]] = {
-    ADAM: OnebitAdam,
-    ZERO_ONE: ZeroOneAdam,
-    LAMB: OnebitLamb,
-}
+OPTIMIZERS: dict[str, type[CompressedOptimizer]] = {e.deepspeed: e.cls for e in registry.OPTIMIZERS}
 """DeepSpeed's optimizer ``type`` (matched ignoring case, as DeepSpeed does) -> onebit class."""
 
-_ALL = (ADAM, ZERO_ONE, LAMB)
-_FREEZING = (ADAM, LAMB)
-_NAMES = {ADAM: "1-bit Adam", ZERO_ONE: "0/1 Adam", LAMB: "1-bit LAMB"}
+_ALL = tuple(OPTIMIZERS)
+_FREEZING = tuple(e.deepspeed for e in registry.OPTIMIZERS if e.freezes)
+_NAMES = {e.deepspeed: e.title for e in registry.OPTIMIZERS}
 
 
 class UnsupportedKeyWarning(UserWarning):
@@ -345,7 +339,7 @@ def optimizer_from_config(
     groups, masks = _param_groups(params, ds_type, kwargs, notes)
     if masks:
         kwargs["exp_avg_mask"] = masks
-    if optimizer_class is OnebitLamb:
+    if ds_type == LAMB:
         kwargs["bucket_size"] = _whole_model_bucket(groups, process_group)
     if "max_grad_norm" in overrides:
         notes = [n for n in notes if not n.startswith("max_grad_norm:")]

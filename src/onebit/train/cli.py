@@ -365,7 +365,6 @@ def run(args: argparse.Namespace, prog: str) -> int:
         UsageError,
         DataError,
         CheckpointError,
-        optim.OptimizerUnavailable,
         loggers.LoggerUnavailable,
     ) as err:
         if talk:
@@ -512,8 +511,6 @@ def _new_run(
         _parse_compare(args.compare) if args.compare else [Variant(args.optimizer or "onebit-adam")]
     )
     names = [run.name for run in runs]
-    for name in names:
-        optim.optimizer_class(name)
     if not any(optim.is_compressed(n) for n in names):
         for flag, value in (
             ("--no-error-feedback", not args.error_feedback),

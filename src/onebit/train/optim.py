@@ -25,25 +25,23 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import onebit
+from onebit import registry
 from onebit.base import DEFAULT_BUCKET_SIZE
 from onebit.comm import allreduce_bytes
 
-OPTIMIZERS = ("adamw", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
+_ONEBIT = {entry.name: entry for entry in registry.OPTIMIZERS}
 
-REFERENCE = {"onebit-adam": "adamw", "zero-one-adam": "adamw", "onebit-lamb": "lamb"}
+REFERENCE = {name: entry.reference for name, entry in _ONEBIT.items()}
 """The uncompressed optimizer each 1-bit optimizer is measured against."""
 
-_CLASSES = {
-    "onebit-adam": "OnebitAdam",
-    "zero-one-adam": "ZeroOneAdam",
-    "lamb": "OnebitLamb",
-    "onebit-lamb": "OnebitLamb",
-}
+OPTIMIZERS = tuple(dict.fromkeys(n for name, ref in REFERENCE.items() for n in (ref, name)))
+"""``--optimizer`` choices: each uncompressed optimizer before the 1-bit ones measured against
+it."""
 
 WARMUP_COMPRESSION = onebit.base.WARMUP_COMPRESSION
 """``--warmup-compression`` choices: how the 1-bit optimizers' warmup averages gradients."""
 
-WARMUP_COMPRESSED = ("onebit-adam", "onebit-lamb")
+WARMUP_COMPRESSED = tuple(name for name, entry in _ONEBIT.items() if entry.freezes)
 """The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
 
 DEFAULT_WARMUP_COMPRESSION = "int4"
@@ -64,21 +62,11 @@ NEVER = 2**62
 """A freeze step no run reaches: keeps OnebitLamb in its exact-LAMB warmup."""
 
 
-class OptimizerUnavailable(ValueError):
-    """The optimizer is not in this installation of onebit. Its message is user-facing."""
-
-
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The class behind ``name``, or :class:`OptimizerUnavailable` if onebit lacks it."""
+    """The class behind ``name``, one of :data:`OPTIMIZERS`."""
     if name == "adamw":
         return torch.optim.AdamW
-    cls = getattr(onebit, _CLASSES[name], None)
-    if cls is None:
-        raise OptimizerUnavailable(
-            f"optimizer {name!r} needs onebit.{_CLASSES[name]}, which this version of onebit "
-            "does not have"
-        )
-    return cls
+    return onebit.OnebitLamb if name == "lamb" else _ONEBIT[name].cls
 
 
 def is_compressed(name: str) -> bool:
@@ -88,7 +76,7 @@ def is_compressed(name: str) -> bool:
 
 def default_lr(name: str) -> float:
     """A learning rate that suits the built-in models: LAMB's trust ratio wants a larger one."""
-    return 1e-2 if name in ("lamb", "onebit-lamb") else 1e-3
+    return 1e-2 if REFERENCE.get(name, name) == "lamb" else 1e-3
 
 
 def default_freeze_step(name: str, steps: int) -> int:
