@@ -44,4 +44,3 @@ OPTIMIZERS: tuple[Entry, ...] = (
     Entry(ZeroOneAdam, "zero-one-adam", "ZeroOneAdam", "0/1 Adam", "adamw", freezes=False),
     Entry(OnebitLamb, "onebit-lamb", "OneBitLamb", "1-bit LAMB", "lamb", freezes=True),
 )
-
