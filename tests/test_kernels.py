@@ -29,7 +29,9 @@ from onebit.compress import (
     subtract_compressed_segments_,
     unpack_signs,
 )
-from onebit.kernels.numpy_chunks import CHUNK
+from onebit.kernels import interface
+from onebit.kernels.numpy_chunks import CHUNK, NumpyKernels
+from onebit.kernels.reference import TorchKernels
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e38, -3.0e38, 1.0, -1.0]
 NON_FINITE = [float("inf"), float("-inf"), float("nan")]
@@ -310,10 +312,33 @@ def test_the_cpu_takes_the_c_kernels_and_anything_else_the_reference(monkeypatch
     assert torch.equal(pack_signs(x), ref_pack(x.detach()))
 
 
+@pytest.mark.parametrize("name", kernels.BACKENDS[1:])
+def test_each_backend_defines_or_names_every_operation(name):
+    """A backend takes no operation of the torch reference by omission: each is its own or
+    named (``op = TorchKernels.op``), and the fused momentum passes with ``packs_momentum``;
+    the reference defines every operation of the interface."""
+    backend = kernels._by_name(name)
+    if backend.unavailable() is not None:
+        pytest.skip(f"the {name} backend cannot be imported here")
+    assert kernels.undeclared(type(backend)) == []
+    assert all(op in vars(TorchKernels) for op in interface.OPERATIONS)
+
+
+def test_a_forgotten_operation_is_found():
+    class Forgetful(NumpyKernels):
+        packs_momentum = True
+
+        def momentum_signs(self, *args):
+            return None
+
+    assert kernels.undeclared(Forgetful) == ["momentum_commit", "momentum_update"]
+    assert "unpack_signs" in kernels.undeclared(type("Bare", (TorchKernels,), {}))
+
+
 @pytest.mark.parametrize(
     "value, device, message",
     [
-        ("cuda", "cpu", "'cuda' is not a backend: use one of auto, torch, c, numpy, triton"),
+        ("cuda", "cpu", "'cuda' is not a backend: use one of auto, c, numpy, triton, torch"),
         (
             "triton",
             "meta",

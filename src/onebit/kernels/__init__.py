@@ -1,10 +1,12 @@
 """The kernel seam: one interface, its backends, and the one function that picks among them.
 
-Backends (``ONEBIT_BACKEND`` names them):
+The interface is :class:`~onebit.kernels.interface.Kernels` (with its optional capabilities).
+The backends, listed once in ``_REGISTRY`` (``ONEBIT_BACKEND`` names them):
 
 * ``"torch"``: :class:`~onebit.kernels.reference.TorchKernels`, the torch formulation of SPEC
-  sections 1 and 2. It is the interface, the reference the others must match, and what runs on
-  every device without a faster backend.
+  sections 1 and 2: the reference the others must match, and what runs on every device without
+  a faster backend. The others derive from it and name each operation they take from it
+  (:func:`undeclared`).
 * ``"c"``: :class:`~onebit.kernels.native.CKernels`, the fused C kernels built at install, for
   the CPU; also the fused passes of the packed momentum.
 * ``"numpy"``: :class:`~onebit.kernels.numpy_chunks.NumpyKernels`, the CPU's fallback where the
@@ -17,7 +19,7 @@ Backends (``ONEBIT_BACKEND`` names them):
 numpy, else torch), Triton on CUDA (else torch), the torch reference elsewhere. Where ``auto``
 cannot take the fast backend of a device (Triton not installed, or ``TRITON_INTERPRET=1`` left
 set, on CUDA; the C kernels not built, on the CPU), it warns once with the reason and takes the
-next: a slower path is never taken silently. ``ONEBIT_BACKEND=auto|torch|c|numpy|triton`` forces
+next: a slower path is never taken silently. ``ONEBIT_BACKEND=auto|c|numpy|triton|torch`` forces
 one; an unknown value, or a backend that cannot run on the tensors' device or on this machine,
 raises a ``ValueError`` that names ``ONEBIT_BACKEND`` (the optimizers check it when they are
 built and when their state moves, so that every rank raises it together).
@@ -33,16 +35,18 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .interface import FUSED_MOMENTUM, OPERATIONS, OPTIONAL, Kernels
 from .native import CKernels
 from .numpy_chunks import NumpyKernels
 from .reference import TorchKernels
 
 ENV = "ONEBIT_BACKEND"
-BACKENDS = ("auto", "torch", "c", "numpy", "triton")
 
 _TORCH, _NUMPY, _C = TorchKernels(), NumpyKernels(), CKernels()
 _CPU = torch.device("cpu")
@@ -61,10 +65,10 @@ class _Missing(TorchKernels):
         return False
 
 
-_TRITON: TorchKernels | None = None
+_TRITON: Kernels | None = None
 
 
-def _triton() -> TorchKernels:
+def _triton() -> Kernels:
     """The Triton backend, imported on first use (so ``TRITON_INTERPRET`` counts until then)."""
     global _TRITON
     if _TRITON is None:
@@ -77,8 +81,26 @@ def _triton() -> TorchKernels:
     return _TRITON
 
 
-def _by_name(name: str) -> TorchKernels:
-    return {"c": _C, "numpy": _NUMPY, "torch": _TORCH}.get(name) or _triton()
+class _Backend(NamedTuple):
+    name: str
+    fast_on: str | None
+    """The device type where ``auto`` takes it, or ``None``."""
+    load: Callable[[], Kernels]
+
+
+_REGISTRY = (  # fastest first: auto tries a device's backends in this order
+    _Backend("c", "cpu", lambda: _C),
+    _Backend("numpy", "cpu", lambda: _NUMPY),
+    _Backend("triton", "cuda", _triton),
+    _Backend("torch", None, lambda: _TORCH),
+)
+
+BACKENDS = ("auto", *(b.name for b in _REGISTRY))
+"""What ``ONEBIT_BACKEND`` may name."""
+
+
+def _by_name(name: str) -> Kernels:
+    return next(b.load() for b in _REGISTRY if b.name == name)
 
 
 def requested() -> str:
@@ -89,12 +111,11 @@ def requested() -> str:
     return name
 
 
-def for_device(device: torch.device) -> TorchKernels:
+def for_device(device: torch.device) -> Kernels:
     """The backend for tensors on ``device`` (see the module's docstring)."""
     name = requested()
     if name == "auto":
-        faster = (_C, _NUMPY) if device == _CPU else (_triton(),) if device.type == "cuda" else ()
-        for kernels in faster:
+        for kernels in (b.load() for b in _REGISTRY if b.fast_on == device.type):
             problem = _problem(kernels, device)
             if problem is None:
                 return kernels
@@ -107,7 +128,7 @@ def for_device(device: torch.device) -> TorchKernels:
     return kernels
 
 
-def _problem(kernels: TorchKernels, device: torch.device) -> str | None:
+def _problem(kernels: Kernels, device: torch.device) -> str | None:
     """Why ``kernels`` cannot run on tensors on ``device``, or ``None``."""
     problem = kernels.unavailable()
     if problem is None and not kernels.runs_on(device):
@@ -134,7 +155,7 @@ def _warn_once(name: str, device_type: str, problem: str) -> None:
     )
 
 
-def for_tensors(*tensors: Tensor) -> TorchKernels:
+def for_tensors(*tensors: Tensor) -> Kernels:
     """The backend for an op on these tensors: that of their device, or the torch reference
     where they are on more than one."""
     devices = {t.device for t in tensors}
@@ -146,5 +167,18 @@ def for_tensors(*tensors: Tensor) -> TorchKernels:
 def available() -> list[str]:
     """The backends that can run on this machine's CPU, fastest first (Triton only under
     ``TRITON_INTERPRET=1``)."""
-    names = ("c", "numpy", "triton", "torch")
-    return [n for n in names if _by_name(n).unavailable() is None and _by_name(n).runs_on(_CPU)]
+    return [b.name for b in _REGISTRY if b.load().unavailable() is None and b.load().runs_on(_CPU)]
+
+
+def undeclared(backend: type[Kernels]) -> list[str]:
+    """The operations that ``backend``, a subclass of the torch reference, takes from it without
+    naming them. Each must be defined by ``backend`` or a class between it and the reference
+    (``op = TorchKernels.op`` names one it takes as it is), so that none is taken by omission;
+    with ``packs_momentum``, the fused momentum passes too. The optional capabilities
+    (``block_quantizer``, ``model_passes``) may be left to the reference, which has none."""
+    if backend is TorchKernels:
+        return []
+    own = backend.__mro__[: backend.__mro__.index(TorchKernels)]
+    needed = [n for n in OPERATIONS if n not in OPTIONAL]
+    needed += list(FUSED_MOMENTUM) if backend.packs_momentum else []
+    return [n for n in needed if not any(n in vars(cls) for cls in own)]

@@ -2,7 +2,7 @@
 x86-64, ``ONEBIT_NATIVE=0``): the same bits as the torch reference, in cache-sized chunks of
 :data:`CHUNK` elements (zero-copy views, ``np.packbits``), about 3-4x a copy for large buffers.
 
-Only the single-scale ops have a numpy form; the others fall back to :class:`TorchKernels`.
+Only the single-scale ops have a numpy form; the others are :class:`TorchKernels`'.
 Each op takes contiguous fp32 (signs: uint8) tensors and falls back for anything else.
 """
 
@@ -144,6 +144,18 @@ class NumpyKernels(TorchKernels):
                 if k != 1:
                     np.divide(z, np.float32(k), out=z)
         return out
+
+    # The reference's: built on the ops above, or with no numpy form.
+    reads_input = TorchKernels.reads_input
+    compress_input = TorchKernels.compress_input
+    commit_input_ = TorchKernels.commit_input_
+    allreduce_one_ = TorchKernels.allreduce_one_
+    serve_chunk_ = TorchKernels.serve_chunk_
+    segment_scales = TorchKernels.segment_scales
+    subtract_compressed_segments_ = TorchKernels.subtract_compressed_segments_
+    average_signs_pieces_ = TorchKernels.average_signs_pieces_
+    serve_pieces_ = TorchKernels.serve_pieces_
+    decompress_pieces_ = TorchKernels.decompress_pieces_
 
 
 def _fp32(*tensors: Tensor) -> bool:

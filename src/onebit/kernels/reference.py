@@ -2,11 +2,12 @@
 backend of every device that has no faster one (CUDA until the Triton kernels, MPS, XPU).
 
 Each op is a few whole-tensor torch ops, the straightforward formulation of SPEC sections 1 and
-2 with as few passes as it allows. :class:`TorchKernels` is also the interface: a faster
-backend subclasses it and overrides the ops it does better, falling back to these (through
-``super()``) for tensors it cannot take. Ops work on whole buffers; scales per tensor come from
-segment tables (``bounds``, ``pieces``: int64 CPU tensors, see :mod:`onebit.compress`), so a
-backend that runs one kernel per bucket fits the same signatures.
+2 with as few passes as it allows. A faster backend subclasses :class:`TorchKernels`, overrides
+the ops it does better (falling back to these through ``super()`` for tensors it cannot take),
+and names those it takes as they are (:mod:`onebit.kernels.interface`). Ops work on whole
+buffers; scales per tensor come from segment tables (``bounds``, ``pieces``: int64 CPU tensors,
+see :mod:`onebit.compress`), so a backend that runs one kernel per bucket fits the same
+signatures.
 """
 
 from __future__ import annotations
@@ -79,24 +80,11 @@ class QuantizedBucket:
 
 
 class TorchKernels:
-    """The kernel interface, implemented with torch ops on any device.
+    """:class:`~onebit.kernels.interface.Kernels` with torch ops, on any device (the attributes
+    are described there).
 
     The argument conventions of each op are those of the function of the same name in
     :mod:`onebit.compress`, which checks the arguments and picks the backend.
-
-    Attributes:
-        name: what ``ONEBIT_BACKEND`` calls it.
-        packs_momentum: whether it runs the fused passes of the packed momentum
-            (:mod:`onebit.kernels.fused`: ``momentum_signs``, ``momentum_commit`` and
-            ``momentum_update``, with the arguments of its ``signs``, ``commit`` and ``update``),
-            which :mod:`onebit.momentum` needs; the C and Triton kernels do.
-        packs_masked_momentum: whether those passes also read a packed momentum's masks
-            (:class:`~onebit.kernels.fused.PackedMomentum`, ``exp_avg_mask``).
-        error_dtypes: the dtypes of error buffers that those passes and ``serve_pieces_``
-            read and write where they are; the others get an fp32 copy
-            (:mod:`onebit.kernels.errors`), as every error does in the other ops.
-        tile_numel: elements per tile of the quantized warmup (:mod:`onebit.quantized`): what
-            stays in a CPU core's cache, or bigger on a GPU, for fewer kernel launches.
     """
 
     name = "torch"

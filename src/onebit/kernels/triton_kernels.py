@@ -747,6 +747,8 @@ class TritonKernels(TorchKernels):
             return super().pack_signs(x)
         return self._pass(_tiling(_whole(n), None, n, x.device), n, x=x, signs=True)[0]
 
+    unpack_signs = TorchKernels.unpack_signs  # the reference's: no step unpacks signs alone
+
     def subtract_compressed_(
         self, y: Tensor, s: Tensor, out: Tensor, signs: Tensor | None = None
     ) -> Tensor:
