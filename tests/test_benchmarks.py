@@ -151,3 +151,9 @@ def test_blocks_benchmark_names_every_per_element_kernel(monkeypatch):
 
     assert blocks.PER_ELEMENT <= set(blocks._kernels())
     assert set(blocks.STEPS.split(";")) <= {name.strip() for name, *_ in step.VARIANTS}
+
+
+def test_call_path_traces_a_compression_step_across_files():
+    out = _run("call_path.py", "--edges", backend=kernels.available()[0])
+    assert out.startswith("OnebitAdam, compression step")
+    assert "adam.py:OnebitAdam." in out and " -> " in out
