@@ -3,7 +3,7 @@
     python benchmarks/blocks.py              # GPT-2 medium on CUDA: the configs of BENCHMARKS.md
     python benchmarks/blocks.py --configs default,2048:8 --steps "OnebitAdam compression step"
 
-A config ``B:W`` runs ``B`` elements a program (``triton_kernels.BLOCK``) and every kernel that
+A config ``B:W`` runs ``B`` elements a program (``triton_common.BLOCK``) and every kernel that
 works per element (:data:`PER_ELEMENT`) with ``W`` warps; ``default`` is what onebit ships. The
 other kernels, which loop over tables, keep their warps. Each step runs on GPT-2 medium's layout
 (355M parameters in 292 tensors) at world size 1, and prints its wall time, its kernels' time
@@ -21,9 +21,9 @@ from launches import built
 from step import VARIANTS, _gpt_shapes
 from torch.profiler import ProfilerActivity, profile
 
-from onebit.kernels import triton_kernels, triton_model, triton_quantized
+from onebit.kernels import triton_common, triton_kernels, triton_model, triton_quantized
 
-MODULES = (triton_kernels, triton_model, triton_quantized)
+MODULES = (triton_common, triton_kernels, triton_model, triton_quantized)  # each reads BLOCK
 PER_ELEMENT = {
     "_y_pass", "_momentum_pass", "_momentum_update", "_decompress", "_solo_pass", "_worker_pass",
     "_input_pass", "_serve_pass", "_update_pass", "_lamb_pass", "_decompress_pass",
@@ -34,9 +34,8 @@ STEPS = "OnebitAdam warmup, int8;OnebitAdam compression step;OnebitLamb compress
 CONFIGS = "4096:16,2048:8,1024:4,1024:8,default"
 
 
-def _kernels() -> dict[str, triton_kernels._Launched]:
-    return {name: kernel for module in MODULES for name, kernel in vars(module).items()
-            if isinstance(kernel, triton_kernels._Launched)}  # fmt: skip
+def _kernels() -> dict[str, triton_common.Launched]:
+    return {kernel.kernel.fn.__name__: kernel for kernel in triton_common.LAUNCHED}
 
 
 def _configure(block: int, warps: dict[str, int]) -> None:
@@ -55,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     chosen = args.steps.split(";")
     shapes = _gpt_shapes(24, 1024, 50257, 1024)
-    default = triton_kernels.BLOCK, {n: k.options["num_warps"] for n, k in _kernels().items()}
+    default = triton_common.BLOCK, {n: k.options["num_warps"] for n, k in _kernels().items()}
     configs = {}
     for config in args.configs.split(","):
         if config == "default":

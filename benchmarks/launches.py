@@ -126,11 +126,9 @@ def count(shapes, backend: str, bucket_size: int) -> dict[str, tuple[int, int, i
 
 def _launched_kernels() -> list:
     """Every Triton kernel onebit launches (their ``JITFunction``)."""
-    from onebit.kernels import triton_kernels, triton_model, triton_quantized
+    from onebit.kernels import triton_common, triton_kernels  # noqa: F401 (defines them all)
 
-    modules = (triton_kernels, triton_model, triton_quantized)
-    return [k.kernel for m in modules for k in vars(m).values()
-            if isinstance(k, triton_kernels._Launched)]  # fmt: skip
+    return [k.kernel for k in triton_common.LAUNCHED]
 
 
 def _variants() -> int:

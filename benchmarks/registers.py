@@ -54,7 +54,7 @@ def recording():
     import numpy as np
     import triton.runtime.interpreter as interpreter
 
-    from onebit.kernels import triton_kernels
+    from onebit.kernels import triton_common
 
     touched: list[tuple[np.ndarray, int, str]] = []
     builder = interpreter.InterpreterBuilder
@@ -72,7 +72,7 @@ def recording():
         return store(self, ptrs, value, mask, *args)
 
     launches: list[dict] = []
-    getitem = triton_kernels._Launched.__getitem__
+    getitem = triton_common.Launched.__getitem__
 
     def recorded(self, grid):
         launch = getitem(self, grid)
@@ -94,12 +94,12 @@ def recording():
         return run
 
     builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
-    triton_kernels._Launched.__getitem__ = recorded
+    triton_common.Launched.__getitem__ = recorded
     try:
         yield launches
     finally:
         builder.create_masked_load, builder.create_masked_store = load, store
-        triton_kernels._Launched.__getitem__ = getitem
+        triton_common.Launched.__getitem__ = getitem
 
 
 def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dict:

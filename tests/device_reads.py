@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from onebit import host
-from onebit.kernels import reference, triton_kernels
+from onebit.kernels import reference, triton_common
 
 _READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy",
           "__array__", "__format__"}  # fmt: skip
@@ -134,7 +134,7 @@ def device_values(monkeypatch: Any) -> Iterator[DeviceValues]:
     monkeypatch.setattr(host, "read", allowed_read)
     monkeypatch.setattr(host, "upload", allowed_upload)
     for module, cache in ((reference, "_SHIFTS"), (reference, "_WEIGHTS"),
-                          (triton_kernels, "_TILINGS")):  # fmt: skip
+                          (triton_common, "_TILINGS")):  # fmt: skip
         monkeypatch.setattr(module, cache, type(getattr(module, cache))())  # made under the mode
     try:
         import triton.runtime.interpreter as interpreter

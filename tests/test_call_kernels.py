@@ -291,15 +291,15 @@ def test_allreduce_one_matches_the_reference_over_calls(backend, numel, scale):
 
 def _triton_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the Triton kernels launched from here on, in order."""
-    from onebit.kernels import triton_kernels
+    from onebit.kernels import triton_common
 
-    names, getitem = [], triton_kernels._Launched.__getitem__
+    names, getitem = [], triton_common.Launched.__getitem__
 
     def counted(self, grid):
         names.append(self.kernel.fn.__name__)
         return getitem(self, grid)
 
-    monkeypatch.setattr(triton_kernels._Launched, "__getitem__", counted)
+    monkeypatch.setattr(triton_common.Launched, "__getitem__", counted)
     return names
 
 

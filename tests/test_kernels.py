@@ -418,14 +418,11 @@ def test_triton_binds_every_launched_kernels_arguments_as_passed(monkeypatch):
     ``params``) shadow a kernel's arguments of the same name; the interpreter binds none, so
     only a GPU would fail. Each argument must reach Triton's specialization as it was passed."""
     jit = pytest.importorskip("triton.runtime.jit")
-    from onebit.kernels import triton_kernels, triton_model, triton_quantized
+    from onebit.kernels import triton_common, triton_kernels  # noqa: F401 (defines them all)
 
     seen = []
     monkeypatch.setattr(jit, "native_specialize_impl", lambda _, arg, *a: seen.append(arg) or (0,))
-    launched = [
-        k for m in (triton_kernels, triton_model, triton_quantized) for k in vars(m).values()
-        if isinstance(k, triton_kernels._Launched)
-    ]  # fmt: skip
+    launched = triton_common.LAUNCHED
     assert len(launched) >= 8
     for kernel in launched:
         fn = jit.JITFunction(kernel.kernel.fn)
@@ -495,6 +492,6 @@ def test_cuda_takes_triton_and_its_bits_are_the_references(monkeypatch):
 
 
 def test_triton_refuses_a_buffer_its_32_bit_offsets_cannot_index():
-    triton_kernels = pytest.importorskip("onebit.kernels.triton_kernels")
+    triton_common = pytest.importorskip("onebit.kernels.triton_common")
     with pytest.raises(ValueError, match="fewer than 2..31 elements, got 2147483648"):
-        triton_kernels.Tiling(torch.tensor([0, 2**31]), torch.arange(1), 2**31, torch.device("cpu"))
+        triton_common.Tiling(torch.tensor([0, 2**31]), torch.arange(1), 2**31, torch.device("cpu"))

@@ -29,29 +29,29 @@ from torch import Tensor
 
 from .. import host
 from .fused import DTYPES, ModelGeometry, PackedMomentum
-from .triton_kernels import (
+from .triton_common import (
     BLOCK,
     Tiling,
-    _as_stored,
-    _bit,
-    _element_load,
-    _element_pointers,
-    _element_round,
-    _element_store,
-    _emit,
-    _gradient,
-    _lerp,
-    _masked,
-    _packed_momentum,
-    _piece_columns,
-    _rows,
-    _run_pointers,
-    _runs,
-    _segment_scale,
-    _segment_scales,
-    _signed,
+    as_stored,
+    bit_at,
+    element_load,
+    element_pointers,
+    element_round,
+    element_store,
+    emit,
     launched,
     lerp_coefficient,
+    lerp_rounded,
+    packed_momentum,
+    piece_columns,
+    program_runs,
+    read_gradient,
+    row_and_place,
+    run_pointers,
+    segment_scale,
+    segments_to_scales,
+    signed,
+    times_mask,
 )
 
 
@@ -77,8 +77,9 @@ def _block_runs(block_starts, block_buckets, bucket_starts, bucket_ends, starts,
     bucket, start, origin, local, valid = _bucket_block(
         block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
     )
-    p0, p1, run, column, present, param = _runs(local, start, valid, starts, ends, columns, first,
-                                                run_columns, run_params)  # fmt: skip
+    p0, p1, run, column, present, param = program_runs(
+        local, start, valid, starts, ends, columns, first, run_columns, run_params
+    )
     return bucket, start, origin, local, valid, p0, p1, run, column, present, param
 
 
@@ -91,7 +92,7 @@ def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK:
     bits = (y >= 0).to(tl.uint8) << (local % 8).to(tl.uint8)
     packed = tl.sum(tl.reshape(bits, [BLOCK // 8, 8]), axis=1).to(tl.uint8)
     bytes_ = tl.arange(0, BLOCK // 8)
-    row, at = _rows(start - origin, bytes_ * 8, chunk, BLOCK)
+    row, at = row_and_place(start - origin, bytes_ * 8, chunk, BLOCK)
     limit = (tl.minimum(end - start, BLOCK) // 8).to(tl.int32)
     tl.store(message + part + row * row_stride + at // 8, packed, mask=bytes_ < limit)
 
@@ -117,18 +118,20 @@ def _worker_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
-                  INV_PTR, ELEMENT)  # fmt: skip
+    g = read_gradient(
+        grads, inv, param, run_offsets, run_starts, run, start, local, present, USE_INV,
+        INV_PTR, ELEMENT,
+    )  # fmt: skip
     chunk = tl.load(chunks + bucket)
     if DENSE:
         m = tl.load(dense + start + local, mask=valid, other=0.0)
     else:
-        m = _packed_momentum(
+        m = packed_momentum(
             bits + tl.load(parts2 + bucket), bits_stride, chunk, momentum_scales, column,
             start - origin, local, present, BLOCK,
         )  # fmt: skip
-        m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
-    y = _lerp(m, g, coeff, SMALL)
+        m = times_mask(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
+    y = lerp_rounded(m, g, coeff, SMALL)
     if HAS_POST:
         y = y * tl.load(post + param, mask=present, other=1.0)
     y = tl.where(present, y, 0.0)
@@ -139,8 +142,8 @@ def _worker_pass(
         _store_signs(y, message, row_stride, tl.load(parts1 + bucket), chunk, start, origin, end,
                      BLOCK)  # fmt: skip
     segment = tl.load(run_segments + run, mask=valid, other=0).to(tl.int32)
-    _emit(y, start, local, valid, p0, p1, starts, ends, segment, out, partials, scales, out, 0,
-          BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+    emit(y, start, local, valid, p0, p1, starts, ends, segment, out, partials, scales, out, 0,
+         BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
 @launched(4)
@@ -160,7 +163,7 @@ def _input_pass(
     )
     block = tl.program_id(0)
     p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    column = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    column = piece_columns(local, start, starts, ends, columns, p0, p1)
     in_x = valid & (start + local < nx)
     y = tl.load(x + start + local, mask=in_x, other=0.0)
     if HAS_POST:
@@ -172,8 +175,8 @@ def _input_pass(
     if SIGNS:
         _store_signs(y, message, row_stride, tl.load(parts1 + bucket), tl.load(chunks + bucket),
                      start, origin, tl.load(bucket_ends + bucket), BLOCK)  # fmt: skip
-    _emit(y, start, local, valid, p0, p1, starts, ends, column, out, partials, scales, out, 0,
-          BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
+    emit(y, start, local, valid, p0, p1, starts, ends, column, out, partials, scales, out, 0,
+         BLOCK, False, SUMS, MEAN_ABS, COMMIT)  # fmt: skip
 
 
 @launched(4)
@@ -195,28 +198,28 @@ def _serve_pass(
     )
     block = tl.program_id(0)
     p0, p1 = tl.load(first + block), tl.load(first + block + 1)
-    piece = _piece_columns(local, start, starts, ends, columns, p0, p1)
+    piece = piece_columns(local, start, starts, ends, columns, p0, p1)
     segment = tl.load(piece_segments + piece, mask=valid, other=0).to(tl.int32)
     within = (start - origin).to(tl.int32) + local
     source = rows + tl.load(parts1 + bucket) + within // 8
     byte = tl.load(source, mask=valid, other=0)
-    y = _signed(_bit(byte, local), tl.load(row_scales + segment, mask=valid, other=0.0))
+    y = signed(bit_at(byte, local), tl.load(row_scales + segment, mask=valid, other=0.0))
     for r in range(1, k):
         byte = tl.load(source + r * row_stride, mask=valid, other=0)
         s = tl.load(row_scales + r * scale_stride + segment, mask=valid, other=0.0)
-        y = y + _signed(_bit(byte, local), s)
+        y = y + signed(bit_at(byte, local), s)
     if k != 1:
         y = tl.math.div_rn(y, tl.zeros_like(y) + k)
     e = tl.load(error + start + local, mask=valid, other=0.0).to(tl.float32)
     if LAST:
-        e = e - _signed(e >= 0, tl.load(last + piece, mask=valid, other=0.0))
+        e = e - signed(e >= 0, tl.load(last + piece, mask=valid, other=0.0))
     y = y + e
-    tl.store(error + start + local, _as_stored(y, error), mask=valid)
+    tl.store(error + start + local, as_stored(y, error), mask=valid)
     end = tl.load(bucket_ends + bucket)
     _store_signs(y, message, 0, tl.load(parts2 + bucket), tl.load(chunks + bucket), start,
                  origin, end, BLOCK)  # fmt: skip
-    _emit(y, start, local, valid, p0, p1, starts, ends, piece, error, partials, error, error, 0,
-          BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
+    emit(y, start, local, valid, p0, p1, starts, ends, piece, error, partials, error, error, 0,
+         BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
 
 
 @launched(8)
@@ -234,19 +237,19 @@ def _update_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    at, present = _element_pointers(bases, param, run_offsets, run_starts, run, start, local,
-                                    present, ELEMENT)  # fmt: skip
-    p = _element_load(at, present, ELEMENT)
+    at, present = element_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                   present, ELEMENT)  # fmt: skip
+    p = element_load(at, present, ELEMENT)
     d = tl.load(decay + param, mask=present, other=1.0)
-    p = tl.where(d != 1.0, _element_round(p * d, ELEMENT), p)
-    m = _packed_momentum(
+    p = tl.where(d != 1.0, element_round(p * d, ELEMENT), p)
+    m = packed_momentum(
         bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
         column, start - origin, local, present, BLOCK,
     )  # fmt: skip
-    m = _masked(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
+    m = times_mask(m, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
     v = tl.load(value + param, mask=present, other=0.0)
     u = tl.math.div_rn(v * m, tl.load(denominator + start + local, mask=present, other=1.0))
-    _element_store(at, p + u, present, ELEMENT)
+    element_store(at, p + u, present, ELEMENT)
 
 
 @launched(8)
@@ -271,14 +274,14 @@ def _sync_progress_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    at, has = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
+    at, has = run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
     p = tl.load(at, mask=has, other=0.0)
     d = tl.load(denominator + start + local, mask=present, other=1.0)
     if STEP:
-        g = _gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
-                      USE_INV, False, 0)  # fmt: skip
+        g = read_gradient(grads, inv, param, run_offsets, run_starts, run, start, local, present,
+                          USE_INV, False, 0)  # fmt: skip
         m = tl.load(momentum + start + local, mask=present, other=0.0)
-        m = _lerp(m, g, coeff, SMALL)
+        m = lerp_rounded(m, g, coeff, SMALL)
         w = tl.load(decay + param, mask=present, other=1.0)
         p = tl.where(w != 1.0, p * w, p)
         v = tl.load(value + param, mask=present, other=0.0)
@@ -292,8 +295,8 @@ def _sync_progress_pass(
                  start, origin, tl.load(bucket_ends + bucket), BLOCK)  # fmt: skip
     block = tl.program_id(0)
     p0, p1 = tl.load(piece_first + block), tl.load(piece_first + block + 1)
-    _emit(y, start, local, valid, p0, p1, piece_starts, piece_ends, 0, message, partials,
-          partials, message, 0, BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
+    emit(y, start, local, valid, p0, p1, piece_starts, piece_ends, 0, message, partials,
+         partials, message, 0, BLOCK, False, True, MEAN_ABS, False)  # fmt: skip
 
 
 @launched(8)
@@ -312,12 +315,12 @@ def _sync_apply_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
     )  # fmt: skip
-    at, has = _run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
+    at, has = run_pointers(bases, param, run_offsets, run_starts, run, start, local, present)
     a = tl.load(anchor + start + local, mask=present, other=0.0)
     if APPLIED:
         s = tl.load(since + param, mask=present, other=1.0)
         a = tl.where(s != 1.0, a * s, a)
-        u = _packed_momentum(
+        u = packed_momentum(
             bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket),
             momentum_scales, column, start - origin, local, present, BLOCK,
         )  # fmt: skip
@@ -341,7 +344,7 @@ def _lamb_pass(
     ELEMENT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """1-bit LAMB's step after its allreduce, on a block of any bucket, each op rounded as the
-    torch formulation rounds it (parameters of ``ELEMENT``: :func:`_element_pointers`). ``m``
+    torch formulation rounds it (parameters of ``ELEMENT``: :func:`element_pointers`). ``m``
     is the new momentum (``new``, packed as in :func:`_update_pass`), ``last`` the one before
     (packed, or the fp32 buffer ``last_bits`` where ``DENSE``), ``frozen`` the frozen
     denominator and ``u = m / frozen / bc1`` Adam's update. Where ``MASKED`` both momenta are
@@ -359,28 +362,30 @@ def _lamb_pass(
     )  # fmt: skip
     chunk = tl.load(chunks + bucket)
     part2 = tl.load(parts2 + bucket)
-    result = _packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column,
-                              start - origin, local, present, BLOCK)  # fmt: skip
-    m = _masked(result, masks, param, run_offsets, run_starts, run, start, local, present, MASKED)
+    result = packed_momentum(new_bits + part2, new_stride, chunk, new_scales, column,
+                             start - origin, local, present, BLOCK)  # fmt: skip
+    m = times_mask(
+        result, masks, param, run_offsets, run_starts, run, start, local, present, MASKED
+    )
     d = tl.load(frozen + start + local, mask=present, other=1.0)
     u = tl.math.div_rn(tl.math.div_rn(m, d), tl.zeros_like(m) + bc1)
     if UPDATE or NORMS:
-        at, present = _element_pointers(bases, param, run_offsets, run_starts, run, start, local,
-                                        present, ELEMENT)  # fmt: skip
-        p = _element_load(at, present, ELEMENT)
+        at, present = element_pointers(bases, param, run_offsets, run_starts, run, start, local,
+                                       present, ELEMENT)  # fmt: skip
+        p = element_load(at, present, ELEMENT)
         wd = tl.load(decay + param, mask=present, other=0.0)
         decayed = tl.where(wd != 0.0, tl.fma(wd, p, u), u)
     if UPDATE:
         size = tl.load(sizes + param, mask=present, other=0.0)
-        _element_store(at, p - size * decayed, present, ELEMENT)
+        element_store(at, p - size * decayed, present, ELEMENT)
     else:
         if DENSE:
             last = tl.load(last_bits + start + local, mask=present, other=0.0)
         else:
-            last = _packed_momentum(last_bits + part2, last_stride, chunk, last_scales, column,
-                                    start - origin, local, present, BLOCK)  # fmt: skip
-            last = _masked(last, masks, param, run_offsets, run_starts, run, start, local,
-                           present, MASKED)  # fmt: skip
+            last = packed_momentum(last_bits + part2, last_stride, chunk, last_scales, column,
+                                   start - origin, local, present, BLOCK)  # fmt: skip
+            last = times_mask(last, masks, param, run_offsets, run_starts, run, start, local,
+                              present, MASKED)  # fmt: skip
         g = tl.math.div_rn(last * neg_beta1 + result, tl.zeros_like(m) + keep1)
         v = tl.load(fresh + start + local, mask=present, other=0.0)
         v = tl.fma(g * keep2, g, v * beta2)
@@ -415,11 +420,11 @@ def _decompress_pass(
         block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
     )
     block = tl.program_id(0)
-    run = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
-                         tl.load(first + block + 1))  # fmt: skip
+    run = piece_columns(local, start, starts, ends, columns, tl.load(first + block),
+                        tl.load(first + block + 1))  # fmt: skip
     column = tl.load(run_columns + run, mask=valid, other=-1).to(tl.int32)
     present = valid & (column >= 0)
-    m = _packed_momentum(
+    m = packed_momentum(
         bits + tl.load(parts2 + bucket), bits_stride, tl.load(chunks + bucket), momentum_scales,
         column, start - origin, local, present, BLOCK,
     )  # fmt: skip
@@ -434,7 +439,7 @@ def _placed_scales(
     CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr, HEADER_BYTES: tl.constexpr,
     HEADER_SPAN: tl.constexpr,
 ):  # fmt: skip
-    """``_segment_scales`` of :mod:`~onebit.kernels.triton_kernels`, each scale also written as
+    """``segments_to_scales`` of :mod:`~onebit.kernels.triton_kernels`, each scale also written as
     its four bytes at byte ``places[q]`` of each of the ``rows`` rows of ``message``, where the
     message's layout puts it (not always at a multiple of 4). With ``HEADER_BYTES``, the last
     program writes those bytes of ``header`` from byte ``header_from`` at byte ``header_at`` of
@@ -447,7 +452,7 @@ def _placed_scales(
         for r in range(rows):
             tl.store(message + r * row_stride + header_at + offsets, values, mask=present)
     else:
-        value = _segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
+        value = segment_scale(partials, first, lengths, q, CHUNK, MEAN_ABS)
         tl.store(scales + q, value)
         word = value.to(tl.uint32, bitcast=True)
         shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
@@ -459,7 +464,7 @@ def _placed_scales(
 
 class _Blocks:
     """Buckets' tilings laid end to end: each bucket ``b`` at ``origins[b]`` of one buffer, cut
-    as :class:`~onebit.kernels.triton_kernels.Tiling` cuts it alone, with every index made
+    as :class:`~onebit.kernels.triton_common.Tiling` cuts it alone, with every index made
     global (pieces, blocks, and the tilings' columns and segments by the given offsets)."""
 
     def __init__(
@@ -882,7 +887,7 @@ class ModelPasses:
                    dtype=dtype)  # fmt: skip
         if norms:  # each layer's pieces' sums, added in fp64: the square root of the total
             first, ones = self._layer_pieces(layers)
-            _segment_scales[(2 * layers,)](partials, first, ones, out[at:], CHUNK=1024,
+            segments_to_scales[(2 * layers,)](partials, first, ones, out[at:], CHUNK=1024,
                                            MEAN_ABS=False)  # fmt: skip
         return out
 
@@ -896,7 +901,7 @@ class ModelPasses:
 
     def _layer_pieces(self, layers: int) -> tuple[Tensor, Tensor]:
         """The worker pieces of each of ``layers`` layers, twice over (two sums per piece,
-        end to end), as :func:`_segment_scales` reads segments: where each layer's start
+        end to end), as :func:`segments_to_scales` reads segments: where each layer's start
         (padding pieces, whose sums are 0, go with a neighbour), and lengths of 1."""
         if self._layer_first is None or len(self._layer_first) != 2 * layers + 1:
             params, count = self._piece_params, len(self._piece_params)

@@ -5,8 +5,8 @@ whatever their tensors and chunks.
 Each buffer is cut as the torch path cuts it: each chunk into pieces (a tensor's part of the
 chunk, the padding a piece of its own), each piece into blocks of ``block_size`` elements with
 one scale each (bf16: no scales; blocks only split the finite check). Per-block kernels take the
-blocks' maxima and scales; element-wise kernels, over tiles of :data:`~.triton_kernels.BLOCK`
-elements, find each element's piece (:class:`~.triton_kernels.Tiling`), and from its piece's
+blocks' maxima and scales; element-wise kernels, over tiles of :data:`~.triton_common.BLOCK`
+elements, find each element's piece (:class:`~.triton_common.Tiling`), and from its piece's
 row of a table its chunk, its bucket's part of a message and its block's scale, with no
 division by a run-time value. The bytes of every message, the errors and the
 results are bit for bit the torch path's: divisions round as IEEE's, ``round`` is half to even,
@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import QuantizedBucket
-from .triton_kernels import BLOCK, Tiling, _piece_columns, launched
+from .triton_common import BLOCK, Tiling, launched, piece_columns
 
 _BITS = {"bf16": 0, "int8": 1, "int4": 2}
 _QMAX = {"bf16": 1.0, "int8": 127.0, "int4": 7.0}
@@ -95,8 +95,8 @@ def _elements(starts, ends, columns, first, piece_starts, piece_locals, piece_ro
     start, local = block.to(tl.int64) * BLOCK, tl.arange(0, BLOCK)
     offs = start + local
     valid = offs < n
-    piece = _piece_columns(local, start, starts, ends, columns, tl.load(first + block),
-                           tl.load(first + block + 1))  # fmt: skip
+    piece = piece_columns(local, start, starts, ends, columns, tl.load(first + block),
+                          tl.load(first + block + 1))  # fmt: skip
     d = offs - tl.load(piece_starts + piece, mask=valid, other=0)
     local = tl.load(piece_locals + piece, mask=valid, other=0) + d
     row = tl.load(piece_rows + piece, mask=valid, other=0).to(tl.int64) * row_bytes + tl.load(
@@ -396,7 +396,7 @@ class BlockQuantizer:
         self.block_table = (*blocks.on(device, "start", "size", "row", "bucket", "slot"),
                             parts1_on)  # fmt: skip
         self.absmax = torch.zeros(max(self.blocks, 1), device=device)
-        self.tiling = _tiling(pieces, self.padded_numel, device)
+        self.tiling = cached_tiling(pieces, self.padded_numel, device)
         starts, locals_, rows = pieces.on(device, "start", "local", "row")
         slots = pieces.on(device, "slot")[0]
         self.phase1, self.phase2 = (
@@ -405,7 +405,7 @@ class BlockQuantizer:
         )
 
         served_blocks, first = served.blocks(block_size)
-        self.served_tiling = _tiling(served, store, device)
+        self.served_tiling = cached_tiling(served, store, device)
         self.served_pieces = (
             *self.served_tiling.table(), *served.on(device, "start", "local", "row"),
             parts2[served["bucket"]].to(**on), first.to(**on),
@@ -478,8 +478,8 @@ class BlockQuantizer:
         )  # fmt: skip
 
 
-def _tiling(pieces: _Table, numel: int, device: torch.device) -> Tiling:
-    """:class:`~.triton_kernels.Tiling` of ``numel`` elements cut by ``pieces`` (which start at
+def cached_tiling(pieces: _Table, numel: int, device: torch.device) -> Tiling:
+    """:class:`~.triton_common.Tiling` of ``numel`` elements cut by ``pieces`` (which start at
     0 and cover them), each piece's column its index."""
     edges = torch.cat([pieces.rows[:, 0], torch.tensor([numel])])
     return Tiling(edges, torch.arange(len(pieces)), numel, device, wide=True)
