@@ -86,8 +86,9 @@ class MeanAllreduce:
 
 
 @dataclass
-class _Call:
-    """One compressed allreduce in flight, between its phases."""
+class Call:
+    """One compressed allreduce in flight, between its phases: what ``start`` and
+    ``start_compressed`` return, and ``serve`` and ``finish`` take."""
 
     y: Tensor
     scale: Tensor
@@ -190,14 +191,23 @@ class CompressedAllreduce:
         return self._worker_error
 
     @worker_error.setter
-    def worker_error(self, storage: Tensor) -> None:
+    def worker_error(self, storage: Tensor | None) -> None:
         """Keep the worker error in ``storage`` (``padded_numel`` of :attr:`error_dtype` on
-        :attr:`device`), say a buffer the caller no longer needs; its values become the error."""
-        if storage.shape != (self.padded_numel,) or storage.dtype != self.error_dtype:
+        :attr:`device`), say a buffer the caller no longer needs; its values become the error.
+        ``None`` lets go of the buffer: the error is zeros until it is next used."""
+        if storage is not None and (
+            storage.shape != (self.padded_numel,) or storage.dtype != self.error_dtype
+        ):
             raise ValueError(
                 f"the worker error needs {self.padded_numel} elements of {self.error_dtype}"
             )
         self._worker_error = storage
+
+    @property
+    def kept_worker_error(self) -> Tensor | None:
+        """The worker error's buffer, or ``None`` where none was made yet (the error is then
+        zeros): :attr:`worker_error` without making one."""
+        return self._worker_error
 
     @property
     def server_error(self) -> Tensor:
@@ -340,7 +350,7 @@ class CompressedAllreduce:
             self._scratch[: self.numel].copy_(tensor.reshape(-1))
         return self._scratch
 
-    def _start_input(self, x: Tensor) -> _Call:
+    def _start_input(self, x: Tensor) -> Call:
         """:meth:`start` of ``x`` (``numel`` fp32 elements, not padded, left untouched until
         :meth:`serve` has committed the worker error from it) by the C kernels of
         :func:`~onebit.compress.compress_input`, which never store ``y``."""
@@ -358,7 +368,7 @@ class CompressedAllreduce:
         buffer: Tensor,
         header: Tensor | None = None,
         exchange: tuple[Exchange, int] | None = None,
-    ) -> _Call:
+    ) -> Call:
         """Worker compression of ``buffer`` (``padded_numel`` fp32, overwritten) and phase 1.
 
         ``header`` (``header_numel`` fp32 values) goes to every rank with this rank's chunk.
@@ -382,7 +392,7 @@ class CompressedAllreduce:
         y: Tensor | None = None,
         commit: Callable[[], None] | None = None,
         exchange: tuple[Exchange, int] | None = None,
-    ) -> _Call:
+    ) -> Call:
         """Phase 1 of signs and scales the caller compressed itself (``pack_signs(y)``, and the
         scale of ``y`` or of each segment), as :meth:`start` (``exchange`` too).
 
@@ -406,15 +416,15 @@ class CompressedAllreduce:
         if self.numel:
             message[:, :chunk] = signs.view(n, chunk)
         if exchange is not None:
-            return _Call(y, scales, message, None, signs=signs, commit=commit, exchange=exchange)
+            return Call(y, scales, message, None, signs=signs, commit=commit, exchange=exchange)
         work = None
         received = message
         if n > 1 and self.numel:
             received = torch.empty_like(message)
             work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
-        return _Call(y, scales, received, work, signs=signs, commit=commit)
+        return Call(y, scales, received, work, signs=signs, commit=commit)
 
-    def worker_scales(self, call: _Call) -> Tensor:
+    def worker_scales(self, call: Call) -> Tensor:
         """Wait for phase 1 and return every rank's worker scales, ``[world_size, count]`` in
         rank order (``count`` is 1, or the number of segments)."""
         if call.exchange is not None:
@@ -425,7 +435,7 @@ class CompressedAllreduce:
             call.work = None
         return _scales(call.received, self._chunk_bytes, self.worker_scale_count)
 
-    def headers(self, call: _Call) -> Tensor:
+    def headers(self, call: Call) -> Tensor:
         """Every rank's header of ``call``, ``[world_size, header_numel]`` fp32, after
         :meth:`worker_scales`."""
         start = self._chunk_bytes + _SCALE_BYTES * self.worker_scale_count
@@ -436,7 +446,7 @@ class CompressedAllreduce:
         )
 
     def serve(
-        self, call: _Call, z: Tensor | None = None, exchange: tuple[Exchange, int] | None = None
+        self, call: Call, z: Tensor | None = None, exchange: tuple[Exchange, int] | None = None
     ) -> None:
         """Commit the worker error, compress this rank's chunk with server error, start phase 2.
 
@@ -487,7 +497,7 @@ class CompressedAllreduce:
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 
-    def finish(self, call: _Call, out: Tensor | None) -> None:
+    def finish(self, call: Call, out: Tensor | None) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out`` (``None``:
         leave it packed, for :meth:`result_signs`)."""
         if call.exchange is not None:
@@ -508,7 +518,7 @@ class CompressedAllreduce:
         if target is not out:
             out.copy_(target)
 
-    def result_signs(self, call: _Call) -> tuple[Tensor, Tensor]:
+    def result_signs(self, call: Call) -> tuple[Tensor, Tensor]:
         """The result of a finished ``call``, packed: signs ``uint8 [world_size, chunk_numel / 8]``
         (rows strided) and fp32 scales ``[world_size, server_scale_count]``: element ``i`` of
         chunk ``j`` is ``±scales[j, c]`` of the piece ``c`` it falls in (one column without
@@ -625,7 +635,7 @@ def reduce_compressed_(
 
 
 def finish_compressed_(
-    comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
+    comms: list[CompressedAllreduce], calls: list[Call], outputs: list[Tensor]
 ) -> bool:
     """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
     if not host.read(scales_finite(comms, calls)):
@@ -634,7 +644,7 @@ def finish_compressed_(
     return True
 
 
-def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> Tensor:
+def scales_finite(comms: list[CompressedAllreduce], calls: list[Call]) -> Tensor:
     """Wait for phase 1 of every call; whether every rank's worker scales are finite, as a
     boolean tensor on the device."""
     scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
@@ -644,7 +654,7 @@ def scales_finite(comms: list[CompressedAllreduce], calls: list[_Call]) -> Tenso
 
 
 def commit_compressed_(
-    comms: list[CompressedAllreduce], calls: list[_Call], outputs: list[Tensor]
+    comms: list[CompressedAllreduce], calls: list[Call], outputs: list[Tensor]
 ) -> None:
     """Serve and finish calls whose phase 1 is done and whose scales are all finite: phase 2 of
     every call in one collective (:class:`~onebit.exchange.Exchange`)."""

@@ -168,14 +168,14 @@ class ModelAllreduce:
         """Every communicator's worker error as a slice of one buffer (moved there at first)."""
         if self._errors is not None:
             errors, views = self._errors
-            if all(c._worker_error is v for c, v in zip(self.comms, views)):
+            if all(c.kept_worker_error is v for c, v in zip(self.comms, views)):
                 return errors
         dtype = self.comms[0].error_dtype
         errors = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
         views = self.layout.bucket_views(errors, padded=True)
         for comm, view in zip(self.comms, views):
-            if comm._worker_error is not None:
-                view.copy_(comm._worker_error)
+            if comm.kept_worker_error is not None:
+                view.copy_(comm.kept_worker_error)
             comm.worker_error = view
         self._errors = (errors, views)
         return errors

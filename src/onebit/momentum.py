@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import host, kernels
-from .comm import CompressedAllreduce, _Call
+from .comm import Call, CompressedAllreduce
 from .compress import decompress_pieces_, pack_signs
 from .exchange import Exchange, phase_exchange
 from .kernels import fused
@@ -205,7 +205,7 @@ class PackedMomentumStage:
         def commit() -> None:
             self.passes().commit(*call.inputs, call.scales, self._error_buffer(), self.dtype)
             for view, comm in zip(self._error_slices, self.comms):
-                if comm._worker_error is not view:
+                if comm.kept_worker_error is not view:
                     comm.worker_error = view
 
         if self.keeps_last and self.packed is None:  # the fp32 momentum is read after
@@ -251,7 +251,7 @@ class PackedMomentumStage:
         """Every worker error in one buffer: ``None`` (zeros, before the first applied step),
         :meth:`_error_buffer` (where they live once packed), or a copy of errors kept apart (a
         checkpoint loaded with an fp32 momentum)."""
-        errors = [c._worker_error for c in self.comms]
+        errors = [c.kept_worker_error for c in self.comms]
         if all(e is None for e in errors):
             return None
         if self._errors is not None and all(e is s for e, s in zip(errors, self._error_slices)):
@@ -272,7 +272,7 @@ class PackedMomentumStage:
         scaling: Tensor | None = None,
         exchange: tuple[Exchange, int] | None = None,
         keep: Sequence[Tensor] = (),
-    ) -> _Call:
+    ) -> Call:
         """Bucket ``k``'s passes 1 and phase 1: the signs and scales of
         ``lerp(m, g, 1 - beta1)·scaling + e`` (``grads``: each parameter's gradient address, see
         :func:`~onebit.kernels.fused.gradient_addresses`, ``keep`` the copies they point into;
@@ -282,7 +282,7 @@ class PackedMomentumStage:
         by :meth:`install`."""
         comm, runs, m = self.comms[k], self.runs[k], self._source(k)
         weight, post = 1 - beta1, scaling
-        error = comm._worker_error  # None: zeros, until the first applied step
+        error = comm.kept_worker_error  # None: zeros, until the first applied step
         signs = torch.empty(comm.padded_numel // 8, dtype=torch.uint8, device=self.momentum.device)
         scales = fused.signs(runs, grads, inv_scale, m, weight, error, signs, comm.scale, post,
                              self.dtype)  # fmt: skip
@@ -301,12 +301,12 @@ class PackedMomentumStage:
 
         return comm.start_compressed(signs, scales, header, commit=commit, exchange=exchange)
 
-    def finish(self, calls: list[_Call]) -> None:
+    def finish(self, calls: list[Call]) -> None:
         """After an applied step: the allreduce's packed results are the new momentum."""
         self.install(self.results(calls))
 
     def results(
-        self, calls: list[_Call] | None, scaling: Tensor | None = None
+        self, calls: list[Call] | None, scaling: Tensor | None = None
     ) -> list[tuple[Tensor, Tensor]]:
         """The packed results of applied ``calls`` (``None``: of :meth:`commit_all`), with each
         piece's scale divided by its parameter's ``scaling`` (fp32 per parameter; ``None``: as
@@ -361,12 +361,13 @@ class PackedMomentumStage:
 
     def _errors_in_place(self) -> None:
         """Move the worker errors kept apart into :meth:`_error_buffer`."""
-        if all(c._worker_error is None for c in self.comms):
+        if all(c.kept_worker_error is None for c in self.comms):
             return
         self._error_buffer()
         for slice_, comm in zip(self._error_slices, self.comms):
-            if comm._worker_error is not None and comm._worker_error is not slice_:
-                slice_.copy_(comm._worker_error)
+            error = comm.kept_worker_error
+            if error is not None and error is not slice_:
+                slice_.copy_(error)
                 comm.worker_error = slice_
 
     def _release_momentum(self) -> None:
@@ -473,8 +474,9 @@ class PackedMomentumStage:
         m = self.materialize()
         if not self.compact:  # the errors leave the momentum's storage
             for comm in self.comms:
-                if comm._worker_error is not None:
-                    comm.worker_error = comm._worker_error.clone()
+                error = comm.kept_worker_error
+                if error is not None:
+                    comm.worker_error = error.clone()
         self._restore_momentum()
         self.momentum[: self.layout.numel].copy_(m)
         self.packed = None
@@ -482,16 +484,16 @@ class PackedMomentumStage:
     def detach(self) -> Callable[[], None]:
         """Before a checkpoint is loaded: forget the packed momentum and the errors, so that the
         loaded ones come in as fp32 buffers apart (:meth:`reload`); return what undoes it."""
-        packed, errors = self.packed, [c._worker_error for c in self.comms]
+        packed, errors = self.packed, [c.kept_worker_error for c in self.comms]
         self.packed = None
         for comm in self.comms:
-            comm._worker_error = None
+            comm.worker_error = None
         self._restore_momentum()
 
         def undo() -> None:
             self.packed = packed
             for comm, error in zip(self.comms, errors):
-                comm._worker_error = error
+                comm.worker_error = error
             self._release_momentum()
 
         return undo
@@ -499,7 +501,7 @@ class PackedMomentumStage:
     def reload(self, packed: bool) -> None:
         """After a checkpoint was loaded into :attr:`momentum` and the communicators: pack it
         again if it was saved packed (:meth:`load_`)."""
-        errors = [c._worker_error for c in self.comms]
+        errors = [c.kept_worker_error for c in self.comms]
         self.load_(self.momentum[: self.layout.numel].clone(), errors, packed)
 
     def load_(self, momentum: Tensor, worker_errors: list[Tensor | None], packed: bool) -> None:
