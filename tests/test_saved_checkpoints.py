@@ -213,14 +213,15 @@ def write_missing() -> list[str]:
         if not (HERE / f"{case}.pt").exists():
             torch.save({**_one_process_write(case), "made_with": made}, HERE / f"{case}.pt")
             written.append(case)
-    if not all((HERE / f"ranks2_{name}.pt").exists() for name in NAMES):
+    missing = [name for name in NAMES if not (HERE / f"ranks2_{name}.pt").exists()]
+    if missing:
         ranks = run_ranks(_ranks_write, 2)
-        for name in NAMES:
-            saved = {key: ranks[0][name][key] for key in ("consolidated",)}
+        for name in missing:
+            saved = {"consolidated": ranks[0][name]["consolidated"], "made_with": made}
             saved["ranks"] = [{k: r[name][k] for k in ("model", "own", "after")} for r in ranks]
-            torch.save({**saved, "made_with": made}, HERE / f"ranks2_{name}.pt")
+            torch.save(saved, HERE / f"ranks2_{name}.pt")
             written.append(f"ranks2_{name}")
-    if not (HERE / "fsdp2_after.pt").exists():
+    if not any(HERE.glob("fsdp2_*")):  # the checkpoints and what they step to, together
         after = run_ranks(_fsdp2_write, 4, str(HERE))
         torch.save({"ranks": after, "made_with": made}, HERE / "fsdp2_after.pt")
         written.append("fsdp2")
