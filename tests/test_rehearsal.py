@@ -108,9 +108,9 @@ def test_the_rehearsal_launches_every_variant_the_later_steps_launch(monkeypatch
             launches.clear()
             bounds = []
 
-            def rehearsed(optimizer, _bounds=bounds):
+            def rehearsed(*args, _bounds=bounds, **kwargs):
                 _bounds.append(len(launches))
-                rehearse(optimizer)
+                rehearse(*args, **kwargs)
                 _bounds.append(len(launches))
 
             monkeypatch.setattr(rehearsal, "rehearse", rehearsed)
@@ -135,9 +135,9 @@ def _run(rank: int, world_size: int, name: str, options: dict, rehearse: bool):
     calls = []
     original = rehearsal.rehearse
 
-    def counted(optimizer):
-        calls.append(optimizer)
-        original(optimizer)
+    def counted(copy, scaled):
+        calls.append(copy)
+        original(copy, scaled)
 
     rehearsal.applies = lambda optimizer: rehearse
     rehearsal.rehearse = counted

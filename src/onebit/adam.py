@@ -14,8 +14,6 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
-    closes_step_on_error,
-    problem_of,
 )
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, bias_correction, fill_zero_variance_
@@ -146,21 +144,17 @@ class OnebitAdam(CompressedOptimizer):
         warmup_compression: str = "fp32",
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
-        freeze: FreezeSchedule | None = None
-
-        def check() -> None:
-            nonlocal freeze
+        def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
-            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
+            return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
-        problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
+            check=check,
             process_group=process_group,
             bucket_size=bucket_size,
-            freeze=freeze,
             bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
@@ -170,7 +164,6 @@ class OnebitAdam(CompressedOptimizer):
             error_dtype=error_dtype,
             prepare=self._momentum_into_bucket_,
             next_kind=self._next_kind,
-            problem=problem,
         )
 
     def _allocate_state(self) -> None:
@@ -214,15 +207,7 @@ class OnebitAdam(CompressedOptimizer):
             start, end = self.layout.buckets[k]
             torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
 
-    @closes_step_on_error
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step on every rank. Call it on all ranks of the group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._start_step()
+    def _take_step(self) -> None:
         stage, t = self.stage, self.num_steps + 1
         if stage == "compression" and not self.overlap_backward:
             self._clip_own_gradient()
@@ -263,7 +248,6 @@ class OnebitAdam(CompressedOptimizer):
         elif applied:
             self._adamw_update_(m, v, t)
         self._end_step(stage, nbytes, applied)
-        return loss
 
     def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
         """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
@@ -295,7 +279,7 @@ class OnebitAdam(CompressedOptimizer):
         return applied, nbytes
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"frozen": self._frozen, **self._packed_extra_state()}
+        return {**super()._extra_state(), **self._packed_extra_state()}
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         fixed = self.freeze.freeze_step if self.freeze.monitor is None else None
@@ -305,15 +289,7 @@ class OnebitAdam(CompressedOptimizer):
                 f"optimizer's freeze_step is {fixed}: its variance is gone, so the warmup "
                 "cannot go on. Build the optimizer with the run's freeze_step"
             )
-        frozen = self._frozen
-        self._set_frozen(bool(saved.get("frozen", False)))  # older states: exp_avg_sq
-        undo_packed = self._detach_packed()
-
-        def undo() -> None:
-            self._set_frozen(frozen)
-            undo_packed()
-
-        return undo
+        return super()._before_load(saved)
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         t, v = self.num_steps, self._exp_avg_sq
@@ -323,5 +299,3 @@ class OnebitAdam(CompressedOptimizer):
             adam_denominator(v, bc2, eps, out=v)  # saved by onebit <= 0.1: v past the freeze
             self._set_frozen(True)
         self._reload_packed(state)
-        if self._fused is not None and self._frozen:
-            self.bucketer.release()

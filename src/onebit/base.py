@@ -109,20 +109,6 @@ def check_adam_hyperparameters(
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def problem_of(check: Callable[[], None]) -> str | None:
-    """Run a subclass's argument checks and return the ``ValueError`` message, if any.
-
-    The base class raises it on every rank (see ``problem`` in
-    :class:`CompressedOptimizer`), so that an argument invalid on one rank alone does not leave
-    the other ranks waiting in the construction's collective.
-    """
-    try:
-        check()
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an optimizer's ``step`` so that an exception leaves nothing of the step behind: the
     step is closed, and ``grad_scale``/``found_inf`` that a ``GradScaler`` set (and would only
@@ -156,9 +142,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     the parameters from rank 0, and lays the optimizer state out in flat fp32 buffers split into
     buckets, on the parameters' device. Each bucket has its own
     :class:`~onebit.comm.CompressedAllreduce`, whose error buffers are this rank's part of
-    :meth:`state_dict`. Its :attr:`bucketer` gathers and launches the buckets; a subclass passes
-    the bucketer's ``prepare`` and ``next_kind`` callbacks to this constructor, and makes its own
-    buffers in :meth:`_allocate_state`.
+    :meth:`state_dict`. Its :attr:`bucketer` gathers and launches the buckets.
+
+    A subclass passes this constructor its argument checks, ``check``, which raises
+    ``ValueError`` or returns the :class:`~onebit.freeze.FreezeSchedule` that ends its warmup
+    (run here, so that a problem raises on every rank, not one), and the bucketer's ``prepare``
+    and ``next_kind`` callbacks where it has them. It makes its buffers in
+    :meth:`_allocate_state`, names them for each stage in :meth:`_set_frozen`, and takes each
+    step's update in :meth:`_take_step`, which :meth:`step` calls once the step is open.
 
     The state follows the parameters: if they have moved when a step (or :meth:`load_state_dict`)
     starts, as when HF Trainer or Accelerate move the model to the GPU after the optimizer was
@@ -223,7 +214,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         *,
         process_group: dist.ProcessGroup | None,
         bucket_size: int,
-        freeze: FreezeSchedule | None,
+        check: Callable[[], FreezeSchedule],
         bias_correction: bool = True,
         max_grad_norm: float | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
@@ -233,7 +224,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         error_dtype: torch.dtype = torch.float32,
         prepare: Prepare | None = None,
         next_kind: Callable[[], str | None] = lambda: None,
-        problem: str | None = None,
     ) -> None:
         super().__init__(params, defaults)
         self.bias_correction = bias_correction
@@ -246,11 +236,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         sharded = has_dtensors(params)
         self.shards = Replicated([])  # _adopt's, once the parameters are checked
+        problem = None
         try:
-            if problem is not None:  # the subclass's own argument checks failed
-                raise ValueError(problem)
-            assert freeze is not None, "a subclass whose checks passed has its FreezeSchedule"
-            self.freeze = freeze
+            self.freeze = check()
             self._check_arguments(bucket_size, max_grad_norm)
             self._adopt(*self._laid_out(params, bucket_size, masked=bool(exp_avg_mask)))
             self._masks = _check_masks(exp_avg_mask or {}, self.layout)
@@ -1172,7 +1160,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
         :func:`~onebit.functional.fill_zero_variance_` gives it its tensor's mean."""
         return self._eps**2 * bias_correction(self._beta2, variance_step, self.bias_correction)
 
-    # Overlap with backward: the bucketer's hooks launch buckets, step() checks them.
+    # The step: the template every optimizer runs, and its overlap with backward.
+
+    @closes_step_on_error
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step. Call it on every rank of the group, at every step (0/1 Adam's
+        local steps too)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._start_step()
+        self._take_step()
+        return loss
+
+    def _take_step(self) -> None:
+        """The step's update, by the subclass's stages (after :meth:`_start_step`; each stage
+        ends it with :meth:`_end_step`)."""
+        raise NotImplementedError
 
     def _start_step(self) -> None:
         """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
@@ -1213,7 +1219,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.device.type == "cuda" and self.world_size > 1:
             can = not self._any_rank(not can)
         if can:
-            rehearsal.rehearse(self)
+            rehearsal.rehearse(self._tiny_copy(), scaled=self._inv_scale is not None)
+
+    def _tiny_copy(self) -> CompressedOptimizer:
+        """A copy of this optimizer on :func:`~onebit.rehearsal.tiny_groups`, with the options
+        of :attr:`_rehearsal_options`, for :func:`~onebit.rehearsal.rehearse`. It compiles
+        nothing ahead itself. A collective, as the construction of any onebit optimizer."""
+        groups = rehearsal.tiny_groups(self.param_groups, self.device)
+        options = {
+            **{k: v for k, v in self._constructor_options.items() if k != "params"},
+            **self._rehearsal_options,
+            "process_group": self.process_group,
+        }
+        if self._masks:
+            first = groups[0]["params"][0]
+            options["exp_avg_mask"] = {first: torch.ones_like(first)}
+        copy = type(self)(groups, **options)
+        copy._compiles_ahead = False
+        return copy
 
     # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum), where it applies.
 
@@ -1298,17 +1321,30 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return undo_all
 
     def _reload_packed(self, state: dict[str, Any]) -> None:
-        """For :meth:`_load_extra_state`: pack the loaded momentum again if it was saved so."""
+        """For :meth:`_load_extra_state`: pack the loaded momentum again if it was saved so; a
+        frozen state then needs no gradient buffer (the ``.grad`` views keep theirs)."""
         if self._fused is not None:
             self._fused.reload(bool(state.get("packed_momentum", False)))
             if self._fused.packed is not None:
                 self.flat.expose("exp_avg", None)
+            if self._frozen:
+                self.bucketer.release()
 
     # Checkpoints.
 
+    _frozen = False
+    """Whether the state is the frozen stage's (past the warmup), as :meth:`_set_frozen` named
+    it."""
+
+    def _set_frozen(self, frozen: bool) -> None:
+        """Name the subclass's state in ``state`` for the warmup or, ``frozen``, the stage after
+        it."""
+        raise NotImplementedError
+
     def _extra_state(self) -> dict[str, Any]:
-        """Subclass state that is not per parameter and is the same on every rank."""
-        return {}
+        """State that is not per parameter and is the same on every rank (subclasses add
+        theirs)."""
+        return {"frozen": self._frozen}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         pass
@@ -1440,8 +1476,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
         """Put the state into the shape ``saved`` (the ``"onebit"`` entry) was saved in, before
-        its buffers are checked and copied; return what undoes that if the load fails."""
-        return lambda: None
+        its buffers are checked and copied (frozen or not, the momentum unpacked); return what
+        undoes that if the load fails."""
+        frozen = self._frozen
+        self._set_frozen(bool(saved.get("frozen", False)))  # onebit 0.1.0: a warmup state
+        undo_packed = self._detach_packed()
+
+        def undo() -> None:
+            self._set_frozen(frozen)
+            undo_packed()
+
+        return undo
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer

@@ -15,8 +15,6 @@ from .base import (
     DEFAULT_BUCKET_SIZE,
     CompressedOptimizer,
     check_adam_hyperparameters,
-    closes_step_on_error,
-    problem_of,
 )
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
@@ -151,28 +149,16 @@ class OnebitLamb(CompressedOptimizer):
         warmup_compression: str = "fp32",
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
-        freeze: FreezeSchedule | None = None
-
-        def check() -> None:
-            nonlocal freeze
+        def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
-            if not 0.0 < min_coeff <= max_coeff < math.inf:
-                raise ValueError(
-                    f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, "
-                    f"max_coeff={max_coeff}"
-                )
+            _check_range("min_coeff", min_coeff, "max_coeff", max_coeff)
             if not 0.0 <= coeff_beta < 1.0:
                 raise ValueError(f"Invalid coeff_beta: {coeff_beta}")
-            if not 0.0 < factor_min <= factor_max < math.inf:
-                raise ValueError(
-                    f"need 0 < factor_min <= factor_max, got factor_min={factor_min}, "
-                    f"factor_max={factor_max}"
-                )
+            _check_range("factor_min", factor_min, "factor_max", factor_max)
             if not 0.0 <= factor_threshold < 1.0:
                 raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
-            freeze = FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
+            return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
-        problem = problem_of(check)
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
@@ -180,16 +166,15 @@ class OnebitLamb(CompressedOptimizer):
         super().__init__(
             params,
             defaults,
+            check=check,
             process_group=process_group,
             bucket_size=bucket_size,
-            freeze=freeze,
             bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             warmup_compression=warmup_compression,
             error_dtype=error_dtype,
-            problem=problem,
         )
         layers = len(self.layout.params)
         self._coeff_ema = torch.zeros(layers)
@@ -226,20 +211,11 @@ class OnebitLamb(CompressedOptimizer):
         """Each parameter's trust ratio in the last step, in parameter order (a copy)."""
         return self._coeffs.tolist()
 
-    @closes_step_on_error
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step on every rank. Call it on all ranks of the group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._start_step()
+    def _take_step(self) -> None:
         if self.in_warmup:
             self._warmup_step()
         else:
             self._compression_step()
-        return loss
 
     def _warmup_step(self) -> None:
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
@@ -575,8 +551,8 @@ class OnebitLamb(CompressedOptimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {
+            **super()._extra_state(),
             **self._packed_extra_state(),
-            "frozen": self._frozen,
             "coeff_ema": self._coeff_ema.clone(),
             "coeff_updates": self._coeff_updates.clone(),
             "frozen_coeffs": self._frozen_coeffs.clone(),
@@ -593,17 +569,20 @@ class OnebitLamb(CompressedOptimizer):
         self._last_factors = state["last_factors"].clone()
         self._coeffs = state["coeffs"].clone()
         self._reload_packed(state)
-        if self._fused is not None and self._frozen:
-            self.bucketer.release()
 
     def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        frozen, fresh = self._frozen, self._exp_avg_sq_fresh
-        self._set_frozen(bool(saved["frozen"]))
-        undo_packed = self._detach_packed()
+        fresh, undo = self._exp_avg_sq_fresh, super()._before_load(saved)
 
-        def undo() -> None:
-            self._exp_avg_sq_fresh = fresh
-            self._set_frozen(frozen)
-            undo_packed()
+        def undo_all() -> None:
+            self._exp_avg_sq_fresh = fresh  # what _set_frozen(frozen) keeps
+            undo()
 
-        return undo
+        return undo_all
+
+
+def _check_range(low_name: str, low: float, high_name: str, high: float) -> None:
+    """Raise ``ValueError`` unless ``0 < low <= high < inf``."""
+    if not 0.0 < low <= high < math.inf:
+        raise ValueError(
+            f"need 0 < {low_name} <= {high_name}, got {low_name}={low}, {high_name}={high}"
+        )

@@ -4,14 +4,14 @@ there.
 Triton compiles a kernel variant the first time it launches it (about a second each; Triton
 then keeps it in its disk cache for later runs). Most of the compression stage's kernels first
 launch at the freeze, so the step after the warmup would wait for them. At the end of the first
-warmup step, :func:`rehearse` builds a copy of the optimizer (its class, its keyword arguments,
-each param group's hyperparameters but the learning rate, which a scheduler may start at 0) on
-a few tiny parameters of the same dtypes and layouts, and takes a few steps with it, through
-its freeze: those launch, and so compile, the variants the real steps will, since sizes do not
-choose variants (the kernels take them as runtime values, ``do_not_specialize``, and tables
-start on 16-byte boundaries). The copy runs on the same process group, every rank together; it
-costs a few small collectives and no memory to speak of, and leaves the optimizer and the
-random number generators as they were.
+warmup step, the optimizer builds a copy of itself (its class, its keyword arguments, each
+param group's hyperparameters but the learning rate, which a scheduler may start at 0) on a
+few tiny parameters of the same dtypes and layouts (:func:`tiny_groups`), and :func:`rehearse`
+takes a few steps with it, through its freeze: those launch, and so compile, the variants the
+real steps will, since sizes do not choose variants (the kernels take them as runtime values,
+``do_not_specialize``, and tables start on 16-byte boundaries). The copy runs on the same
+process group, every rank together; it costs a few small collectives and no memory to speak
+of, and leaves the optimizer and the random number generators as they were.
 
 Where it does not apply, the kernels compile at their first launch as before: kernels that do
 not compile at run time (the C kernels, the torch reference, Triton's interpreter), and
@@ -49,28 +49,23 @@ def applies(optimizer: CompressedOptimizer) -> bool:
     )
 
 
-def rehearse(optimizer: CompressedOptimizer) -> None:
-    """Take :data:`STEPS` steps of a tiny copy of ``optimizer`` (see the module), so that the
-    kernels of its stage compile now. A collective: every rank of its group calls it."""
-    device = optimizer.device
+def tiny_groups(param_groups: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
+    """``param_groups`` on tiny parameters of the same dtypes and layouts (:func:`_tiny_params`),
+    at the learning rate :data:`LR`: the copy's groups."""
     groups = []
-    for group in optimizer.param_groups:
+    for group in param_groups:
         params = _tiny_params(group["params"], device)
         if params:
             groups.append({**group, "params": params, "lr": LR})
-    first = groups[0]["params"][0]
-    given = {k: v for k, v in optimizer._constructor_options.items() if k != "params"}
-    options: dict[str, Any] = {
-        **given,
-        **type(optimizer)._rehearsal_options,
-        "process_group": optimizer.process_group,
-    }
-    if optimizer._masks:
-        options["exp_avg_mask"] = {first: torch.ones_like(first)}
-    copy = type(optimizer)(groups, **options)
-    copy._compiles_ahead = False
-    params = [p for g in groups for p in g["params"]]
-    scaled = optimizer._inv_scale is not None  # under a GradScaler
+    return groups
+
+
+def rehearse(copy: torch.optim.Optimizer, scaled: bool) -> None:
+    """Take :data:`STEPS` steps of ``copy``, a copy of an optimizer on :func:`tiny_groups`
+    (see the module), so that the kernels of its stage compile now; ``scaled``: as under a
+    ``GradScaler``. A collective: every rank of its group calls it."""
+    params = [p for g in copy.param_groups for p in g["params"]]
+    device = params[0].device
     for step in range(STEPS):
         with torch.enable_grad():
             sum(((p * (step + 1)).square()).sum() for p in params).backward()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -17,8 +17,6 @@ from .base import (
     CompressedOptimizer,
     check_adam_hyperparameters,
     check_step_count,
-    closes_step_on_error,
-    problem_of,
 )
 from .freeze import FreezeSchedule
 from .functional import (
@@ -212,13 +210,9 @@ class ZeroOneAdam(CompressedOptimizer):
         max_grad_norm: float | None = None,
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
-        freeze: FreezeSchedule | None = None
-
-        def check() -> None:
-            nonlocal freeze
+        def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay)
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
-            freeze = FreezeSchedule(self.var_freeze_step)
             given = Schedule(var_update_scaler, local_step_scaler, local_step_clipper)
             for name, value in zip(Schedule._fields, given):
                 if value is not None:
@@ -232,21 +226,20 @@ class ZeroOneAdam(CompressedOptimizer):
                 schedule = run_schedule(total_steps, self.var_freeze_step, clipper)
             for name, value, default in zip(Schedule._fields, given, schedule):
                 setattr(self, name, default if value is None else value)
+            return FreezeSchedule(self.var_freeze_step)
 
-        problem = problem_of(check)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
+            check=check,
             process_group=process_group,
             bucket_size=bucket_size,
-            freeze=freeze,
             bias_correction=bias_correction,
             scale_per=scale_per,
             max_grad_norm=max_grad_norm,
             exp_avg_mask=exp_avg_mask,
             error_dtype=error_dtype,
-            problem=problem,
         )
         self._ranges = _group_ranges(self.param_groups)
         self.var_interval = 1
@@ -287,20 +280,11 @@ class ZeroOneAdam(CompressedOptimizer):
             return "variance" if t % self.var_interval == 0 else "compression"
         return "sync" if t % self.local_step_interval == 0 else "local"
 
-    @closes_step_on_error
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step. Call it on every rank of the group, even on local steps."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._start_step()
+    def _take_step(self) -> None:
         if self.in_warmup:
             self._variance_phase_step()
         else:
             self._local_phase_step()
-        return loss
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -521,12 +505,12 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {
+            **super()._extra_state(),
             "var_interval": self.var_interval,
             "var_counter": self._var_counter,
             "var_updates": self._var_updates,
             "local_step_interval": self.local_step_interval,
             "local_step_counter": self._local_step_counter,
-            "frozen": self._frozen,
             "lrs": list(self._lrs),
             "decay": list(self._decay),
         }
@@ -560,11 +544,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._local_step_counter = state["local_step_counter"]
         self._lrs = list(state["lrs"])
         self._decay = list(state["decay"])
-
-    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        frozen = self._frozen
-        self._set_frozen(bool(saved["frozen"]))
-        return lambda: self._set_frozen(frozen)
 
 
 def _group_ranges(param_groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
