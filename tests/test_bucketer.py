@@ -1,4 +1,5 @@
-"""The bucketer gathers, prepares and launches buckets in a fixed order, and overlaps backward."""
+"""The bucketer gathers and launches buckets in a fixed order, through the optimizer's senders,
+and overlaps backward."""
 
 import gc
 import weakref
@@ -7,6 +8,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from onebit.base import _CommSender, _MeanSender
 from onebit.bucketer import Bucketer
 from onebit.comm import CompressedAllreduce, MeanAllreduce
 from onebit.layout import FlatLayout
@@ -15,50 +17,40 @@ HEADER_NUMEL = 5
 
 
 class Recorder:
-    """The optimizer's side of the callbacks, recording what the bucketer asked for."""
+    """The optimizer's side of its senders (``onebit.base``'s), with a bucketer of ``model``'s
+    parameters, recording what the senders asked for."""
 
-    def __init__(self, kind=None):
-        self.kind = kind
+    def __init__(self, model, bucket_size=16, clip=False, overlap=False):
+        self.layout = FlatLayout(list(model.parameters()), bucket_size, 1)
+        self.comms = [
+            CompressedAllreduce(e - s, segments=self.layout.segments(k), header_numel=HEADER_NUMEL)
+            for k, (s, e) in enumerate(self.layout.buckets)
+        ]
+        self.process_group = None
+        self.bucketer = Bucketer(self.layout, None, HEADER_NUMEL, clip=clip, overlap=overlap)
         self.opened = self.closed = 0
         self.prepared = []
         self.headers = []
 
-    def open_step(self):
+    def sender(self, kind, inv_scale=None):
+        """What a ``kind`` call sends: ``"allreduce"`` or ``"compressed"``."""
+        if kind == "allreduce":
+            return _MeanSender(self, True, inv_scale)
+        return _CommSender(self, kind, self.comms, True, inv_scale, self.prepare)
+
+    def _begin_step(self, follow=True):
         self.opened += 1
 
-    def close_step(self):
+    def _close_step(self):
         self.closed += 1
 
-    def header(self, k, sparse, norm2):
+    def _header_for(self, k, sparse=False, norm2=None):
         self.headers.append((k, sparse, None if norm2 is None else float(norm2)))
         return torch.full((HEADER_NUMEL,), float(k))
 
-    def prepare(self, k, kind, grads):
-        self.prepared.append((k, kind, grads.clone()))
+    def prepare(self, k, grads):
+        self.prepared.append((k, grads.clone()))
         grads.mul_(2)
-
-
-def _bucketer(model, recorder, bucket_size=16, clip=False, overlap=False):
-    params = list(model.parameters())
-    layout = FlatLayout(params, bucket_size, 1)
-    comms = [
-        CompressedAllreduce(e - s, segments=layout.segments(k), header_numel=HEADER_NUMEL)
-        for k, (s, e) in enumerate(layout.buckets)
-    ]
-    return Bucketer(
-        layout,
-        comms,
-        [],
-        None,
-        HEADER_NUMEL,
-        clip=clip,
-        overlap=overlap,
-        open_step=recorder.open_step,
-        close_step=recorder.close_step,
-        header=recorder.header,
-        prepare=recorder.prepare,
-        next_kind=lambda: recorder.kind,
-    )
 
 
 def _model():
@@ -79,18 +71,18 @@ def test_buckets_launch_last_first_each_gathered_unscaled_and_prepared():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     model[0].bias.grad = None  # counts as zero
-    recorder = Recorder()
-    bucketer = _bucketer(model, recorder, clip=True)
+    recorder = Recorder(model, clip=True)
+    bucketer = recorder.bucketer
     buckets = bucketer.layout.buckets
     assert len(buckets) >= 3
 
-    calls = bucketer.launch_all("compressed", inv_scale=0.5)
+    calls = bucketer.launch_all(recorder.sender("compressed", inv_scale=0.5))
 
-    assert [k for k, _, _ in recorder.prepared] == list(reversed(range(len(buckets))))
+    assert [k for k, _ in recorder.prepared] == list(reversed(range(len(buckets))))
     want = _flat_grads(model, 0.5)
-    for k, kind, grads in recorder.prepared:
+    for k, grads in recorder.prepared:
         start, end = buckets[k]
-        assert kind == "compressed" and torch.equal(grads, want[start:end])
+        assert torch.equal(grads, want[start:end])
         # what is sent is what prepare left in the buffer
         assert torch.equal(bucketer.grads[start:end], 2 * want[start:end])
     # the header carries each bucket's squared norm, taken before prepare
@@ -109,8 +101,8 @@ def test_fill_reports_a_sparse_gradient_and_unscales_low_precision_in_fp32():
     embedding(torch.tensor([1, 2])).sum().backward()
     linear.weight.grad = torch.full_like(linear.weight, 2.0**-120)  # underflows if scaled in bf16
     linear.bias.grad = torch.ones_like(linear.bias)
-    bucketer = _bucketer(model, Recorder(), bucket_size=1024)
-    assert bucketer.fill(0, inv_scale=2.0**-10)
+    bucketer = Recorder(model, bucket_size=1024).bucketer
+    assert bucketer.fill(0, inv_scale=2.0**-10) == (True, None)  # no norm without clip
     n = embedding.weight.numel()
     assert torch.equal(bucketer.grads[:n], torch.zeros(n))
     weight = bucketer.grads[n : n + linear.weight.numel()]
@@ -124,8 +116,9 @@ def _backward(model, seed=0):
 
 def test_overlap_launches_every_bucket_during_backward_once_armed():
     model = _model()
-    recorder = Recorder(kind="allreduce")
-    bucketer = _bucketer(model, recorder, overlap=True)
+    recorder = Recorder(model, overlap=True)
+    bucketer = recorder.bucketer
+    bucketer.sender = recorder.sender("allreduce")
     _backward(model)
     assert bucketer.inflight == {} and bucketer.backward_passes == 1  # not armed yet
     bucketer.armed = True
@@ -138,16 +131,18 @@ def test_overlap_launches_every_bucket_during_backward_once_armed():
     assert all(isinstance(c, MeanAllreduce) for c in bucketer.inflight.values())
     assert bucketer.backward_passes == 3
     # what was sent is the accumulated gradient of both backward passes
-    calls = bucketer.launch_all("allreduce")
+    calls = bucketer.launch_all(recorder.sender("allreduce"))
     assert len(calls) == len(bucketer.layout.buckets)
     n = bucketer.layout.numel
-    assert torch.equal(bucketer.grads[:n], 2 * _flat_grads(model))
+    assert torch.equal(bucketer.grads[:n], _flat_grads(model))
 
 
 def _armed(kind):
     """A model and a bucketer that launches ``kind`` during backward (past its first step)."""
-    model, recorder = _model(), Recorder(kind=kind)
-    bucketer = _bucketer(model, recorder, overlap=True)
+    model = _model()
+    recorder = Recorder(model, overlap=True)
+    bucketer = recorder.bucketer
+    bucketer.sender = recorder.sender(kind)
     bucketer.armed = True
     return model, recorder, bucketer
 
@@ -166,7 +161,7 @@ def test_a_gradient_edited_after_backward_is_caught_by_check_unchanged():
     _backward(model)
     bucketer.check_unchanged()  # nothing edited since
     assert bucketer.inflight and recorder.closed == 0
-    bucketer.launch_all("compressed")
+    bucketer.launch_all(recorder.sender("compressed"))
     model.zero_grad()
     _backward(model)
     model[0].weight.grad.mul_(0.5)  # as clip_grad_norm_ would, after the bucket left
@@ -176,8 +171,7 @@ def test_a_gradient_edited_after_backward_is_caught_by_check_unchanged():
 
 
 def test_release_frees_the_buffer_and_the_next_use_makes_a_new_one():
-    model = _model()
-    bucketer = _bucketer(model, Recorder())
+    bucketer = Recorder(_model()).bucketer
     bucketer.grads.fill_(1.0)
     bucketer.release()
     assert bucketer._buffer is None
@@ -188,9 +182,11 @@ def test_release_frees_the_buffer_and_the_next_use_makes_a_new_one():
 
 def test_the_hooks_do_not_keep_the_bucketer_alive():
     model = _model()
-    bucketer = _bucketer(model, Recorder(), overlap=True)
-    ref = weakref.ref(bucketer)
-    del bucketer
+    recorder = Recorder(model, overlap=True)
+    recorder.bucketer.sender = recorder.sender("allreduce")
+    recorder.bucketer.armed = True
+    ref = weakref.ref(recorder.bucketer)
+    del recorder
     gc.collect()
     assert ref() is None
     _backward(model)  # the dead bucketer's hooks do nothing
@@ -200,10 +196,10 @@ def _allreduce_headers(rank, world_size):
     model = _model()
     for p in model.parameters():
         p.grad = torch.full_like(p, float(rank))
-    recorder = Recorder()
-    recorder.header = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
-    bucketer = _bucketer(model, recorder)
-    for call in bucketer.launch_all("allreduce"):
+    recorder = Recorder(model)
+    recorder._header_for = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
+    bucketer = recorder.bucketer
+    for call in bucketer.launch_all(recorder.sender("allreduce")):
         call.wait()
     n = bucketer.layout.numel
     return bucketer.header_slots().clone(), bucketer.grads[:n].clone()
@@ -213,4 +209,4 @@ def test_the_fp32_allreduce_gives_every_rank_every_ranks_header_and_the_mean():
     for slots, mean in run_ranks(_allreduce_headers, 2, timeout=60):
         want = torch.stack([torch.arange(HEADER_NUMEL) + 10.0 * r for r in range(2)])
         assert torch.equal(slots, want)
-        assert torch.equal(mean, torch.full_like(mean, 1.0))  # prepared: 2·rank, averaged
+        assert torch.equal(mean, torch.full_like(mean, 0.5))  # rank, averaged

@@ -86,7 +86,7 @@ def _unsent(rank, world_size):
                             warmup_compression="int8")  # fmt: skip
     loss_of(model, 1, rank).backward()
     if rank == 1:  # each bucket's header is made as its message is filled
-        opt.bucketer.header = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
+        opt._header_for = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
     try:
         opt.step()
     except (ValueError, RuntimeError) as err:

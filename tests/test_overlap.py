@@ -41,7 +41,8 @@ def _train(rank, world_size, overlap, accumulate, backend="auto", strided=False)
                     loss.backward()
             else:
                 loss.backward()
-        launched_early.append((len(opt.bucketer.inflight), opt.bucketer.inflight_kind))
+        sending = opt.bucketer.sending
+        launched_early.append((len(opt.bucketer.inflight), sending and sending.kind))
         opt.step()
     assert opt._fused is not None and opt._fused.packed is not None  # 1 bit between steps
     return [p.detach() for p in model.parameters()], launched_early, len(opt.comms)

@@ -163,7 +163,6 @@ class OnebitAdam(CompressedOptimizer):
             warmup_compression=warmup_compression,
             error_dtype=error_dtype,
             prepare=self._momentum_into_bucket_,
-            next_kind=self._next_kind,
         )
 
     def _allocate_state(self) -> None:
@@ -188,24 +187,17 @@ class OnebitAdam(CompressedOptimizer):
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
 
     def _next_kind(self) -> str:
-        """What the next step sends (every step can be launched during backward): in the
-        compression stage, ``"packed"`` where the fused passes run it (decided once per
-        backward pass, as the hooks ask for every gradient)."""
+        """Every step can start during backward: in the compression stage, ``"packed"`` where
+        the fused passes run it (checked again at its first bucket)."""
         if self.stage == "warmup":
             return self._warmup_kind
-        asked = (self.bucketer.backward_passes, self._fused)
-        if self._packs_next is None or self._packs_next[0] != asked:
-            self._packs_next = (asked, self._packed_stage() is not None)
-        return "packed" if self._packs_next[1] else "compressed"
+        return "packed" if self._fused is not None else "compressed"
 
-    _packs_next: tuple[tuple[int, Any], bool] | None = None  # see _next_kind
-
-    def _momentum_into_bucket_(self, k: int, kind: str, grads: Tensor) -> None:
-        """The bucketer's ``prepare``: a compressed step sends the local momentum
+    def _momentum_into_bucket_(self, k: int, grads: Tensor) -> None:
+        """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
         ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
-        if kind == "compressed":
-            start, end = self.layout.buckets[k]
-            torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
+        start, end = self.layout.buckets[k]
+        torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
 
     def _take_step(self) -> None:
         stage, t = self.stage, self.num_steps + 1

@@ -23,7 +23,7 @@ import math
 import operator
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,8 +33,14 @@ from torch import Tensor
 
 from . import host, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
-from .bucketer import Bucketer, Prepare
-from .comm import CompressedAllreduce, commit_compressed_, group_size_and_rank, scales_finite
+from .bucketer import Bucketer
+from .comm import (
+    CompressedAllreduce,
+    MeanAllreduce,
+    commit_compressed_,
+    group_size_and_rank,
+    scales_finite,
+)
 from .exchange import Exchange, phase_exchange
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
@@ -92,6 +98,11 @@ _STATUS = {
 }
 
 
+Prepare = Callable[[int, Tensor], None]
+"""``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
+call sends (1-bit Adam sends its momentum)."""
+
+
 def check_adam_hyperparameters(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
@@ -146,10 +157,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     A subclass passes this constructor its argument checks, ``check``, which raises
     ``ValueError`` or returns the :class:`~onebit.freeze.FreezeSchedule` that ends its warmup
-    (run here, so that a problem raises on every rank, not one), and the bucketer's ``prepare``
-    and ``next_kind`` callbacks where it has them. It makes its buffers in
-    :meth:`_allocate_state`, names them for each stage in :meth:`_set_frozen`, and takes each
-    step's update in :meth:`_take_step`, which :meth:`step` calls once the step is open.
+    (run here, so that a problem raises on every rank, not one), and ``prepare`` where a 1-bit
+    message is not the gradient itself. It makes its buffers in :meth:`_allocate_state`, names
+    them for each stage in :meth:`_set_frozen`, takes each step's update in :meth:`_take_step`,
+    which :meth:`step` calls once the step is open, and says in :meth:`_next_kind` what the next
+    step sends if that can start during backward.
 
     The state follows the parameters: if they have moved when a step (or :meth:`load_state_dict`)
     starts, as when HF Trainer or Accelerate move the model to the GPU after the optimizer was
@@ -223,7 +235,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         warmup_compression: str = "fp32",
         error_dtype: torch.dtype = torch.float32,
         prepare: Prepare | None = None,
-        next_kind: Callable[[], str | None] = lambda: None,
     ) -> None:
         super().__init__(params, defaults)
         self.bias_correction = bias_correction
@@ -250,7 +261,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._build_on_device()
         self._step_open = False
         self._replace_problem: str | None = None
-        self._prepare, self._next_kind = prepare, next_kind
+        self._prepare = prepare
         self.bucketer = self._new_bucketer()
         self.comm_stats = CommStats()
         self.comm_stats.freeze_step = self.freeze.freeze_step
@@ -262,6 +273,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
         self._allocate_state()
+        self._push_next_sender()
 
     # Where the state lives: on the parameters' device, following them when they move.
 
@@ -329,7 +341,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self._fused = None
         self._build_on_device()
-        self.bucketer.place(device, self.comms, self.warmup_comms)
+        self.bucketer.place(device)
         self._allocate_state()
         self.load_state_dict(saved)
 
@@ -399,18 +411,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _new_bucketer(self, backward_passes: int = 0) -> Bucketer:
         bucketer = Bucketer(
             self.layout,
-            self.comms,
-            self.warmup_comms,
             self.process_group,
             HEADER_NUMEL,
             clip=self.max_grad_norm is not None and self.overlap_backward,
             overlap=self.overlap_backward,
-            open_step=functools.partial(self._begin_step, follow=False),
-            close_step=self._close_step,
-            header=self._header_for,
-            prepare=self._prepare,
-            start=self._start_packed,
-            next_kind=self._next_kind,
         )
         bucketer.backward_passes = backward_passes
         return bucketer
@@ -564,6 +568,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.bucketer.close()
         self.bucketer = self._new_bucketer(self.bucketer.backward_passes)
         self._allocate_state()
+        self._push_next_sender()
         if saved is not None:
             self.load_state_dict(saved)
 
@@ -785,7 +790,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return ""
         return f". On this rank: {self._replace_problem or _REPLACED_IN_BACKWARD}"
 
-    # Communication: the bucketer launches the buckets, the headers are checked here.
+    # Communication: the bucketer launches the buckets through a sender, the headers are
+    # checked here.
+
+    def _sender(
+        self, kind: str, fill: bool = True, inv_scale: float | Tensor | None = None
+    ) -> _Sender:
+        """What a ``kind`` call sends of each bucket (see :meth:`_communicate`; ``"packed"``:
+        the packed momentum's fused passes read ``.grad``), for the bucketer to call."""
+        if kind == "allreduce":
+            return _MeanSender(self, fill, inv_scale)
+        if kind == "quantized":
+            return _CommSender(self, kind, self.warmup_comms, fill, inv_scale)
+        if kind == "compressed":
+            return _CommSender(self, kind, self.comms, fill, inv_scale, self._prepare)
+        return _PackedSender(self)
+
+    def _next_kind(self) -> str | None:
+        """What the next step sends, if it can start during backward (``overlap_backward``),
+        else ``None``: a ``kind`` of :meth:`_sender`."""
+        return None
+
+    def _push_next_sender(self) -> None:
+        """Give the bucketer what the next step sends (at construction, after each step and
+        after a load)."""
+        kind = self._next_kind() if self.overlap_backward else None
+        self.bucketer.sender = None if kind is None else self._sender(kind)
 
     def _header_for(self, k: int, sparse: bool = False, norm2: Tensor | None = None) -> Tensor:
         """This rank's header for the message of bucket ``k`` (a row of the headers
@@ -823,7 +853,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             model = self._model_quantized()
             if model is not None:
                 return self._reduce_quantized(model, out)
-        calls = self.bucketer.launch_all(kind, fill, self._inv_scale)
+        calls = self.bucketer.launch_all(self._sender(kind, fill, self._inv_scale))
         if kind == "allreduce":
             for call in calls:
                 call.wait()
@@ -848,7 +878,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``gradients`` sent during backward (``overlap_backward``), note the mean of the ranks'
         gradient norms that ``max_grad_norm`` clips the result with (a quantized average is
         clipped as an fp32 one, by its own norm)."""
-        comms = self.bucketer.comms_for(kind)
+        comms = self.warmup_comms if kind == "quantized" else self.comms
         finite = scales_finite(comms, calls)
         headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
         clipped = gradients and kind == "compressed" and self.bucketer.clip
@@ -1209,6 +1239,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.num_steps += 1
         else:
             self.skipped_steps += 1
+        self._push_next_sender()
         if first_warmup:
             self._compile_ahead()
 
@@ -1262,7 +1293,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
         every bucket at once made the results the momentum already)."""
         if self.overlap_backward:  # buckets that backward did not launch go now, one by one
-            calls = self.bucketer.launch_all("packed")  # through _start_packed
+            calls = self.bucketer.launch_all(self._sender("packed"))
             applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
             return applied, nbytes, calls
         addresses, keep, sparse = gradient_addresses(self.layout.params, self.layout.strides)
@@ -1287,9 +1318,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return applied, nbytes, calls
 
     def _start_packed(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        """The bucketer's ``start`` for ``overlap_backward``: bucket ``k``'s fused pass 1 and
-        phase 1, from the ``.grad`` of its parameters as soon as they are final (see
-        :meth:`_packed_allreduce`)."""
+        """Bucket ``k``'s fused pass 1 and phase 1 for ``overlap_backward``, from the ``.grad``
+        of its parameters as soon as they are final (see :meth:`_packed_allreduce`)."""
         layout, bucket = self.layout, self.layout.bucket_params[k]
         found, keep, sparse = gradient_addresses([layout.params[i] for i in bucket],
                                                  [layout.strides[i] for i in bucket])  # fmt: skip
@@ -1577,6 +1607,114 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
             extra.pop(key, None)
         self._load_extra_state(extra)
+        self._push_next_sender()
+
+
+class _Sender:
+    """What one step of ``optimizer`` sends of each bucket: the
+    :class:`~onebit.bucketer.Sender` the bucketer calls when a bucket is ready. Its first call
+    opens the step (during backward, with ``overlap_backward``)."""
+
+    comms: Sequence[Any] = ()
+    kind = ""
+    """What it sends, by the name :meth:`CompressedOptimizer._sender` takes."""
+
+    def __init__(
+        self, optimizer: CompressedOptimizer, fill: bool = True, inv_scale: Any = None
+    ) -> None:
+        self.optimizer, self.fill, self.inv_scale = optimizer, fill, inv_scale
+
+    def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        self.optimizer._begin_step(follow=False)
+        return self._start(k, exchange)
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        raise NotImplementedError
+
+    def abandon(self, calls: dict[int, Any]) -> None:
+        for k, call in calls.items():
+            self.comms[k].worker_scales(call)
+        self.optimizer._close_step()
+
+    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Bucket ``k`` of the gradient buffer (filled first, with :attr:`fill`) and its
+        header."""
+        opt = self.optimizer
+        sparse, norm2 = False, None
+        if self.fill:
+            sparse, norm2 = opt.bucketer.fill(k, self.inv_scale, norm)
+        return opt.bucketer.buckets[k], opt._header_for(k, sparse, norm2)
+
+
+class _MeanSender(_Sender):
+    """An fp32 mean allreduce, in place in the gradient buffer; the bucket sent first carries
+    every rank's header slots after the padded buffer."""
+
+    kind = "allreduce"
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> MeanAllreduce:
+        opt = self.optimizer
+        bucketer, (start, end) = opt.bucketer, opt.layout.buckets[k]
+        grads, header = self._gathered(k)
+        buffer = grads
+        if k == len(opt.layout.buckets) - 1:
+            buffer = bucketer.grads[start:-1]
+            slots = bucketer.header_slots()
+            slots.zero_()
+            slots[bucketer.rank] = header
+        return MeanAllreduce(buffer, opt.process_group, average=grads[: end - start])
+
+    def abandon(self, calls: dict[int, Any]) -> None:
+        for call in calls.values():
+            call.wait()
+        self.optimizer._close_step()
+
+
+class _CommSender(_Sender):
+    """Through ``comms``, the quantized warmup's or (``kind`` ``"compressed"``) the 1-bit ones,
+    what ``prepare`` makes of each bucket's gradients if given. A 1-bit message's header carries
+    its squared gradient norm where the bucketer clips."""
+
+    def __init__(
+        self,
+        optimizer: CompressedOptimizer,
+        kind: str,
+        comms: Sequence[Any],
+        fill: bool,
+        inv_scale: Any,
+        prepare: Prepare | None = None,
+    ) -> None:
+        super().__init__(optimizer, fill, inv_scale)
+        self.kind, self.comms, self.prepare = kind, comms, prepare
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        grads, header = self._gathered(k, norm=self.kind == "compressed")
+        if self.fill and self.prepare is not None:
+            self.prepare(k, grads[: self.comms[k].numel])
+        return self.comms[k].start(grads, header, exchange)
+
+
+class _PackedSender(_Sender):
+    """The packed momentum's fused pass 1 and phase 1, reading ``.grad``: nothing is
+    gathered."""
+
+    kind = "packed"
+
+    def __init__(self, optimizer: CompressedOptimizer) -> None:
+        super().__init__(optimizer)
+        self.comms = optimizer.comms
+        self._unfused: _Sender | None = None
+        self._checked = False
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        opt = self.optimizer
+        if not self._checked:  # the parameters may have stopped suiting the kernels
+            self._checked = True
+            if opt._packed_stage() is None:
+                self._unfused = opt._sender("compressed")
+        if self._unfused is not None:
+            return self._unfused._start(k, exchange)
+        return opt._start_packed(k, exchange)
 
 
 _SHARDED_NAMES = {"frozen_denom": "exp_avg_sq"}

@@ -5,69 +5,71 @@ buffer laid out by :class:`~onebit.layout.FlatLayout`, the order in which bucket
 calls in flight, and the overlap with backward: the parameters' post-accumulate hooks,
 ``no_sync()``, and the bucket-ready calls of :func:`onebit.ddp_comm_hook`.
 
-What a bucket sends and what its header says belong to the optimizer, which hands them in as
-callbacks (see :class:`Bucketer`). Buckets launch in a fixed order, last first as backward
-produces them, on every rank, so the collectives match across ranks however early each bucket
-is launched.
+What a bucket sends belongs to the optimizer. As DDP's ``Reducer`` calls its comm hook, the
+bucketer calls one object, a :class:`Sender`, when a bucket is ready: the one ``step()`` hands
+:meth:`Bucketer.launch_all`, or during backward the one the optimizer pushed to
+:attr:`Bucketer.sender` after its last step. Buckets launch in a fixed order, last first as
+backward produces them, on every rank, so the collectives match across ranks however early
+each bucket is launched.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from .comm import MeanAllreduce, group_size_and_rank
+from .comm import group_size_and_rank
 from .exchange import Exchange, phase_exchange
 from .layout import FlatLayout
 
-Prepare = Callable[[int, str, Tensor], None]
-"""``prepare(k, kind, grads)``: turn bucket ``k``'s gathered gradients, in place, into what a
-``kind`` call sends (1-bit Adam sends its momentum)."""
 
-Header = Callable[[int | None, bool, Tensor | None], Tensor]
-"""``header(k, sparse, norm2)``: this rank's header for bucket ``k`` (``None``: a message that is
-not a gradient), given whether gathering it met a sparse gradient and its squared norm."""
+class Sender(Protocol):
+    """What one step sends, bucket by bucket: the object the bucketer calls when a bucket is
+    ready, as DDP's ``Reducer`` calls its comm hook."""
+
+    comms: Sequence[Any]
+    """Its communicators, one per bucket, whose messages can go in one collective for every
+    bucket (:func:`~onebit.exchange.phase_exchange`); empty where the calls are collectives of
+    their own (an fp32 allreduce)."""
+
+    def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        """Start bucket ``k``'s call, its gradients being final; its message goes into
+        ``exchange``'s part, if given, to be sent with the others'."""
+        ...
+
+    def abandon(self, calls: dict[int, Any]) -> None:
+        """Complete the phase in flight of ``calls`` (bucket index to call, as :meth:`send`
+        returned them) without committing anything, and close the step."""
+        ...
 
 
 class Bucketer:
     """Gathers, launches and collects the buckets of one optimizer's gradients.
 
-    ``kind`` names what a call sends: ``"allreduce"`` (an fp32 mean, in place in the gradient
-    buffer, with every rank's header in slots after it), ``"quantized"`` (through
-    ``warmup_comms``), ``"compressed"`` (through ``comms``, 1 bit) or ``"packed"`` (1 bit, the
-    call started by ``start`` from ``.grad``).
-
     Args:
         layout: the flat layout and its buckets.
-        comms: the 1-bit communicators, one per bucket.
-        warmup_comms: the quantized warmup's communicators (empty for an fp32 warmup).
-        process_group: the group the fp32 allreduce runs on.
-        header_numel: the length of one rank's header.
-        clip: note each compressed bucket's squared gradient norm for its header (under
-            ``overlap``, where the buckets leave before the whole gradient's norm is known).
+        process_group: the group the optimizer communicates on.
+        header_numel: the length of one rank's header (:meth:`header_slots`).
+        clip: note each bucket's squared gradient norm where :meth:`fill` is asked to (under
+            ``overlap``, the buckets leave before the whole gradient's norm is known).
         overlap: launch each bucket during backward as soon as its gradients are final.
-        open_step: opens the optimizer's step (idempotent); runs before any launch.
-        close_step: closes it without applying anything, after :meth:`abandon`.
-        header: see :data:`Header`.
-        prepare: see :data:`Prepare`; ``None`` sends the gradients themselves.
-        start: starts bucket ``k``'s call of kind ``"packed"`` itself, ``start(k, exchange)``:
-            the optimizer's fused passes read ``.grad``, so nothing is gathered.
-        next_kind: what the next step sends, if it can be launched during backward, else
-            ``None``.
 
     Attributes:
+        sender: what the next step sends, if the optimizer can send it during backward (set by
+            the optimizer after each step), else ``None``.
         backward_passes: backward passes seen by the hooks (the header's step check).
         armed: set by the optimizer after its first step in this process. Overlap starts only
             then: by that time a DDP-wrapped model has shown itself through the comm hook, and
             DDP's ``no_sync`` rather than the optimizer's governs accumulation.
-        inflight: bucket index to its call in flight, of :attr:`inflight_kind`.
+        inflight: bucket index to its call in flight.
+        sending: the sender of the calls in flight (``None`` when there are none).
         grads_as_views: as DDP's ``gradient_as_bucket_view``, point each fp32 ``.grad`` at its
             place in the gradient buffer once backward has accumulated it (copying it there
             the first time). The gradients then take no memory beyond the buffer, and the step
@@ -79,34 +81,23 @@ class Bucketer:
     def __init__(
         self,
         layout: FlatLayout,
-        comms: Sequence[Any],
-        warmup_comms: Sequence[Any],
         process_group: dist.ProcessGroup | None,
         header_numel: int,
         *,
         clip: bool,
         overlap: bool,
-        open_step: Callable[[], None],
-        close_step: Callable[[], None],
-        header: Header,
-        prepare: Prepare | None = None,
-        start: Callable[[int, tuple[Exchange, int] | None], Any] | None = None,
-        next_kind: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.layout = layout
-        self.comms, self.warmup_comms = list(comms), list(warmup_comms)
         self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.header_numel = header_numel
         self.device = layout.params[0].device
         self.clip, self.overlap = clip, overlap
-        self.open_step, self.close_step = open_step, close_step
-        self.header, self.prepare, self.next_kind = header, prepare, next_kind
-        self.start = start
+        self.sender: Sender | None = None
+        self.sending: Sender | None = None
         self._buffer: Tensor | None = None
         self._bucket_views: list[Tensor] | None = None
         self.inflight: dict[int, Any] = {}
-        self.inflight_kind = "allreduce"
         self._no_sync = False
         params = layout.params
         self._buckets_of_param = [
@@ -118,7 +109,6 @@ class Bucketer:
             for k in buckets:
                 self._bucket_sizes[k] += p.requires_grad
         self._pending = list(self._bucket_sizes)
-        self._norms2: list[Tensor | None] = [None] * len(self.comms)
         self._index = {id(p): i for i, p in enumerate(params)}
         self._seen_versions: list[int | None] | None = None
         self._hooked_by_ddp = False
@@ -129,15 +119,13 @@ class Bucketer:
         self._param_views: list[Tensor] | None = None
         self._install_hooks()
 
-    def place(
-        self, device: torch.device, comms: Sequence[Any], warmup_comms: Sequence[Any]
-    ) -> None:
-        """Work on ``device`` with these communicators from now on (the optimizer's state moved
-        there); the gradient buffer is made anew on first use. Only between steps."""
+    def place(self, device: torch.device) -> None:
+        """Work on ``device`` from now on (the optimizer's state moved there); the gradient
+        buffer is made anew on first use. Only between steps."""
         if self.inflight:
             raise RuntimeError("the optimizer's state cannot move while buckets are in flight")
         self.device = device
-        self.comms, self.warmup_comms = list(comms), list(warmup_comms)
+        self.sender = None
         self.release()
 
     # The gradient buffer.
@@ -184,19 +172,20 @@ class Bucketer:
             view.copy_(grad)
         self.layout.params[index].grad = view
 
-    def fill(self, k: int, inv_scale: float | Tensor | None, norm: bool = False) -> bool:
+    def fill(
+        self, k: int, inv_scale: float | Tensor | None, norm: bool = False
+    ) -> tuple[bool, Tensor | None]:
         """Copy the gradients overlapping bucket ``k`` into the gradient buffer, multiplied by
         ``inv_scale`` (a GradScaler's) if given; a missing ``.grad`` counts as zero. Returns
-        whether a sparse gradient (not supported, sent as zero) was met.
-
-        With ``norm`` (a compressed step) and ``clip``, also note the squared norm of what was
-        copied, which the bucket's header carries to every rank.
+        whether a sparse gradient (not supported, sent as zero) was met, and with ``norm`` and
+        ``clip`` the squared norm of what was copied, on the device (no sync per bucket), for
+        the bucket's header to carry to every rank; else ``None``.
         """
         start, end = self.layout.buckets[k]
         sparse = self._copy_in(start, end, inv_scale, self.layout.bucket_params[k])
-        if norm and self.clip:  # stays on the device: no sync per bucket
-            self._norms2[k] = torch.linalg.vector_norm(self.grads[start:end]).square()
-        return sparse
+        if norm and self.clip:
+            return sparse, torch.linalg.vector_norm(self.grads[start:end]).square()
+        return sparse, None
 
     def gather(self, inv_scale: float | Tensor | None) -> bool:
         """:meth:`fill` every bucket, in one multi-tensor op for each of its parts whatever the
@@ -241,63 +230,27 @@ class Bucketer:
 
     # Launching and collecting.
 
-    def comms_for(self, kind: str) -> list[Any]:
-        """The communicators of ``kind``: the quantized warmup's, or the 1-bit ones."""
-        return self.warmup_comms if kind == "quantized" else self.comms
+    def launch(self, k: int, sender: Sender, exchange: tuple[Exchange, int] | None = None) -> None:
+        """Start bucket ``k``'s call through ``sender``."""
+        self.inflight[k], self.sending = sender.send(k, exchange), sender
 
-    def launch(
-        self,
-        k: int,
-        kind: str,
-        fill: bool = True,
-        inv_scale: float | Tensor | None = None,
-        exchange: tuple[Exchange, int] | None = None,
-    ) -> None:
-        """Start bucket ``k``'s ``kind`` call; with ``fill``, gather and prepare it first. A
-        compressed or quantized call's message goes into ``exchange``'s part, if given, to be
-        sent with the others' (:class:`~onebit.exchange.Exchange`); otherwise it is sent now."""
-        self.open_step()
-        if kind == "packed":
-            self.inflight[k], self.inflight_kind = self.start(k, exchange), kind
-            return
-        grads = self.buckets[k]
-        numel = self.comms[k].numel
-        sparse = False
-        if fill:
-            sparse = self.fill(k, inv_scale, norm=kind == "compressed")
-            if self.prepare is not None:
-                self.prepare(k, kind, grads[:numel])
-        header = self.header(k, sparse, self._norms2[k])
-        if kind == "allreduce":
-            # Only the bucket sent first carries the header slots, after the padded buffer.
-            last = k == len(self.comms) - 1
-            buffer = self.grads[self.layout.buckets[k][0] : -1] if last else grads
-            if last:
-                slots = self.header_slots()
-                slots.zero_()
-                slots[self.rank] = header
-            self.inflight[k] = MeanAllreduce(buffer, self.process_group, average=grads[:numel])
-        else:
-            self.inflight[k] = self.comms_for(kind)[k].start(grads, header, exchange)
-        self.inflight_kind = kind
+    def launch_all(self, sender: Sender) -> list[Any]:
+        """Launch every bucket not yet launched, in launch order, through ``sender``; return
+        every bucket's call in bucket order, no longer in flight.
 
-    def launch_all(
-        self, kind: str, fill: bool = True, inv_scale: float | Tensor | None = None
-    ) -> list[Any]:
-        """Launch every bucket not yet launched, in launch order; return every bucket's call in
-        bucket order, no longer in flight.
-
-        Without ``overlap``, a compressed or quantized phase 1 is one collective for all of them.
-        With it, each bucket keeps a collective of its own: which buckets backward launched
-        before ``step()`` may differ between ranks, but the sequence of buckets does not."""
-        waiting = [k for k in reversed(range(len(self.comms))) if k not in self.inflight]
+        Without ``overlap``, the messages of ``sender.comms`` go in one collective for all of
+        them. With it, each bucket keeps a collective of its own: which buckets backward
+        launched before ``step()`` may differ between ranks, but the sequence of buckets does
+        not."""
+        buckets = len(self.layout.buckets)
+        waiting = [k for k in reversed(range(buckets)) if k not in self.inflight]
         exchange = None
-        if waiting and kind != "allreduce" and not self.overlap:
-            exchange = phase_exchange([self.comms_for(kind)[k] for k in waiting], 1)
+        if waiting and sender.comms and not self.overlap:
+            exchange = phase_exchange([sender.comms[k] for k in waiting], 1)
         with nullcontext() if exchange is None else exchange.filling():
             for i, k in enumerate(waiting):
-                self.launch(k, kind, fill, inv_scale, None if exchange is None else (exchange, i))
-        calls = [self.inflight[k] for k in range(len(self.comms))]
+                self.launch(k, sender, None if exchange is None else (exchange, i))
+        calls = [self.inflight[k] for k in range(buckets)]
         self._reset()
         return calls
 
@@ -313,18 +266,14 @@ class Bucketer:
     def abandon(self) -> None:
         """Complete the phase in flight of every launched bucket without committing anything,
         and close the step, so that raising leaves no collective half done."""
-        for k, call in self.inflight.items():
-            if isinstance(call, MeanAllreduce):
-                call.wait()
-            else:
-                self.comms_for(self.inflight_kind)[k].worker_scales(call)
+        calls, sender = self.inflight, self.sending
         self._reset()
-        self.close_step()
+        if sender is not None:
+            sender.abandon(calls)
 
     def _reset(self) -> None:
-        self.inflight = {}
+        self.inflight, self.sending = {}, None
         self._pending = list(self._bucket_sizes)
-        self._norms2 = [None] * len(self.comms)
 
     # Overlap with backward.
 
@@ -387,8 +336,8 @@ class Bucketer:
                 self._on_grad_ready(index)
 
     def _on_grad_ready(self, index: int) -> None:
-        kind = self.next_kind()
-        if kind is None or self._no_sync:
+        sender = self.sender
+        if sender is None or self._no_sync:
             return
         for k in self._buckets_of_param[index]:
             if k in self.inflight:
@@ -400,12 +349,12 @@ class Bucketer:
                 )
             self._pending[k] -= 1
         launched = bool(self.inflight)
-        for k in reversed(range(len(self.comms))):
+        for k in reversed(range(len(self.layout.buckets))):
             if k in self.inflight:
                 continue
             if self._pending[k] > 0:
                 break
-            self.launch(k, kind)
+            self.launch(k, sender)
         if self.inflight and not launched:
             self._record_versions_after_backward()
 
