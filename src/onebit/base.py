@@ -1636,7 +1636,7 @@ class _Sender:
             self.comms[k].worker_scales(call)
         self.optimizer._close_step()
 
-    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor | None]:
+    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor]:
         """Bucket ``k`` of the gradient buffer (filled first, with :attr:`fill`) and its
         header."""
         opt = self.optimizer
