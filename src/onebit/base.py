@@ -1712,6 +1712,7 @@ class _PackedSender(_Sender):
             self._checked = True
             if opt._packed_stage() is None:
                 self._unfused = opt._sender("compressed")
+                self.kind = self._unfused.kind
         if self._unfused is not None:
             return self._unfused._start(k, exchange)
         return opt._start_packed(k, exchange)

@@ -55,7 +55,7 @@ class Bucketer:
 
     Args:
         layout: the flat layout and its buckets.
-        process_group: the group the optimizer communicates on.
+        process_group: the group whose ranks each have a header slot (:meth:`header_slots`).
         header_numel: the length of one rank's header (:meth:`header_slots`).
         clip: note each bucket's squared gradient norm where :meth:`fill` is asked to (under
             ``overlap``, the buckets leave before the whole gradient's norm is known).
@@ -88,7 +88,6 @@ class Bucketer:
         overlap: bool,
     ) -> None:
         self.layout = layout
-        self.process_group = process_group
         self.world_size, self.rank = group_size_and_rank(process_group)
         self.header_numel = header_numel
         self.device = layout.params[0].device
