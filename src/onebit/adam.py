@@ -15,6 +15,7 @@ from .base import (
     CompressedOptimizer,
     check_adam_hyperparameters,
 )
+from .checkpoint import NoState, StatePart
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, bias_correction, fill_zero_variance_
 
@@ -270,24 +271,33 @@ class OnebitAdam(CompressedOptimizer):
             self.flat.expose("exp_avg", None)  # packed now: see state_dict()
         return applied, nbytes
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), **self._packed_extra_state()}
+    def _stage_state(self) -> StatePart:
+        return _FreezeState(self)
 
-    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        fixed = self.freeze.freeze_step if self.freeze.monitor is None else None
+
+class _FreezeState(NoState):
+    """1-bit Adam's part of a checkpoint: a state saved past its freeze loads only into an
+    optimizer that froze by then, and one saved by onebit <= 0.1 past the freeze is frozen."""
+
+    def __init__(self, optimizer: OnebitAdam) -> None:
+        self.optimizer = optimizer
+
+    def before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        freeze = self.optimizer.freeze
+        fixed = freeze.freeze_step if freeze.monitor is None else None
         if saved.get("frozen") and fixed is not None and saved["num_steps"] < fixed:
             raise ValueError(
                 f"the state was saved after its freeze, at step {saved['num_steps']}, but this "
                 f"optimizer's freeze_step is {fixed}: its variance is gone, so the warmup "
                 "cannot go on. Build the optimizer with the run's freeze_step"
             )
-        return super()._before_load(saved)
+        return super().before_load(saved)
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        t, v = self.num_steps, self._exp_avg_sq
-        if not self._frozen and self.freeze_step is not None and t >= self.freeze_step:
-            (_, beta2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
-            bc2 = bias_correction(beta2, self.freeze_step, self.bias_correction)
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        opt = self.optimizer
+        t, v = opt.num_steps, opt._exp_avg_sq
+        if not opt._frozen and opt.freeze_step is not None and t >= opt.freeze_step:
+            (_, beta2), eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
+            bc2 = bias_correction(beta2, opt.freeze_step, opt.bias_correction)
             adam_denominator(v, bc2, eps, out=v)  # saved by onebit <= 0.1: v past the freeze
-            self._set_frozen(True)
-        self._reload_packed(state)
+            opt._set_frozen(True)

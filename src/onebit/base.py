@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host, kernels, rehearsal
+from . import checkpoint, host, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer
+from .checkpoint import StatePart
 from .comm import (
     CompressedAllreduce,
     MeanAllreduce,
@@ -59,7 +60,7 @@ from .model_allreduce import ModelAllreduce, ModelCall
 from .model_quantized import ModelQuantized
 from .momentum import PackedMomentumStage, fused_parameters, unpacked_because
 from .quantized import QuantizedAllreduce
-from .sharding import Replicated, has_dtensors, local_tensor, shards_of
+from .sharding import Replicated, has_dtensors, shards_of
 from .stats import CommStats
 
 DEFAULT_BUCKET_SIZE = 2**22
@@ -1332,35 +1333,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._fused.start(k, grads, self._inv_scale, self._beta1, header, None, exchange,
                                  keep)  # fmt: skip
 
-    def _packed_extra_state(self) -> dict[str, Any]:
-        return {"packed_momentum": self._fused is not None and self._fused.packed is not None}
-
-    def _detach_packed(self) -> Callable[[], None]:
-        """For :meth:`_before_load`: the momentum loads as fp32 into ``exp_avg``, the errors
-        apart from it."""
-        if self._fused is None:
-            return lambda: None
-        packed, undo = self._fused.packed, self._fused.detach()
-        self.flat.expose("exp_avg", self._exp_avg)
-
-        def undo_all() -> None:
-            undo()
-            if packed is not None:
-                self.flat.expose("exp_avg", None)
-
-        return undo_all
-
-    def _reload_packed(self, state: dict[str, Any]) -> None:
-        """For :meth:`_load_extra_state`: pack the loaded momentum again if it was saved so; a
-        frozen state then needs no gradient buffer (the ``.grad`` views keep theirs)."""
-        if self._fused is not None:
-            self._fused.reload(bool(state.get("packed_momentum", False)))
-            if self._fused.packed is not None:
-                self.flat.expose("exp_avg", None)
-            if self._frozen:
-                self.bucketer.release()
-
-    # Checkpoints.
+    # Checkpoints (onebit.checkpoint): the state's parts, each saving and loading itself.
 
     _frozen = False
     """Whether the state is the frozen stage's (past the warmup), as :meth:`_set_frozen` named
@@ -1371,37 +1344,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         it."""
         raise NotImplementedError
 
-    def _extra_state(self) -> dict[str, Any]:
-        """State that is not per parameter and is the same on every rank (subclasses add
-        theirs)."""
-        return {"frozen": self._frozen}
+    def _stage_state(self) -> StatePart:
+        """The subclass's own :class:`~onebit.checkpoint.StatePart`: its stages' counters and
+        state that is not per parameter."""
+        return checkpoint.NoState()
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
-    def _rank_state(self) -> dict[str, Any]:
-        """State that differs between ranks: the error buffers, and what subclasses add."""
-        state = {"comms": [c.state_dict() for c in self.comms]}
-        if self.warmup_comms:
-            state["warmup_comms"] = [c.state_dict() for c in self.warmup_comms]
-        return state
-
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
-        comms = state["comms"]
-        if len(comms) != len(self.comms):
-            raise ValueError(f"{len(comms)} buckets saved, {len(self.comms)} here")
-        saved_dtypes = {s["worker_error"].dtype for s in comms if s["worker_error"] is not None}
-        if saved_dtypes - {self.error_dtype}:
-            warnings.warn(
-                f"error buffers saved in {', '.join(sorted(map(str, saved_dtypes)))} load into "
-                f"{type(self).__name__}(error_dtype={self.error_dtype}): they are converted"
-                + (" (rounded to bf16)" if self.error_dtype == torch.bfloat16 else ""),
-                stacklevel=3,
-            )
-        for comm, saved in zip(self.comms, comms):
-            comm.load_state_dict(saved)
-        for comm, saved in zip(self.warmup_comms, state.get("warmup_comms", [])):
-            comm.load_state_dict(saved)
+    def _state_parts(self) -> list[StatePart]:
+        """The parts of the state that save and load themselves, in the order they load: the
+        error buffers, the subclass's stages, which stage the buffers are named for, and the
+        packed momentum."""
+        errors = checkpoint.ErrorBuffers(
+            self.comms, self.warmup_comms, self.error_dtype, type(self).__name__
+        )
+        parts = [errors, self._stage_state(), checkpoint.Frozen(self._frozen, self._set_frozen)]
+        if self._fused is not None:
+            parts.append(checkpoint.PackedMomentum(self._fused, self.flat))
+        return parts
 
     def _end_warmup_compression(self) -> None:
         """At the freeze: zero the quantized warmup's error buffers, which tracked gradients that
@@ -1430,29 +1388,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         through the freeze (``exp_avg_sq`` then holds ``frozen_denom``).
         """
         self._follow_param_groups_or_raise("save")
-        if self._fused is not None and self._fused.packed is not None:
-            self.flat.expose("exp_avg", self._fused.materialize())  # exactly: each is ±σ
-            try:
-                state = self._state_dict()
-                state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
-                return state
-            finally:
-                self.flat.expose("exp_avg", None)
-        return self._state_dict()
-
-    def _state_dict(self) -> dict[str, Any]:
-        ranks = {self._part: self._rank_state()}
+        parts = self._state_parts()
+        with checkpoint.saving(parts):
+            state = super().state_dict()
+            state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
+        if self.shards.sharded:
+            state["state"] = checkpoint.sharded(state["state"], self.shards)
+        ranks = {self._part: checkpoint.rank_state(parts)}
         if self._gathered is not None and self._gathered[0] == self._calls:
             ranks = self._gathered[1]
-        state = super().state_dict()
-        if self.shards.sharded:  # DTensors, for torch.distributed.checkpoint
-            state["state"] = {
-                i: {
-                    _SHARDED_NAMES.get(k, k): self.shards.wrap(i, v) if torch.is_tensor(v) else v
-                    for k, v in s.items()
-                }
-                for i, s in state["state"].items()
-            }
         state["onebit"] = {
             "optimizer": type(self).__name__,
             "world_size": self.world_size,
@@ -1463,7 +1407,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "backward_passes": self.bucketer.backward_passes,
             "comm_stats": self.comm_stats.state_dict(),
             **self.freeze.state_dict(),
-            **self._extra_state(),
+            **checkpoint.extra_state(parts),
             "ranks": ranks,
         }
         return state
@@ -1486,12 +1430,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._gathered = None
         if self.world_size == 1:
             return
-        part = to_cpu(self._rank_state())
-        parts: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dst = dist.get_global_rank(self.process_group, to) if self.process_group else to
-        dist.gather_object(part, parts, dst=dst, group=self.process_group)
+        mine = checkpoint.rank_state(self._state_parts())
+        parts = checkpoint.gather_rank_states(
+            mine, to, self.rank, self.world_size, self.process_group
+        )
         if parts is not None:
-            self._gathered = (self._calls, dict(enumerate(parts)))
+            self._gathered = (self._calls, parts)
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """Every rank's state in one dict on rank ``to`` (``None`` on the others).
@@ -1504,20 +1448,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.consolidate_state_dict(to)
         return self.state_dict() if self.rank == to else None
 
-    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        """Put the state into the shape ``saved`` (the ``"onebit"`` entry) was saved in, before
-        its buffers are checked and copied (frozen or not, the momentum unpacked); return what
-        undoes that if the load fails."""
-        frozen = self._frozen
-        self._set_frozen(bool(saved.get("frozen", False)))  # onebit 0.1.0: a warmup state
-        undo_packed = self._detach_packed()
-
-        def undo() -> None:
-            self._set_frozen(frozen)
-            undo_packed()
-
-        return undo
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer
         fp32 and flat.
@@ -1527,76 +1457,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
         layout, the error buffers are reset to zero with a warning; everything else is restored.
         A state of another optimizer raises ``ValueError`` and changes nothing.
         """
-        name = type(self).__name__
         self._follow_param_groups_or_raise("load")
         self._follow_parameters()
-        saved_onebit = state_dict.get("onebit") if isinstance(state_dict, dict) else None
-        if saved_onebit is None:
-            raise ValueError(
-                f"not a onebit state dict: {name} can only load what a {name} saved, with its "
-                "'onebit' part (error buffers, counters, freeze schedule). A torch.optim state, "
-                "say from AdamW, has none, and loaders that keep only 'state' and "
-                "'param_groups' drop it (torch.distributed.checkpoint's "
-                "set_optimizer_state_dict, a framework's FSDP checkpoint): save and load with "
-                "onebit.fsdp.save and load, or through onebit.integrations"
-            )
-        if saved_onebit.get("optimizer", name) != name:
-            raise ValueError(f"state dict of {saved_onebit['optimizer']} loaded into {name}")
+        saved = checkpoint.onebit_entry(state_dict, type(self).__name__)
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(saved["params"]) != len(g["params"]) for saved, g in zip(groups, self.param_groups)
-        ):
-            raise ValueError("loaded state dict has a different number of params or param groups")
-        index = {
-            i: p
-            for saved, g in zip(groups, self.param_groups)
-            for i, p in zip(saved["params"], g["params"])
-        }
+        index = checkpoint.parameter_index(groups, self.param_groups)
         self._gathered = None
-        undo = self._before_load(saved_onebit)
+        parts = self._state_parts()
+        undo = checkpoint.before_load(parts, saved)
         try:
-            for i, saved in state_dict["state"].items():
-                for key, buffer in self.state[index[i]].items():
-                    name = _saved_name(saved, key)
-                    if name not in saved or buffer.shape != local_tensor(saved[name]).shape:
-                        got = tuple(saved[name].shape) if name in saved else "nothing"
-                        raise ValueError(
-                            f"state {key!r} of parameter {i}: saved {got}, "
-                            f"expected {tuple(buffer.shape)}"
-                        )
+            checkpoint.check_buffers(self.state, index, state_dict["state"])
         except ValueError:
             undo()
             raise
-        for i, saved in state_dict["state"].items():
-            for key, buffer in self.state[index[i]].items():
-                buffer.copy_(local_tensor(saved[_saved_name(saved, key)]))
-        for saved, g in zip(groups, self.param_groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
-        extra = dict(saved_onebit)
-        ranks = extra.pop("ranks", None)
-        if ranks is None:  # onebit 0.1.0 saved one rank's state without naming the rank
-            ranks = {
-                self._part: {
-                    k: extra.pop(k) for k in ("comms", "local_skipped_steps") if k in extra
-                }
-            }
-            extra.setdefault("layout", self._layout_digest())
-        part = ranks.get(self._part)
+        checkpoint.copy_buffers(self.state, index, state_dict["state"])
+        for saved_group, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        extra, ranks = checkpoint.split_ranks(saved, self._part, self._layout_digest())
         try:
-            if part is None:
-                raise ValueError(
-                    f"the state holds rank(s) {sorted(ranks)}, this is rank {self._part}; save "
-                    "with consolidated_state_dict() or one file per rank"
-                )
-            if extra.get("layout") != self._layout_digest():
-                raise ValueError("saved with another bucket layout or world size")
-            self._load_rank_state(part)
+            own = checkpoint.own_rank_state(extra, ranks, self._part, self._layout_digest())
+            for part in parts:
+                part.load_rank_state(own)
         except ValueError as err:
             warnings.warn(
                 f"error-feedback buffers reset ({err}); resume is not exact", stacklevel=2
             )
-            for comm in self.comms + self.warmup_comms:
-                comm.reset()
+            parts[0].reset()
         self.num_steps = extra.pop("num_steps")
         self.skipped_steps = extra.pop("skipped_steps")
         self._calls = extra.pop("calls", self.num_steps + self.skipped_steps)
@@ -1606,7 +1492,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.comm_stats.freeze_step = self.freeze.freeze_step
         for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
             extra.pop(key, None)
-        self._load_extra_state(extra)
+        for part in parts:
+            part.load_extra_state(extra)
+        if self._fused is not None and self._frozen:
+            self.bucketer.release()  # the .grad views keep theirs; the packed stage needs none
         self._push_next_sender()
 
 
@@ -1718,19 +1607,6 @@ class _PackedSender(_Sender):
         return opt._start_packed(k, exchange)
 
 
-_SHARDED_NAMES = {"frozen_denom": "exp_avg_sq"}
-"""The state a sharded optimizer's :meth:`~CompressedOptimizer.state_dict` names as in the
-warmup. Loaders of ``torch.distributed.checkpoint`` take the names to load from the optimizer
-as it is, often fresh; with the same names on both sides of the freeze, what they load reaches
-:meth:`~CompressedOptimizer.load_state_dict`, which says what is missing, instead of failing
-in the checkpoint's reader on a name."""
-
-
-def _saved_name(saved: dict[str, Any], key: str) -> str:
-    """The name the state ``key`` has in ``saved``, a parameter's state in a state dict."""
-    return key if key in saved else _SHARDED_NAMES.get(key, key)
-
-
 def _parts(numels: list[int], limit: int) -> Iterator[slice]:
     """Consecutive slices of ``numels`` holding at most ``limit`` elements, or one tensor."""
     start, total = 0, 0
@@ -1753,17 +1629,6 @@ def _plain(value: Any) -> Any:
         return value.tolist()
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
-    return value
-
-
-def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor in it (in dicts, lists and tuples) copied to the CPU."""
-    if torch.is_tensor(value):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
     return value
 
 

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import CompressedOptimizer, onebit_optimizer, to_cpu
+from .base import CompressedOptimizer, onebit_optimizer
+from .checkpoint import to_cpu
 from .sharding import Sharded
 
 __all__ = ["attach", "load", "save"]

@@ -16,6 +16,7 @@ from .base import (
     CompressedOptimizer,
     check_adam_hyperparameters,
 )
+from .checkpoint import NoState, StatePart
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
     adam_denominator,
@@ -549,35 +550,44 @@ class OnebitLamb(CompressedOptimizer):
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
         self.flat.expose("exp_avg_sq_fresh", self._exp_avg_sq_fresh)
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _stage_state(self) -> StatePart:
+        return _TrustRatioState(self)
+
+
+class _TrustRatioState(NoState):
+    """1-bit LAMB's part of a checkpoint: the per-layer trust ratios, scaling coefficients and
+    factors, and the fresh variance that the freeze makes (kept if a load fails)."""
+
+    def __init__(self, optimizer: OnebitLamb) -> None:
+        self.optimizer = optimizer
+
+    def extra_state(self) -> dict[str, Any]:
+        opt = self.optimizer
         return {
-            **super()._extra_state(),
-            **self._packed_extra_state(),
-            "coeff_ema": self._coeff_ema.clone(),
-            "coeff_updates": self._coeff_updates.clone(),
-            "frozen_coeffs": self._frozen_coeffs.clone(),
-            "scaling_coeffs": self._scaling.clone(),
-            "last_factors": self._last_factors.clone(),
-            "coeffs": self._coeffs.clone(),
+            "coeff_ema": opt._coeff_ema.clone(),
+            "coeff_updates": opt._coeff_updates.clone(),
+            "frozen_coeffs": opt._frozen_coeffs.clone(),
+            "scaling_coeffs": opt._scaling.clone(),
+            "last_factors": opt._last_factors.clone(),
+            "coeffs": opt._coeffs.clone(),
         }
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._coeff_ema = state["coeff_ema"].clone()
-        self._coeff_updates = state["coeff_updates"].clone()
-        self._frozen_coeffs = state["frozen_coeffs"].clone()
-        self._scaling = state["scaling_coeffs"].clone()
-        self._last_factors = state["last_factors"].clone()
-        self._coeffs = state["coeffs"].clone()
-        self._reload_packed(state)
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        opt = self.optimizer
+        opt._coeff_ema = state["coeff_ema"].clone()
+        opt._coeff_updates = state["coeff_updates"].clone()
+        opt._frozen_coeffs = state["frozen_coeffs"].clone()
+        opt._scaling = state["scaling_coeffs"].clone()
+        opt._last_factors = state["last_factors"].clone()
+        opt._coeffs = state["coeffs"].clone()
 
-    def _before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        fresh, undo = self._exp_avg_sq_fresh, super()._before_load(saved)
+    def before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
+        fresh = self.optimizer._exp_avg_sq_fresh
 
-        def undo_all() -> None:
-            self._exp_avg_sq_fresh = fresh  # what _set_frozen(frozen) keeps
-            undo()
+        def undo() -> None:
+            self.optimizer._exp_avg_sq_fresh = fresh  # what _set_frozen(frozen) keeps
 
-        return undo_all
+        return undo
 
 
 def _check_range(low_name: str, low: float, high_name: str, high: float) -> None:

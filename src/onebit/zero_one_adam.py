@@ -18,6 +18,7 @@ from .base import (
     check_adam_hyperparameters,
     check_step_count,
 )
+from .checkpoint import NoState, StatePart
 from .freeze import FreezeSchedule
 from .functional import (
     adam_moments_,
@@ -503,47 +504,58 @@ class ZeroOneAdam(CompressedOptimizer):
         self._decay = [1.0] * len(self.param_groups)
         return synced, nbytes
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _stage_state(self) -> StatePart:
+        return _ScheduleState(self)
+
+
+class _ScheduleState(NoState):
+    """0/1 Adam's part of a checkpoint: the variance and local-step schedules and, in phase B,
+    each rank's local momentum and parameters, which differ between ranks until the next
+    sync."""
+
+    def __init__(self, optimizer: ZeroOneAdam) -> None:
+        self.optimizer = optimizer
+
+    def extra_state(self) -> dict[str, Any]:
+        opt = self.optimizer
         return {
-            **super()._extra_state(),
-            "var_interval": self.var_interval,
-            "var_counter": self._var_counter,
-            "var_updates": self._var_updates,
-            "local_step_interval": self.local_step_interval,
-            "local_step_counter": self._local_step_counter,
-            "lrs": list(self._lrs),
-            "decay": list(self._decay),
+            "var_interval": opt.var_interval,
+            "var_counter": opt._var_counter,
+            "var_updates": opt._var_updates,
+            "local_step_interval": opt.local_step_interval,
+            "local_step_counter": opt._local_step_counter,
+            "lrs": list(opt._lrs),
+            "decay": list(opt._decay),
         }
 
-    def _rank_state(self) -> dict[str, Any]:
-        """Besides the error buffers: in phase B this rank's local momentum and parameters,
-        which differ between ranks until the next sync."""
-        state = {**super()._rank_state(), "local_skipped_steps": self.local_skipped_steps}
-        if self._frozen:
-            n = self.layout.numel
-            state["exp_avg"] = self._exp_avg[:n].clone()
-            params = enumerate(p.detach() for p in self.layout.params)
-            state["params"] = torch.cat([self.layout.flat(i, p).float() for i, p in params])
+    def rank_state(self) -> dict[str, Any]:
+        opt = self.optimizer
+        state: dict[str, Any] = {"local_skipped_steps": opt.local_skipped_steps}
+        if opt._frozen:
+            state["exp_avg"] = opt._exp_avg[: opt.layout.numel].clone()
+            params = enumerate(p.detach() for p in opt.layout.params)
+            state["params"] = torch.cat([opt.layout.flat(i, p).float() for i, p in params])
         return state
 
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
-        super()._load_rank_state(state)
-        self.local_skipped_steps = state.get("local_skipped_steps", 0)
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        opt = self.optimizer
+        opt.local_skipped_steps = state.get("local_skipped_steps", 0)
         if "exp_avg" in state:
-            self._exp_avg[: self.layout.numel].copy_(state["exp_avg"])
+            opt._exp_avg[: opt.layout.numel].copy_(state["exp_avg"])
         if "params" in state:
-            flat = state["params"].to(self.device)
+            flat = state["params"].to(opt.device)
             with torch.no_grad():
-                torch._foreach_copy_(self.layout.params, self.layout.views(flat))
+                torch._foreach_copy_(opt.layout.params, opt.layout.views(flat))
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.var_interval = state["var_interval"]
-        self._var_counter = state["var_counter"]
-        self._var_updates = state["var_updates"]
-        self.local_step_interval = state["local_step_interval"]
-        self._local_step_counter = state["local_step_counter"]
-        self._lrs = list(state["lrs"])
-        self._decay = list(state["decay"])
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        opt = self.optimizer
+        opt.var_interval = state["var_interval"]
+        opt._var_counter = state["var_counter"]
+        opt._var_updates = state["var_updates"]
+        opt.local_step_interval = state["local_step_interval"]
+        opt._local_step_counter = state["local_step_counter"]
+        opt._lrs = list(state["lrs"])
+        opt._decay = list(state["decay"])
 
 
 def _group_ranges(param_groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
