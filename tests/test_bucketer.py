@@ -10,8 +10,9 @@ from distributed import run_ranks
 
 from onebit.base import _CommSender, _MeanSender
 from onebit.bucketer import Bucketer
-from onebit.comm import CompressedAllreduce, MeanAllreduce
+from onebit.comm import CompressedAllreduce
 from onebit.layout import FlatLayout
+from onebit.wire import MeanAllreduce
 
 HEADER_NUMEL = 5
 

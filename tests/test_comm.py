@@ -6,7 +6,7 @@ from distributed import run_ranks
 from reference import RefCompressedAllreduce
 
 import onebit
-from onebit.comm import reduce_compressed_
+from onebit.wire import reduce_compressed_
 
 
 def _inputs(step: int, rank: int, numel: int) -> torch.Tensor:
@@ -211,3 +211,20 @@ def test_bad_input():
 
 def test_empty_buffer():
     assert onebit.CompressedAllreduce(0)(torch.ones(0)).numel() == 0
+
+
+def test_every_compressed_wire_format_is_a_communicator():
+    from onebit.quantized import QuantizedAllreduce
+    from onebit.wire import Communicator
+
+    for comm in (
+        onebit.CompressedAllreduce(40),
+        onebit.CompressedAllreduce(40, segments=[30, 10]),
+        QuantizedAllreduce(40, segments=[40], bits="int8"),
+    ):
+        assert isinstance(comm, Communicator)
+        x = torch.randn(comm.padded_numel)
+        out = torch.empty(comm.numel)
+        assert reduce_compressed_([comm], [x.clone()], [out])
+        assert comm.bytes_per_call == 0  # one rank sends nothing
+        assert out.isfinite().all() and (out * x[: comm.numel] >= 0).all()  # no sign flips

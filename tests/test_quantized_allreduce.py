@@ -8,8 +8,9 @@ from backends import use_backend
 from distributed import run_ranks
 
 from onebit import kernels, quantized
-from onebit.comm import CompressedAllreduce, allreduce_bytes, finish_compressed_
+from onebit.comm import CompressedAllreduce
 from onebit.quantized import BITS, QuantizedAllreduce, pack_int4, unpack_int4
+from onebit.wire import allreduce_bytes, finish_compressed_
 
 # Segment sizes that are not multiples of 8 or of the block size, an empty one, and one that
 # spans chunks; each segment has its own magnitude (the fifth is all zeros: scale 0).

@@ -12,7 +12,7 @@ from reference import RefBucketedAllreduce
 
 import onebit
 from onebit.base import HEADER_NUMEL
-from onebit.comm import allreduce_bytes
+from onebit.wire import allreduce_bytes
 from onebit.zero_one_adam import PAPER_SCHEDULE, run_schedule
 
 CASE = CASES["zero_one"]

@@ -35,13 +35,7 @@ from . import checkpoint, host, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer
 from .checkpoint import StatePart
-from .comm import (
-    CompressedAllreduce,
-    MeanAllreduce,
-    commit_compressed_,
-    group_size_and_rank,
-    scales_finite,
-)
+from .comm import CompressedAllreduce
 from .exchange import Exchange, phase_exchange
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
@@ -62,6 +56,7 @@ from .momentum import PackedMomentumStage, fused_parameters, unpacked_because
 from .quantized import QuantizedAllreduce
 from .sharding import Replicated, has_dtensors, shards_of
 from .stats import CommStats
+from .wire import MeanAllreduce, commit_compressed_, group_size_and_rank, scales_finite
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
@@ -875,7 +870,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = "compressed"
     ) -> tuple[bool, int]:
         """Complete compressed or quantized calls started with headers: check the headers, then
-        serve and decompress (:func:`~onebit.comm.commit_compressed_`). For 1-bit
+        serve and decompress (:func:`~onebit.wire.commit_compressed_`). For 1-bit
         ``gradients`` sent during backward (``overlap_backward``), note the mean of the ranks'
         gradient norms that ``max_grad_norm`` clips the result with (a quantized average is
         clipped as an fp32 one, by its own norm)."""

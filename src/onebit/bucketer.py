@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from .comm import group_size_and_rank
 from .exchange import Exchange, phase_exchange
 from .layout import FlatLayout
+from .wire import group_size_and_rank
 
 
 class Sender(Protocol):

@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import CompressedAllreduce
 from .flat_state import FlatState
 from .momentum import PackedMomentumStage
-from .quantized import QuantizedAllreduce
 from .sharding import Replicated, local_tensor
+from .wire import Communicator
 
 SHARDED_NAMES = {"frozen_denom": "exp_avg_sq"}
 """State that a sharded optimizer saves under its warmup name, so that
@@ -125,8 +124,8 @@ class ErrorBuffers(NoState):
 
     def __init__(
         self,
-        comms: Sequence[CompressedAllreduce],
-        warmup_comms: Sequence[QuantizedAllreduce],
+        comms: Sequence[Communicator],
+        warmup_comms: Sequence[Communicator],
         error_dtype: torch.dtype,
         owner: str,
     ) -> None:

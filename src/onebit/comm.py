@@ -1,11 +1,9 @@
-"""The communicator: error-compensated 1-bit allreduce over ``torch.distributed`` (SPEC section 2).
+"""The 1-bit wire format: error-compensated 1-bit allreduce over ``torch.distributed`` (SPEC
+section 2), a :class:`~onebit.wire.Communicator`.
 
 Only ``all_to_all_single`` and all-gather are used, so it runs on gloo, NCCL and MPI alike. With no
-process group initialised everything acts as world size 1: the same math, no communication.
-
-Byte counts follow the usual bus-bandwidth convention: the bytes a bandwidth-optimal implementation
-of the collective sends from this rank (``(n-1)/n`` of an all-to-all buffer, ``n-1`` chunks of an
-all-gather, ``2(n-1)/n`` of an allreduce buffer).
+process group initialised everything acts as world size 1: the same math, no communication. Byte
+counts follow :mod:`onebit.wire`'s convention.
 """
 
 from __future__ import annotations
@@ -35,54 +33,12 @@ from .compress import (
     subtract_compressed_,
     subtract_compressed_segments_,
 )
-from .exchange import Exchange, phase_exchange
+from .exchange import Exchange
 from .kernels.errors import check_error_dtype, fp32
+from .wire import group_size_and_rank
 
 _SCALE_BYTES = 4
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """World size and rank in ``group``; ``(1, 0)`` when no process group is initialised."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def allreduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allreduce of an ``nbytes`` buffer."""
-    return 2 * nbytes * (world_size - 1) // world_size
-
-
-class MeanAllreduce:
-    """A full-precision allreduce that averages ``buffer`` in place, started at construction.
-
-    Call :meth:`wait` to complete it. ``bytes_sent`` is what this rank sends. With ``average``
-    (a view of the front of ``buffer``) only that part is divided by the world size; the rest is
-    left summed, which lets each rank contribute a slot of its own (a sum of one value and zeros
-    is exact).
-    """
-
-    def __init__(
-        self,
-        buffer: Tensor,
-        group: dist.ProcessGroup | None = None,
-        average: Tensor | None = None,
-    ) -> None:
-        self.buffer = buffer
-        self.average = buffer if average is None else average
-        self.world_size, _ = group_size_and_rank(group)
-        self.bytes_sent = allreduce_bytes(buffer.numel() * buffer.element_size(), self.world_size)
-        self._work = None
-        if self.world_size > 1:
-            self._work = dist.all_reduce(buffer, group=group, async_op=True)
-
-    def wait(self) -> Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self.average.div_(self.world_size)
-        return self.buffer
 
 
 @dataclass
@@ -175,14 +131,16 @@ class CompressedAllreduce:
         self._server_error: Tensor | None = None
         self._server_last: Tensor | None = None  # see server_error
         self.segments = segments
-        self._geometry: ScaleGeometry | None = None
+        self._scales: _OneScale | _SegmentScales
         if segments is not None and numel:
-            self._geometry = ScaleGeometry(segments, self.padded_numel, self.world_size)
-        self._whole: ScaleGeometry | None = None  # scale_geometry without segments
+            geometry = ScaleGeometry(segments, self.padded_numel, self.world_size)
+            self._scales = _SegmentScales(geometry, self.scale)
+        else:
+            self._scales = _OneScale(self.padded_numel, self.world_size, self.scale)
         self._scratch: Tensor | None = None  # __call__'s padded input, made on first use
         self._server_scratch: Tensor | None = None
-        self.worker_scale_count = 1 if self._geometry is None else self._geometry.count
-        self.server_scale_count = 1 if self._geometry is None else self._geometry.most_pieces
+        self.worker_scale_count = self._scales.worker_count
+        self.server_scale_count = self._scales.server_count
 
     @property
     def worker_error(self) -> Tensor:
@@ -243,11 +201,7 @@ class CompressedAllreduce:
     def scale_geometry(self) -> ScaleGeometry:
         """Where each scale applies: the segments' pieces, or without segments one segment of
         the whole padded buffer (SPEC 2: one worker scale, one server scale per chunk)."""
-        if self._geometry is not None:
-            return self._geometry
-        if self._whole is None:
-            self._whole = ScaleGeometry([self.padded_numel], self.padded_numel, self.world_size)
-        return self._whole
+        return self._scales.geometry
 
     def _server_store(self) -> Tensor:
         if self._server_error is None:
@@ -325,7 +279,7 @@ class CompressedAllreduce:
             x = tensor.view(-1) if as_is else self._scratch_with(tensor)[: self.numel]
         # The input is spent once the worker error is committed: the result may overwrite it.
         target = out.view(-1) if direct else self._scratch_with(None)[: self.numel]
-        if fused and self.world_size == 1 and self._geometry is None:
+        if fused and self.world_size == 1 and self._scales.bounds is None:
             return allreduce_one_(x, self.worker_error, self.server_error, target, self.scale)
         if fused:
             call, z = self._start_input(x), None
@@ -354,7 +308,7 @@ class CompressedAllreduce:
         """:meth:`start` of ``x`` (``numel`` fp32 elements, not padded, left untouched until
         :meth:`serve` has committed the worker error from it) by the C kernels of
         :func:`~onebit.compress.compress_input`, which never store ``y``."""
-        bounds = None if self._geometry is None else self._geometry.bounds
+        bounds = self._scales.bounds
         error = self.worker_error
         signs, scales = compress_input(x, error, self.scale, bounds)
         return self.start_compressed(
@@ -379,8 +333,7 @@ class CompressedAllreduce:
         """
         buffer[self.numel :].zero_()  # the padding is zeros (SPEC 2), whatever a caller left there
         packed, scale = compress_(buffer, self.worker_error, self.scale)
-        if self._geometry is not None:
-            scale = segment_scales(buffer, self._geometry.bounds, self.scale)
+        scale = self._scales.worker(buffer, scale)
         return self.start_compressed(packed, scale, header, y=buffer, exchange=exchange)
 
     def start_compressed(
@@ -454,13 +407,10 @@ class CompressedAllreduce:
         segments, and not the C kernels (default: a new buffer). ``exchange``: as in
         :meth:`start`, of :attr:`phase2_width` parts.
         """
-        geometry = self._geometry
         if call.commit is not None:
             call.commit()
-        elif geometry is None:
-            subtract_compressed_(call.y, call.scale, out=self.worker_error, signs=call.signs)
         else:
-            subtract_compressed_segments_(call.y, call.scale, geometry.bounds, self.worker_error)
+            self._scales.commit_worker(call, self.worker_error)
         call.signs = None
         if not self.numel:
             call.gathered = call.received
@@ -468,18 +418,10 @@ class CompressedAllreduce:
         chunk = self._chunk_bytes
         received = call.received[:, :chunk]
         scales = _scales(call.received, chunk, self.worker_scale_count)
-        if geometry is None:
-            packed, sigma = serve_chunk_(received, scales[:, 0], self.server_error, self.scale, z)
-        else:
-            bounds = geometry.chunk_bounds[self.rank]
-            served = geometry.served[self.rank]
-            store, last = self._server_store(), self._server_last
-            packed, pieces_sigma = serve_pieces_(
-                received, scales, served, bounds, store, last, self.scale
-            )
-            self._server_last = pieces_sigma
-            sigma = torch.zeros(self.server_scale_count, device=pieces_sigma.device)
-            sigma[: len(bounds) - 1] = pieces_sigma
+        store, last = self._server_store(), self._server_last
+        packed, sigma, self._server_last = self._scales.serve(
+            received, scales, self.rank, store, last, z
+        )
         scales_end = self.phase2_width
         if exchange is None:
             message = torch.empty(scales_end, dtype=torch.uint8, device=self.device)
@@ -511,10 +453,7 @@ class CompressedAllreduce:
         chunk = self._chunk_bytes
         scales = _scales(call.gathered, chunk, self.server_scale_count)
         target = out if out.is_contiguous() else torch.empty_like(out)
-        if self._geometry is None:
-            decompress_(call.gathered[:, :chunk], scales[:, 0], target)
-        else:
-            decompress_pieces_(call.gathered[:, :chunk], scales, self._geometry.gathered, target)
+        self._scales.decompress(call.gathered[:, :chunk], scales, target)
         if target is not out:
             out.copy_(target)
 
@@ -580,6 +519,92 @@ def _scales(messages: Tensor, chunk_bytes: int, count: int) -> Tensor:
     )
 
 
+class _OneScale:
+    """SPEC 2's scales: one per buffer on the worker, one per chunk on the server."""
+
+    worker_count = server_count = 1
+    bounds = None
+
+    def __init__(self, padded: int, world_size: int, scale: str) -> None:
+        self.padded, self.world_size, self.scale = padded, world_size, scale
+        self._geometry: ScaleGeometry | None = None
+
+    @property
+    def geometry(self) -> ScaleGeometry:
+        """One segment of the whole padded buffer (made on first use)."""
+        if self._geometry is None:
+            self._geometry = ScaleGeometry([self.padded], self.padded, self.world_size)
+        return self._geometry
+
+    def worker(self, buffer: Tensor, scale: Tensor) -> Tensor:
+        """The worker's scales of ``buffer``, given its one ``scale``."""
+        return scale
+
+    def commit_worker(self, call: Call, error: Tensor) -> None:
+        """The worker error of ``call``, into ``error``."""
+        subtract_compressed_(call.y, call.scale, out=error, signs=call.signs)
+
+    def serve(
+        self,
+        received: Tensor,
+        scales: Tensor,
+        rank: int,
+        store: Tensor,
+        last: Tensor | None,
+        z: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Compress rank ``rank``'s chunk, from every rank's ``received`` signs and worker
+        ``scales``, with the server buffer ``store`` (holding the served ``z`` of the last call
+        where ``last``, its pieces' scales, is given; ``z``: scratch for the served chunk).
+        Returns its signs, its message's server scales, and what the buffer's ``last`` is
+        now."""
+        if last is not None:  # a pass over every bucket kept z: the error first
+            server_error_(store, last, self.geometry.chunk_bounds[rank])
+        packed, sigma = serve_chunk_(received, scales[:, 0], store, self.scale, z)
+        return packed, sigma, None
+
+    def decompress(self, signs: Tensor, scales: Tensor, out: Tensor) -> None:
+        """Every chunk's result from its signs and server scale."""
+        decompress_(signs, scales[:, 0], out)
+
+
+class _SegmentScales:
+    """A scale per segment on the worker and per piece (a segment's part of a chunk) on the
+    server, where :attr:`geometry` places them."""
+
+    def __init__(self, geometry: ScaleGeometry, scale: str) -> None:
+        self.geometry, self.scale = geometry, scale
+        self.bounds = geometry.bounds
+        self.worker_count, self.server_count = geometry.count, geometry.most_pieces
+
+    def worker(self, buffer: Tensor, scale: Tensor) -> Tensor:
+        return segment_scales(buffer, self.bounds, self.scale)
+
+    def commit_worker(self, call: Call, error: Tensor) -> None:
+        subtract_compressed_segments_(call.y, call.scale, self.bounds, error)
+
+    def serve(
+        self,
+        received: Tensor,
+        scales: Tensor,
+        rank: int,
+        store: Tensor,
+        last: Tensor | None,
+        z: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """As :meth:`_OneScale.serve`; the buffer keeps the served ``z``, and the pieces'
+        scales are its ``last``."""
+        bounds = self.geometry.chunk_bounds[rank]
+        served = self.geometry.served[rank]
+        packed, pieces = serve_pieces_(received, scales, served, bounds, store, last, self.scale)
+        sigma = torch.zeros(self.server_count, device=pieces.device)
+        sigma[: len(bounds) - 1] = pieces
+        return packed, sigma, pieces
+
+    def decompress(self, signs: Tensor, scales: Tensor, out: Tensor) -> None:
+        decompress_pieces_(signs, scales, self.geometry.gathered, out)
+
+
 class ScaleGeometry:
     """Where the segments (and the padding, one more segment) fall in the padded buffer and in
     each chunk, as the int64 tables the segmented kernels of :mod:`onebit.compress` take: each
@@ -612,56 +637,3 @@ class ScaleGeometry:
             gathered += [(j, a, b, i) for i, (a, b, _) in enumerate(pieces)]
         self.gathered = torch.tensor(gathered, dtype=torch.int64).reshape(-1, 4)
         self.most_pieces = max(len(p) for p in self.served)
-
-
-def reduce_compressed_(
-    comms: list[CompressedAllreduce], buffers: list[Tensor], outputs: list[Tensor]
-) -> bool:
-    """Run several compressed allreduces at once, all or nothing.
-
-    ``buffers[i]`` (``comms[i].padded_numel`` fp32, overwritten) is reduced into ``outputs[i]``.
-    Each phase is one collective for all of them (:class:`~onebit.exchange.Exchange`). If any
-    rank's scale in any bucket is non-finite, returns ``False`` on every rank, with the error
-    buffers and ``outputs`` untouched.
-    """
-    if not comms:
-        return True
-    with phase_exchange(comms, 1).filling() as exchange:
-        calls = [
-            comm.start(buffer, exchange=(exchange, i))
-            for i, (comm, buffer) in enumerate(zip(comms, buffers))
-        ]
-    return finish_compressed_(comms, calls, outputs)
-
-
-def finish_compressed_(
-    comms: list[CompressedAllreduce], calls: list[Call], outputs: list[Tensor]
-) -> bool:
-    """Complete calls begun by :meth:`CompressedAllreduce.start`, as :func:`reduce_compressed_`."""
-    if not host.read(scales_finite(comms, calls)):
-        return False
-    commit_compressed_(comms, calls, outputs)
-    return True
-
-
-def scales_finite(comms: list[CompressedAllreduce], calls: list[Call]) -> Tensor:
-    """Wait for phase 1 of every call; whether every rank's worker scales are finite, as a
-    boolean tensor on the device."""
-    scales = [comm.worker_scales(call).reshape(-1) for comm, call in zip(comms, calls)]
-    if not scales:
-        return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(torch.cat(scales)).all()
-
-
-def commit_compressed_(
-    comms: list[CompressedAllreduce], calls: list[Call], outputs: list[Tensor]
-) -> None:
-    """Serve and finish calls whose phase 1 is done and whose scales are all finite: phase 2 of
-    every call in one collective (:class:`~onebit.exchange.Exchange`)."""
-    if not comms:
-        return
-    with phase_exchange(comms, 2).filling() as exchange:
-        for i, (comm, call) in enumerate(zip(comms, calls)):
-            comm.serve(call, exchange=(exchange, i))
-    for comm, call, out in zip(comms, calls, outputs):
-        comm.finish(call, out)

@@ -2,9 +2,8 @@
 
 It averages gradients during the fp32 warmup of the optimizers. The exchange is the two-phase one
 of :class:`~onebit.comm.CompressedAllreduce` (SPEC section 2) with block-wise quantization ``Q``
-in place of the 1-bit compressor, and it has the same phase methods (``start``,
-``worker_scales``, ``headers``, ``serve``, ``finish``), so :func:`onebit.comm.finish_compressed_`
-and the optimizers drive either one unchanged.
+in place of the 1-bit compressor: both are a :class:`~onebit.wire.Communicator`, so
+:func:`onebit.wire.finish_compressed_` and the optimizers drive either one unchanged.
 
 The module has two layers: the compressor layer (block geometry, and functions that quantize,
 dequantize and pack one tile of blocks), and :class:`QuantizedAllreduce` on top, which owns the
@@ -35,10 +34,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import kernels
-from .comm import finish_compressed_, group_size_and_rank
 from .compress import padded_numel
 from .exchange import Exchange
 from .kernels.reference import QuantizedBucket
+from .wire import finish_compressed_, group_size_and_rank
 
 BITS = ("bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
@@ -425,7 +424,7 @@ class QuantizedAllreduce:
 
     The whole-buffer absmax is in every row because rank j only receives the scales of chunk j:
     it is what lets every rank see a non-finite value anywhere on any rank, and so all agree to
-    return NaN and leave both errors untouched (:func:`~onebit.comm.finish_compressed_`).
+    return NaN and leave both errors untouched (:func:`~onebit.wire.finish_compressed_`).
 
     Memory: besides the error buffers, one fp32 per block (the blocks' absmax) and the tiles'
     bounds; the work space of a tile is shared by all communicators of a thread.

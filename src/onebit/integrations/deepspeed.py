@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .. import registry
 from ..base import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE, CompressedOptimizer
-from ..comm import group_size_and_rank
+from ..wire import group_size_and_rank
 
 __all__ = [
     "KEY_MAP",

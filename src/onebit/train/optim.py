@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import onebit
 from onebit import registry
 from onebit.base import DEFAULT_BUCKET_SIZE
-from onebit.comm import allreduce_bytes
+from onebit.wire import allreduce_bytes
 
 _ONEBIT = {entry.name: entry for entry in registry.OPTIMIZERS}
 
