@@ -184,7 +184,7 @@ def _warmup_against_fused_adamw(device: torch.device) -> None:
 def test_warmup_in_torchs_fused_adamw_kernel_is_adamw_fused(monkeypatch):
     """On CUDA the warmup runs torch's fused AdamW kernel; the CPU has the same kernel, so the
     path is checked here too."""
-    monkeypatch.setattr(onebit.base.CompressedOptimizer, "_FUSED_ADAM_DEVICES", ("cpu",))
+    monkeypatch.setattr(onebit.adam_step, "FUSED_ADAM_DEVICES", ("cpu",))
     _warmup_against_fused_adamw(torch.device("cpu"))
 
 

@@ -10,14 +10,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import momentum
-from .base import (
-    DEFAULT_BUCKET_SIZE,
-    CompressedOptimizer,
-    check_adam_hyperparameters,
-)
+from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .freeze import AutoFreeze, FreezeSchedule
-from .functional import adam_denominator, bias_correction, fill_zero_variance_
+from .functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -166,7 +163,13 @@ class OnebitAdam(CompressedOptimizer):
             prepare=self._momentum_into_bucket_,
         )
 
+    _group_keys = GROUP_KEYS
+
+    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
+        return AdamHyper.of(groups, self.bias_correction)
+
     def _allocate_state(self) -> None:
+        self._adam = AdamWarmup.of(self)
         self._exp_avg = self.flat.zeros(padded=True)
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
@@ -198,7 +201,7 @@ class OnebitAdam(CompressedOptimizer):
         """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
         ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
         start, end = self.layout.buckets[k]
-        torch.lerp(self._exp_avg[start:end], grads, 1 - self._beta1, out=grads)
+        torch.lerp(self._exp_avg[start:end], grads, 1 - self._hyper.beta1, out=grads)
 
     def _take_step(self) -> None:
         stage, t = self.stage, self.num_steps + 1
@@ -207,9 +210,12 @@ class OnebitAdam(CompressedOptimizer):
         fused = stage == "compression" and self._packed_stage() is not None
         v = self._exp_avg_sq
         m = None if fused else self._exp_avg[: self.layout.numel]  # packed: may have no storage
-        fused_adam = stage == "warmup" and self._fused_adam_applies(t)
+        hyper = self._hyper
+        fused_adam = stage == "warmup" and self._adam.fused_applies(t, hyper)
         if stage == "warmup":
-            applied, nbytes = self._warmup_moments_(m, v, fold=not fused_adam)
+            applied, nbytes = self._average_gradients()
+            if applied and not fused_adam:
+                adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
         elif fused:
             applied, nbytes = self._fused_compressed_step()
         else:
@@ -222,24 +228,24 @@ class OnebitAdam(CompressedOptimizer):
             else:
                 applied, nbytes = self._communicate("compressed", out=g if clip_result else m)
             if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
-                m.mul_(self._beta1).lerp_(g, self._compressed_clip_coefficient())
+                m.mul_(hyper.beta1).lerp_(g, self._compressed_clip_coefficient())
             if applied:
                 self._apply_mask_(m)
         if applied and stage == "warmup":
             if fused_adam:
-                self._fused_adam_step_(m, v, t)
+                self._adam.fused_step_(self._grads, m, v, t, hyper)
             else:
-                self._adam_step_from_moments_(m, v, t)
+                self._adam.step_from_moments_(m, v, t, hyper)
             if t == self.freeze_step:
                 self._freeze_variance_(t)
         elif applied and fused:
             groups = [(g["lr"], g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
             lrs, decays = zip(*groups)
-            step_scale = 1 / bias_correction(self._beta1, t, self.bias_correction)
+            step_scale = 1 / hyper.bc1(t)
             self._fused.update_(v, [float(lr) for lr in lrs], decays, step_scale)
             torch.autograd.graph.increment_version(self.layout.params)  # written through C
         elif applied:
-            self._adamw_update_(m, v, t)
+            self._adam.adamw_update_(m, v, t, hyper)
         self._end_step(stage, nbytes, applied)
 
     def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
@@ -248,15 +254,15 @@ class OnebitAdam(CompressedOptimizer):
         ``_communicate``, bit for bit, in a number of kernels that does not grow with the
         buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
         self._gather_grads()
-        torch.lerp(m, g, 1 - self._beta1, out=g)
+        torch.lerp(m, g, 1 - self._hyper.beta1, out=g)
         return self._compressed_allreduce()
 
     def _freeze_variance_(self, t: int) -> None:
         """At the end of the last warmup step: fill the zero variances, then keep
         ``sqrt(v̂) + eps`` in place of ``v`` for the compression stage."""
         v = self._exp_avg_sq
-        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(t))
-        self._adam_denominator(v, t, out=v)
+        fill_zero_variance_(self.layout.views(v), self._hyper.zero_variance_floor(t))
+        self._hyper.denominator(v, t, out=v)
         self._set_frozen(True)
         self._end_warmup_compression()
         self.bucketer.release()  # the .grad views keep it; the fused stage needs no other

@@ -1,7 +1,8 @@
-"""Plumbing shared by the 1-bit optimizers: checks, flat state, step headers, checkpoints,
-and the full-precision Adam step that every warmup runs. When buckets are gathered and launched
-is the :class:`~onebit.bucketer.Bucketer`'s job; that all ranks built the same optimizer,
-:mod:`onebit.agreement`'s.
+"""Plumbing shared by the 1-bit optimizers: checks, flat state, step headers, the step
+template and torch's face (``state_dict``; what a state dict holds is
+:mod:`onebit.checkpoint`'s; Adam's math, :mod:`onebit.adam_step`'s). When buckets are gathered
+and launched is the :class:`~onebit.bucketer.Bucketer`'s job; that all ranks built the same
+optimizer, :mod:`onebit.agreement`'s.
 
 Subclasses implement the update rule in ``step`` and keep their math in
 :mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
@@ -40,10 +41,6 @@ from .exchange import Exchange, phase_exchange
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
 from .functional import (
-    adam_denominator,
-    adam_moments_,
-    adamw_update_,
-    bias_correction,
     clip_coefficient,
     layer_norms,
 )
@@ -82,7 +79,8 @@ _REPLACED_IN_BACKWARD = (
     "(overlap_backward), not of those in param_groups: replace them between steps"
 )
 _COUNTER = 1 << 24  # integers below this are exact in fp32
-_STATUS = {
+
+STATUS = {
     1: "a sparse gradient (not supported)",
     2: "betas or eps that differ between param groups (they act on whole buckets: set them "
     "the same in every group)",
@@ -92,28 +90,12 @@ _STATUS = {
     5: "parameters in param_groups that replaced those the optimizer was laid out on, and it "
     "could not follow them",
 }
+"""What each status code a step's header carries means, for the error every rank raises."""
 
 
 Prepare = Callable[[int, Tensor], None]
 """``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
 call sends (1-bit Adam sends its momentum)."""
-
-
-def check_adam_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> None:
-    """Raise ``ValueError`` for hyperparameters ``torch.optim.AdamW`` would also reject."""
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be a pair, got {betas!r}")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,10 +155,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     takes part in every step's collectives whatever its local ``found_inf``; a non-finite value
     on any rank makes every rank skip the step.
 
-    Subclasses are Adam at heart: each passes the :class:`~onebit.freeze.FreezeSchedule` that
-    ends its warmup, and its warmup steps run the full-precision Adam step below
-    (:meth:`_warmup_moments_`, then :meth:`_warmup_denominators` or :meth:`_adam_denominator`,
-    then AdamW's or LAMB's update).
+    Each subclass says what its steps read from the param groups (:meth:`_step_hyperparameters`,
+    :attr:`_group_keys`), and its warmup steps average the gradients at full precision
+    (:meth:`_average_gradients`).
 
     Attributes:
         backend: the kernels its steps run on the parameters' device (``"triton"`` on CUDA,
@@ -268,6 +249,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._grad_addresses = host.Uploaded(torch.int64)
         self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
+        self._hyper = self._step_hyperparameters(self.param_groups)[0]  # each step reads anew
         self._allocate_state()
         self._push_next_sender()
 
@@ -592,7 +574,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "scale_per": self.scale_per,
             "warmup_compression": self.warmup_compression,
             "error_dtype": str(self.error_dtype),
-            "param groups": _group_hyperparameters(self.param_groups),
+            "param groups": self._group_hyperparameters(),
             "max_grad_norm": self.max_grad_norm,
             "bias_correction": self.bias_correction,
             "freeze_step": self.freeze.freeze_step,
@@ -601,6 +583,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "exp_avg_mask": [offset for offset, _ in self._masks],
             **self.shards.settings(),
         }
+
+    _group_keys: tuple[str, ...] = ("lr", "weight_decay")
+    """What every rank must agree on in each param group."""
+
+    def _group_hyperparameters(self) -> list[tuple[Any, ...]]:
+        """Each param group's :attr:`_group_keys`, as plain values."""
+        return [tuple(_plain(g[key]) for key in self._group_keys) for g in self.param_groups]
+
+    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[Any, bool]:
+        """What the subclass's step reads from the param groups ``groups`` when it opens (kept
+        as ``_hyper``), and whether the groups agree on what acts on whole buckets (if not,
+        every rank raises)."""
+        raise NotImplementedError
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "layout"):
@@ -660,9 +655,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         one_device = self._follow_parameters()
         self._step_open = True
         groups = self.param_groups
-        first = groups[0]
-        uniform = all(g["betas"] == first["betas"] and g["eps"] == first["eps"] for g in groups)
-        (self._beta1, self._beta2), self._eps = first["betas"], first["eps"]
+        self._hyper, uniform = self._step_hyperparameters(groups)
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
         self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         if not self._status and not self.shards.syncing():
@@ -670,7 +663,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._status and replaced:
             self._status = 5
         self._inv_scale = None
-        hyper = zlib.crc32(repr(_group_hyperparameters(groups)).encode()) % _COUNTER
+        hyper = zlib.crc32(repr(self._group_hyperparameters()).encode()) % _COUNTER
         call = (self._calls + 1) % _COUNTER
         passes = self.bucketer.backward_passes % _COUNTER
         header = [float(call), float(hyper), float(self._status), 0.0, float(passes)]
@@ -752,7 +745,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"hyperparameters differ across ranks (rank 0 and rank(s) {ranks}): lr, "
                 "weight_decay, betas or eps of some param group, as when a learning-rate "
                 "scheduler steps on some ranks only. This rank has "
-                f"{_group_hyperparameters(self.param_groups)}"
+                f"{self._group_hyperparameters()}"
             )
         else:
             bad = [(r, int(s)) for r, s in enumerate(status) if s]
@@ -763,9 +756,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for r, s in bad:
                     ranks.setdefault(s, []).append(r)
                 problems = "; ".join(
-                    f"rank {rs[0]} has {_STATUS.get(s, s)}"
+                    f"rank {rs[0]} has {STATUS.get(s, s)}"
                     if len(rs) == 1
-                    else f"ranks {', '.join(map(str, rs))} have {_STATUS.get(s, s)}"
+                    else f"ranks {', '.join(map(str, rs))} have {STATUS.get(s, s)}"
                     for s, rs in ranks.items()
                 )
                 error = f"{type(self).__name__}.step(): {problems}{self._status_detail()}"
@@ -1070,121 +1063,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for offset, mask in self._masks:
             flat[offset : offset + mask.numel()].mul_(mask)
 
-    # The full-precision Adam step. Every warmup step (0/1 Adam's variance steps) runs
-    # _warmup_moments_, then its denominators and update: 1-bit Adam and LAMB a chunk of
-    # parameters at a time (_warmup_denominators), leaving the gradient buffer to .grad; 0/1
-    # Adam into the buffer (_adam_denominator, _adamw_update_). At the freeze each applies
-    # fill_zero_variance_ with _zero_variance_floor. The compressed steps reuse these pieces.
-
-    def _warmup_moments_(self, m: Tensor, v: Tensor, fold: bool = True) -> tuple[bool, int]:
+    def _average_gradients(self) -> tuple[bool, int]:
         """Average the gradients at full precision into the gradient buffer (an fp32
-        allreduce, or the quantized warmup exchange), clip the average (``max_grad_norm``) and,
-        with ``fold``, fold it into Adam's moments ``m`` and ``v``; return (applied, bytes
-        sent)."""
+        allreduce, or the quantized warmup exchange) and clip the average
+        (``max_grad_norm``); return (applied, bytes sent)."""
         g = self._grads
         applied, nbytes = self._communicate(self._warmup_kind, out=g)
         if applied:
             self._clip_averaged_(g)
-            if fold:
-                adam_moments_(m, v, g, self._beta1, self._beta2)
         return applied, nbytes
-
-    _FUSED_ADAM_DEVICES = ("cuda",)
-    """Where a warmup step of 1-bit Adam runs torch's fused AdamW kernel (see
-    :meth:`_fused_adam_applies`). Elsewhere it runs torch's multi-tensor ops, which round as
-    ``AdamW``'s default (foreach) implementation."""
-
-    def _fused_adam_applies(self, step: int) -> bool:
-        """Whether warmup step ``step`` runs in one pass of torch's fused AdamW kernel
-        (:meth:`_fused_adam_step_`): on CUDA, with fp32 parameters and bias correction, unless
-        ``freeze_step="auto"`` measures the step (it observes the denominators)."""
-        return (
-            self.device.type in self._FUSED_ADAM_DEVICES
-            and self.bias_correction
-            and not self.freeze.measures(step)
-            and all(p.dtype == torch.float32 for p in self.layout.params)
-        )
-
-    def _fused_adam_step_(self, m: Tensor, v: Tensor, step: int) -> None:
-        """Adam's moments and AdamW's update of warmup step ``step`` from the averaged (clipped)
-        gradient in the gradient buffer, in torch's fused AdamW kernel: one pass over the
-        parameters, rounded as ``AdamW(fused=True)`` rounds them."""
-        steps = [torch.full((), float(step), device=self.device)] * len(self.layout.params)
-        start = 0
-        for group, params, grads, ms, vs in self.flat.per_group(self._grads, m, v):
-            end = start + len(params)
-            if params:
-                torch._fused_adamw_(
-                    params, grads, ms, vs, [], steps[start:end], lr=group["lr"],
-                    beta1=self._beta1, beta2=self._beta2, weight_decay=group["weight_decay"],
-                    eps=self._eps, amsgrad=False, maximize=False,
-                )  # fmt: skip
-            start = end
-
-    def _adam_denominator(self, v: Tensor, variance_step: int, out: Tensor | None = None) -> Tensor:
-        """``sqrt(v̂) + eps``, ``v`` bias-corrected for ``variance_step`` updates, into ``out``
-        (default: the gradient buffer, which then holds no gradient)."""
-        bc2 = bias_correction(self._beta2, variance_step, self.bias_correction)
-        out = self._grads if out is None else out
-        return adam_denominator(v, bc2, self._eps, out=out)
-
-    def _observe_variance(self, step: int, denom: Tensor) -> None:
-        """Feed ``freeze_step="auto"`` the flat denominators of applied warmup step ``step``;
-        record the step it chooses in ``comm_stats``."""
-        if self.freeze.measures(step) and self.freeze.observe(step, self.layout.views(denom)):
-            self.comm_stats.freeze_step = step
-
-    def _adamw_update_(self, m: Tensor, denom: Tensor, step: int) -> None:
-        """AdamW's update of every param group: ``p -= lr·(m̂/denom + weight_decay·p)`` with
-        ``m̂`` bias-corrected for ``step``."""
-        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
-        for group, params, ms, denoms in self.flat.per_group(m, denom):
-            adamw_update_(params, ms, denoms, group["lr"], group["weight_decay"], step_scale)
-
-    def _warmup_denominators(
-        self, v: Tensor, step: int
-    ) -> Iterator[tuple[dict[str, Any], slice, list[Tensor]]]:
-        """Adam's denominators ``sqrt(v̂) + eps`` of warmup step ``step``, as temporaries a
-        bucket's worth of parameters at a time (of the default bucket size at least, so that the
-        ops do not grow with the buckets): ``(group, slice of layout.params, one denominator per
-        parameter)``. The gradient buffer, which may be the ``.grad`` views, is
-        left as it is. A measuring step of ``freeze_step="auto"`` makes them all at once, to
-        observe them first.
-        """
-        bc2 = bias_correction(self._beta2, step, self.bias_correction)
-        whole = None
-        if self.freeze.measures(step):
-            whole = adam_denominator(v, bc2, self._eps, out=torch.empty_like(v))
-            self._observe_variance(step, whole)
-            whole = self.layout.views(whole)
-        vs, start = self.layout.views(v), 0
-        for group in self.param_groups:
-            end = start + len(group["params"])
-            numels = self.shards.numels()[start:end]  # the same parts on every shard
-            for part in _parts(numels, max(self.layout.bucket_size, DEFAULT_BUCKET_SIZE)):
-                part = slice(start + part.start, start + part.stop)
-                if whole is not None:
-                    yield group, part, whole[part]
-                    continue
-                denoms = torch._foreach_sqrt(vs[part])
-                torch._foreach_div_(denoms, math.sqrt(bc2))
-                torch._foreach_add_(denoms, self._eps)
-                yield group, part, denoms
-            start = end
-
-    def _adam_step_from_moments_(self, m: Tensor, v: Tensor, step: int) -> None:
-        """AdamW's update of warmup step ``step`` from Adam's moments, by
-        :meth:`_warmup_denominators`: the gradient buffer is left as it is."""
-        step_scale = 1 / bias_correction(self._beta1, step, self.bias_correction)
-        params, ms = self.layout.params, self.layout.views(m)
-        for group, part, denoms in self._warmup_denominators(v, step):
-            lr, decay = group["lr"], group["weight_decay"]
-            adamw_update_(params[part], ms[part], denoms, lr, decay, step_scale)
-
-    def _zero_variance_floor(self, variance_step: int) -> float:
-        """``eps² · (1 - β2^variance_step)``: a variance at most this has ``sqrt(v̂) <= eps``, and
-        :func:`~onebit.functional.fill_zero_variance_` gives it its tensor's mean."""
-        return self._eps**2 * bias_correction(self._beta2, variance_step, self.bias_correction)
 
     # The step: the template every optimizer runs, and its overlap with backward.
 
@@ -1298,7 +1185,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._status = 1
         stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
         if stage.passes() is not None:  # every bucket at once
-            call = stage.start_all(grads, self._inv_scale, self._beta1, self._step_headers(),
+            call = stage.start_all(grads, self._inv_scale, self._hyper.beta1, self._step_headers(),
                                    scaling, keep)  # fmt: skip
             applied, _ = self._verdict(*stage.model.received(call))
             if applied:
@@ -1308,7 +1195,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         with phase_exchange(self.comms, 1).filling() as exchange:
             for k in reversed(range(len(self.comms))):  # the bucketer's launch order
                 header = self._header_for(k)
-                calls[k] = self._fused.start(k, grads, self._inv_scale, self._beta1, header,
+                calls[k] = self._fused.start(k, grads, self._inv_scale, self._hyper.beta1, header,
                                              scaling, (exchange, k), keep)  # fmt: skip
         applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
         return applied, nbytes, calls
@@ -1325,7 +1212,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         uploaded = self._bucket_grad_addresses.setdefault(k, host.Uploaded(torch.int64))
         grads = uploaded(addresses, self.device)
         header = self._header_for(k, sparse)
-        return self._fused.start(k, grads, self._inv_scale, self._beta1, header, None, exchange,
+        beta1 = self._hyper.beta1
+        return self._fused.start(k, grads, self._inv_scale, beta1, header, None, exchange,
                                  keep)  # fmt: skip
 
     # Checkpoints (onebit.checkpoint): the state's parts, each saving and loading itself.
@@ -1600,23 +1488,6 @@ class _PackedSender(_Sender):
         if self._unfused is not None:
             return self._unfused._start(k, exchange)
         return opt._start_packed(k, exchange)
-
-
-def _parts(numels: list[int], limit: int) -> Iterator[slice]:
-    """Consecutive slices of ``numels`` holding at most ``limit`` elements, or one tensor."""
-    start, total = 0, 0
-    for i, n in enumerate(numels):
-        if total and total + n > limit:
-            yield slice(start, i)
-            start, total = i, 0
-        total += n
-    if start < len(numels):
-        yield slice(start, len(numels))
-
-
-def _group_hyperparameters(groups: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """What every rank must agree on in each param group, as plain values."""
-    return [tuple(_plain(g[key]) for key in ("lr", "weight_decay", "betas", "eps")) for g in groups]
 
 
 def _plain(value: Any) -> Any:

@@ -11,16 +11,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import host, momentum
-from .base import (
-    DEFAULT_BUCKET_SIZE,
-    CompressedOptimizer,
-    check_adam_hyperparameters,
-)
+from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
     adam_denominator,
-    bias_correction,
+    adam_moments_,
     fill_zero_variance_,
     lamb_factor,
     layer_norms,
@@ -189,7 +186,13 @@ class OnebitLamb(CompressedOptimizer):
         self._last_factors = torch.ones(layers)
         self._coeffs = torch.ones(layers)
 
+    _group_keys = GROUP_KEYS
+
+    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
+        return AdamHyper.of(groups, self.bias_correction)
+
     def _allocate_state(self) -> None:
+        self._adam = AdamWarmup.of(self)
         self._exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
         self.flat.expose("exp_avg", self._exp_avg)
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
@@ -220,13 +223,14 @@ class OnebitLamb(CompressedOptimizer):
 
     def _warmup_step(self) -> None:
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
-        applied, nbytes = self._warmup_moments_(m, v)
+        applied, nbytes = self._average_gradients()
         if applied:
-            t = self.num_steps + 1
-            bc1 = bias_correction(self._beta1, t, self.bias_correction)
+            t, hyper = self.num_steps + 1, self._hyper
+            adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
+            bc1 = hyper.bc1(t)
             params, ms = self.layout.params, self.layout.views(m)
             norms = []
-            for group, part, denoms in self._warmup_denominators(v, t):  # a chunk at a time
+            for group, part, denoms in self._adam.denominators(v, t, hyper):  # a chunk at a time
                 updates = torch._foreach_div(ms[part], denoms)  # Adam's update, m̂ / denom
                 del denoms
                 torch._foreach_div_(updates, bc1)
@@ -269,7 +273,7 @@ class OnebitLamb(CompressedOptimizer):
         """The compression step in torch ops on flat buffers: the averaged momentum, the
         gradient it implies, the fresh variance, the factors and the update all pass through
         the gradient buffer."""
-        beta1, beta2 = self._beta1, self._beta2
+        beta1, beta2 = self._hyper.beta1, self._hyper.beta2
         m, frozen_denom = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         v_fresh = self._exp_avg_sq_fresh
         assert v_fresh is not None
@@ -286,7 +290,7 @@ class OnebitLamb(CompressedOptimizer):
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
             self._apply_mask_(m)
-            fresh = self._adam_denominator(v_fresh, t)
+            fresh = self._hyper.denominator(v_fresh, t, out=self._grads)
             torch.div(frozen_denom, fresh, out=g)
             raw = self.shards.layer_norms(views, math.inf)  # each layer's largest ratio
             raw = torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
@@ -348,7 +352,7 @@ class OnebitLamb(CompressedOptimizer):
         self._coeffs = self._frozen_coeffs * factors
         sizes = [group["lr"] * c for group, c in zip(self._groups(), self._coeffs.tolist())]
         if passes is not None:
-            bc1 = bias_correction(self._beta1, t, self.bias_correction)
+            bc1 = self._hyper.bc1(t)
             step_sizes = host.upload(sizes, self.device, torch.float32)
             passes.lamb_update(self._param_addresses(), stage.whole(new), self._exp_avg_sq,
                                self._decays(decays), step_sizes, bc1, stage.dtype)  # fmt: skip
@@ -367,13 +371,12 @@ class OnebitLamb(CompressedOptimizer):
         (``passes``: :class:`~onebit.kernels.triton_model.ModelPasses`): the fresh variance, and
         on the device each layer's largest ratio of the frozen to the fresh denominator, then
         with weight decay each layer's ``||m̂ / denom||`` and ``||update||``."""
-        stage = self._fused
+        stage, hyper = self._fused, self._hyper
         last = stage.whole(stage.packed)  # first: new's, made from its buckets, may evict it
         return passes.lamb_ratios(
             self._param_addresses(), stage.whole(new), last, self._exp_avg_sq_fresh,
-            self._exp_avg_sq, self._decays(decays), (self._beta1, self._beta2),
-            (bias_correction(self._beta1, t, self.bias_correction),
-             bias_correction(self._beta2, t, self.bias_correction)), self._eps, any(decays),
+            self._exp_avg_sq, self._decays(decays), (hyper.beta1, hyper.beta2),
+            (hyper.bc1(t), hyper.bc2(t)), hyper.eps, any(decays),
             stage.dtype,
         )  # fmt: skip
 
@@ -390,8 +393,8 @@ class OnebitLamb(CompressedOptimizer):
         the averaged gradient they imply into the fresh variance. Returns the largest ratio of
         the frozen to the fresh denominator in each block's part of each layer (on the device)
         and the layer of each, for :meth:`_part_maxima`."""
-        beta1, beta2, stage = self._beta1, self._beta2, self._fused
-        bc2 = bias_correction(beta2, t, self.bias_correction)
+        (beta1, beta2, eps, _), stage = self._hyper, self._fused
+        bc2 = self._hyper.bc2(t)
         ratios, layers = [], []
         for k, lo, hi in self._blocks():
             origin = self.layout.buckets[k][0]
@@ -400,7 +403,7 @@ class OnebitLamb(CompressedOptimizer):
             stage.momentum_(k, last, start=lo).mul_(-beta1).add_(g).div_(1 - beta1)
             v_fresh = self._exp_avg_sq_fresh[origin + lo : origin + hi]
             v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)
-            ratio = adam_denominator(v_fresh, bc2, self._eps, out=last)
+            ratio = adam_denominator(v_fresh, bc2, eps, out=last)
             torch.div(self._exp_avg_sq[origin + lo : origin + hi], ratio, out=ratio)
             indices, _, parts = self._block_parts(k, lo, ratio)
             ratios += torch._foreach_norm(parts, math.inf)  # a block's parts are fp32
@@ -425,7 +428,7 @@ class OnebitLamb(CompressedOptimizer):
         """A block at a time (:meth:`_blocks`), its parts of the layers as :meth:`_block_parts`
         gives them, with Adam's update ``m̂ / denom`` from the ``new`` packed momentum, plus
         weight decay if ``decay``, in a temporary of the block."""
-        bc1 = bias_correction(self._beta1, t, self.bias_correction)
+        bc1 = self._hyper.bc1(t)
         groups = self._groups()
         for k, lo, hi in self._blocks():
             origin = self.layout.buckets[k][0]
@@ -505,8 +508,7 @@ class OnebitLamb(CompressedOptimizer):
     def _adam_update(self, m: Tensor, denom: Tensor, step: int) -> Tensor:
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
         buffer."""
-        bc1 = bias_correction(self._beta1, step, self.bias_correction)
-        return torch.div(m, denom, out=self._grads).div_(bc1)
+        return torch.div(m, denom, out=self._grads).div_(self._hyper.bc1(step))
 
     def _add_weight_decay(self, update: Tensor) -> None:
         for group, params, updates in self.flat.per_group(update):
@@ -526,9 +528,9 @@ class OnebitLamb(CompressedOptimizer):
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
         v, frozen_t = self._exp_avg_sq, self.freeze.variance_step(self.num_steps)
-        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(frozen_t))
+        fill_zero_variance_(self.layout.views(v), self._hyper.zero_variance_floor(frozen_t))
         self._exp_avg_sq_fresh = v.clone()
-        self._adam_denominator(v, frozen_t, out=v)
+        self._hyper.denominator(v, frozen_t, out=v)
         momentum = self.layout.views(self._exp_avg[: self.layout.numel])
         self._scaling = momentum_scaling(self.shards.layer_norms(momentum), self.shards.numels())
         ema = self._coeff_ema

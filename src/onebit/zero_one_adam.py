@@ -11,18 +11,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import host
+from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import (
-    _STATUS,
     DEFAULT_BUCKET_SIZE,
+    STATUS,
     CompressedOptimizer,
-    check_adam_hyperparameters,
     check_step_count,
 )
 from .checkpoint import NoState, StatePart
 from .freeze import FreezeSchedule
 from .functional import (
     adam_moments_,
-    bias_correction,
     fill_zero_variance_,
     layer_norms,
     momentum_from_grads_,
@@ -254,7 +253,13 @@ class ZeroOneAdam(CompressedOptimizer):
         self._param_bases = host.Uploaded(torch.int64)
         self._grad_bases = host.Uploaded(torch.int64)
 
+    _group_keys = GROUP_KEYS
+
+    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
+        return AdamHyper.of(groups, self.bias_correction)
+
     def _allocate_state(self) -> None:
+        self._adam = AdamWarmup.of(self)
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
         self._exp_avg = self.flat.zeros(padded=True)
         self.flat.expose("exp_avg", self._exp_avg)
@@ -304,11 +309,12 @@ class ZeroOneAdam(CompressedOptimizer):
     def _variance_phase_step(self) -> None:
         n = self.layout.numel
         m, v = self._exp_avg[:n], self._exp_avg_sq
-        t = self.num_steps + 1
+        t, hyper = self.num_steps + 1, self._hyper
         if t % self.var_interval == 0:
             stage = "variance"
-            applied, nbytes = self._warmup_moments_(m, v)
+            applied, nbytes = self._average_gradients()
             if applied:
+                adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
                 self._count_variance_update()
         else:
             stage = "compression"
@@ -316,16 +322,16 @@ class ZeroOneAdam(CompressedOptimizer):
             g = self._gather_grads()
             applied, nbytes = self._compressed_allreduce()  # in place: g is now the estimate
             if applied:
-                adam_moments_(m, None, g, self._beta1, self._beta2)
+                adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
                 self._apply_mask_(m)
         if applied:
             if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
-                floor = self._zero_variance_floor(self._var_updates)
+                floor = hyper.zero_variance_floor(self._var_updates)
                 filled = self._grads
                 fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(filled))
                 v = filled
-            denom = self._adam_denominator(v, self._var_updates)
-            self._adamw_update_(m, denom, t)
+            denom = hyper.denominator(v, self._var_updates, out=self._grads)
+            self._adam.adamw_update_(m, denom, t, hyper)
         self._end_step(stage, nbytes, applied)
 
     def _count_variance_update(self) -> None:
@@ -339,7 +345,7 @@ class ZeroOneAdam(CompressedOptimizer):
     def _local_phase_step(self) -> None:
         if not self._frozen:
             self._freeze()
-        beta1 = self._beta1
+        hyper = self._hyper
         n = self.layout.numel
         m, denom = self._exp_avg[:n], self._exp_avg_sq
         t = self.num_steps + 1
@@ -347,18 +353,18 @@ class ZeroOneAdam(CompressedOptimizer):
         grads = [p.grad for p in params]
         if self._status:
             self._close_step()
-            problem = _STATUS[self._status] + self._status_detail()
+            problem = STATUS[self._status] + self._status_detail()
             raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
         finite, scale = self._local_verdict(grads)
         sync = t % self.local_step_interval == 0
         passes = self._sync_passes(grads) if sync else None
         if finite and passes is None:
-            momentum_from_grads_(self.layout.views(m), grads, beta1, scale)
+            momentum_from_grads_(self.layout.views(m), grads, hyper.beta1, scale)
             self._apply_mask_(m)
-            self._adamw_update_(m, denom, t)
+            self._adam.adamw_update_(m, denom, t, hyper)
         elif not finite:
             self.local_skipped_steps += 1
-        step_scale = 1 / bias_correction(beta1, t, self.bias_correction)
+        step_scale = 1 / hyper.bc1(t)
         local = (step_scale, scale) if finite and passes is not None else None
         for i, group in enumerate(self.param_groups):
             self._lrs[i] += group["lr"] * step_scale
@@ -395,8 +401,9 @@ class ZeroOneAdam(CompressedOptimizer):
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
         v = self._exp_avg_sq
-        fill_zero_variance_(self.layout.views(v), self._zero_variance_floor(self._var_updates))
-        self._adam_denominator(v, self._var_updates, out=v)
+        floor = self._hyper.zero_variance_floor(self._var_updates)
+        fill_zero_variance_(self.layout.views(v), floor)
+        self._hyper.denominator(v, self._var_updates, out=v)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
         anchor = self._grads
@@ -484,7 +491,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if local is not None:
             addresses, keep, _ = gradient_addresses(params, self.layout.strides)
             grads = self._grad_bases(addresses, device)
-            step = (grads, local[1], 1 - self._beta1, step_decay, value)
+            step = (grads, local[1], 1 - self._hyper.beta1, step_decay, value)
         m, denom, anchor = self._exp_avg, self._exp_avg_sq, self._grads
         model, scale = self._model_allreduce(), self.comms[0].scale
 
