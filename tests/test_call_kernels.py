@@ -16,7 +16,6 @@ from distributed import run_ranks
 
 import onebit
 from onebit import _native
-from onebit.comm import ScaleGeometry
 from onebit.compress import (
     allreduce_one_,
     average_signs_,
@@ -33,6 +32,7 @@ from onebit.compress import (
     subtract_compressed_,
     subtract_compressed_segments_,
 )
+from onebit.scales import ScaleGeometry
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e18, -3.0e18]
 BLOCK = 4096  # the C kernels' summation block

@@ -5,7 +5,6 @@ import pytest
 import torch
 from backends import use_backend
 
-from onebit.comm import ScaleGeometry
 from onebit.compress import (
     decompress_pieces_,
     pack_signs,
@@ -14,6 +13,7 @@ from onebit.compress import (
     subtract_compressed_segments_,
 )
 from onebit.kernels import fused
+from onebit.scales import ScaleGeometry
 
 
 @pytest.fixture(params=["c", "triton"])

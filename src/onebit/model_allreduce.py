@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .comm import CompressedAllreduce, ScaleGeometry
+from .comm import CompressedAllreduce
 from .exchange import Exchange, part_offsets, phase_exchange
 from .kernels import fused
 from .layout import FlatLayout
+from .scales import ScaleGeometry
 
 
 def bucket_runs(layout: FlatLayout, comms: list[CompressedAllreduce]) -> list[fused.BucketRuns]:
