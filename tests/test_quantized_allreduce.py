@@ -7,9 +7,10 @@ import torch
 from backends import use_backend
 from distributed import run_ranks
 
-from onebit import kernels, quantized
+from onebit import kernels, quantize
 from onebit.comm import CompressedAllreduce
-from onebit.quantized import BITS, QuantizedAllreduce, pack_int4, unpack_int4
+from onebit.quantize import BITS, pack_int4, unpack_int4
+from onebit.quantized import QuantizedAllreduce
 from onebit.wire import allreduce_bytes, finish_compressed_
 
 # Segment sizes that are not multiples of 8 or of the block size, an empty one, and one that
@@ -264,7 +265,7 @@ def _tiled_results(rank):
 def _tiled_scenario(rank, world_size, backend="auto"):
     use_backend(backend)  # Triton's kernels have no tiles: the same layouts, in its blocks
     kernels.for_device(torch.device("cpu")).tile_numel = 200  # a fresh process: nothing to restore
-    quantized._MIN_RUN_NUMEL = 128
+    quantize.MIN_RUN_NUMEL = 128
     return _tiled_results(rank)
 
 
@@ -283,7 +284,7 @@ def _check_tiled(results, world_size):
 
 def test_small_tiles_match_reference_bitwise(monkeypatch):
     monkeypatch.setattr(kernels.for_device(torch.device("cpu")), "tile_numel", 200)
-    monkeypatch.setattr(quantized, "_MIN_RUN_NUMEL", 128)
+    monkeypatch.setattr(quantize, "MIN_RUN_NUMEL", 128)
     kinds = set()
     for _, bits, comm in _tiled_comms():
         tiles = comm._plans[0].tiles

@@ -5,29 +5,23 @@ of :class:`~onebit.comm.CompressedAllreduce` (SPEC section 2) with block-wise qu
 in place of the 1-bit compressor: both are a :class:`~onebit.wire.Communicator`, so
 :func:`onebit.wire.finish_compressed_` and the optimizers drive either one unchanged.
 
-The module has two layers: the compressor layer (block geometry, and functions that quantize,
-dequantize and pack one tile of blocks), and :class:`QuantizedAllreduce` on top, which owns the
-error buffers and the communication.
+:class:`QuantizedAllreduce` owns the error buffers and the communication; the compressor it
+runs (block geometry, and functions that quantize, dequantize and pack one tile of blocks) is
+:mod:`onebit.quantize`'s.
 
-Speed: every phase runs tile by tile (:func:`tiles`: whole blocks, some tens of thousands of
-elements), all its steps on one tile while it is in cache, in work space and views made once and
-reused; there is no per-element index. A tile is a ``[rows, width]`` view: one row per block
-where the blocks have one length (block maxima are one ``amax``, scales broadcast per row), and
-for the blocks of small pieces, gathered into one tile, rows of the lengths' common divisor (row
-maxima, then a ``segment_reduce`` over each block's rows), so many small tensors cost few
-operations. Where the kernel backend has kernels of its own for the phases (Triton, on CUDA:
-:mod:`onebit.kernels.triton_quantized`), they run instead, with the same bits; an optimizer then
-runs every bucket's at once (:mod:`onebit.model_quantized`).
+Speed: every phase runs tile by tile (:func:`~onebit.quantize.tiles`: whole blocks, some tens of
+thousands of elements), all its steps on one tile while it is in cache, in work space and views
+made once and reused; there is no per-element index. Where the kernel backend has kernels of its
+own for the phases (Triton, on CUDA: :mod:`onebit.kernels.triton_quantized`), they run instead,
+with the same bits; an optimizer then runs every bucket's at once (:mod:`onebit.model_quantized`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,280 +31,24 @@ from . import kernels
 from .compress import padded_numel
 from .exchange import Exchange
 from .kernels.reference import QuantizedBucket
+from .quantize import (
+    FLOAT_BYTES,
+    ChunkPlan,
+    Scratch,
+    Tile,
+    TileWork,
+    check_bits,
+    dequantize_,
+    floats,
+    pack_int4_into,
+    payload_bytes,
+    quantize_,
+    tiles,
+    unpack_int4_into,
+)
 from .wire import finish_compressed_, group_size_and_rank
 
-BITS = ("bf16", "int8", "int4")
-_QMAX = {"int8": 127, "int4": 7}
-_FLOAT_BYTES = 4
-_MIN_RUN_NUMEL = 8192
-"""Blocks of one length get tiles of their own (one row per block) when there are this many
-elements of them in a row; shorter runs are gathered into tiles of mixed block lengths."""
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# The compressor layer.
-
-
-def check_bits(bits: str) -> str:
-    """``bits`` if it is one of :data:`BITS`, else ``ValueError`` naming the choices."""
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {', '.join(map(repr, BITS))}; got {bits!r}")
-    return bits
-
-
-def payload_bytes(numel: int, bits: str) -> int:
-    """Bytes of ``numel`` quantized values: 2 each in bf16, 1 in int8, a half in int4."""
-    return {"bf16": 2 * numel, "int8": numel, "int4": numel // 2}[bits]
-
-
-def block_lengths(pieces: Sequence[int], block_size: int) -> list[int]:
-    """Split each piece into blocks of ``block_size`` elements, the last block of a piece shorter.
-
-    A block never crosses from one piece into the next, so no tensor's (or chunk's) magnitude
-    sets another's quantization step.
-    """
-    lengths = []
-    for size in pieces:
-        full, rest = divmod(size, block_size)
-        lengths += [block_size] * full + ([rest] if rest else [])
-    return lengths
-
-
-class Tile(NamedTuple):
-    """Consecutive whole blocks, processed together while they are in cache, as a
-    ``[rows, width]`` view of elements ``lo:hi`` (blocks ``b0:b1``).
-
-    With ``rows`` ``None`` each block is one row (all ``width`` long) and per-block values are
-    ``[blocks, 1]``; otherwise the blocks' lengths differ, block i is ``rows[i]`` rows (int64;
-    ``width`` is the lengths' greatest common divisor) and per-block values are ``[blocks]``.
-    """
-
-    lo: int
-    hi: int
-    b0: int
-    b1: int
-    width: int
-    rows: Tensor | None
-
-
-def tiles(
-    pieces: Sequence[int],
-    block_size: int,
-    tile_numel: int,
-    *,
-    lo: int = 0,
-    b0: int = 0,
-    device: torch.device | str | None = None,
-) -> list[Tile]:
-    """The blocks of consecutive pieces (:func:`block_lengths`), in tiles of about
-    ``tile_numel`` elements (at least one block).
-
-    A long run of blocks of one length (the full blocks of large pieces, even across pieces)
-    makes tiles of one row per block; the blocks of small pieces are gathered into tiles of
-    mixed lengths. ``lo`` and ``b0`` are the first element and block.
-    """
-    runs: list[list[int]] = []  # [count, length] of consecutive blocks of one length
-    for length in block_lengths(pieces, block_size):
-        if runs and runs[-1][1] == length:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, length])
-    out: list[Tile] = []
-    pending: list[int] = []  # the block lengths of a mixed tile being gathered
-
-    def flush() -> None:
-        nonlocal lo, b0
-        if not pending:
-            return
-        size, count = sum(pending), len(pending)
-        if len(set(pending)) == 1:
-            out.append(Tile(lo, lo + size, b0, b0 + count, pending[0], None))
-        else:
-            width = math.gcd(*pending)
-            rows = torch.tensor([n // width for n in pending], dtype=torch.long, device=device)
-            out.append(Tile(lo, lo + size, b0, b0 + count, width, rows))
-        lo, b0 = lo + size, b0 + count
-        pending.clear()
-
-    for count, length in runs:
-        if count * length >= _MIN_RUN_NUMEL:
-            flush()
-            per_tile = max(1, tile_numel // length)
-            for first in range(0, count, per_tile):
-                blocks = min(per_tile, count - first)
-                out.append(Tile(lo, lo + blocks * length, b0, b0 + blocks, length, None))
-                lo, b0 = lo + blocks * length, b0 + blocks
-            continue
-        for _ in range(count):
-            if pending and sum(pending) + length > tile_numel:
-                flush()
-            pending.append(length)
-    flush()
-    return out
-
-
-class TileWork(NamedTuple):
-    """Work space for tiles of one shape (elements, blocks, width, mixed or not), in that shape,
-    and 0-d fp32 constants (cheaper than Python numbers in an op)."""
-
-    ratio: Tensor  # fp32, the tile's shape
-    part: Tensor  # fp32, the tile's shape
-    z: Tensor  # fp32, the tile's shape
-    q: Tensor  # int8 (bf16: bfloat16), the tile's shape
-    row_max: Tensor  # fp32, per row (mixed tiles)
-    scales: Tensor  # fp32, per block
-    step: Tensor  # fp32, per block
-    mask: Tensor  # bool, per block
-    zero: Tensor
-    one: Tensor
-    qmax: Tensor
-
-
-def _per_row(values: Tensor, tile: Tile) -> Tensor:
-    """Per-block ``values`` of ``tile``, broadcastable against its ``[rows, width]`` elements."""
-    if tile.rows is None:
-        return values
-    rows = (tile.hi - tile.lo) // tile.width
-    return torch.repeat_interleave(values, tile.rows, output_size=rows).unsqueeze(1)
-
-
-def quantize_(
-    y: Tensor,
-    tile: Tile,
-    bits: str,
-    q: Tensor,
-    scales: Tensor | None,
-    absmax: Tensor | None,
-    work: TileWork,
-    dequantized: Tensor | None = None,
-) -> None:
-    """Quantize one tile's fp32 values ``y`` (``[rows, width]``, see :class:`Tile`): the values
-    into ``q`` (int8, or bfloat16 for ``"bf16"``), the block scales into ``scales`` (``None``
-    for bf16) and the blocks' ``max |y|`` into ``absmax`` (``None``: not wanted; bf16 only);
-    and ``deQ(Q(y))`` into ``dequantized`` if it is given.
-
-    int8 and int4 are symmetric: ``scale = absmax(block) / qmax`` with qmax 127 or 7, and
-    ``q = round(y / scale)`` (half to even), clamped to ``[-qmax, qmax]``, as int8; a block whose
-    scale is 0 (or NaN) gets ``q = 0``, and ``deQ`` is ``q * scale``. bf16 is ``y`` rounded to
-    nearest even bfloat16, with no scales; ``deQ`` is the value as fp32. (For bf16 a tile's
-    blocks only split ``absmax``.)
-    """
-    ratio = work.ratio
-    if absmax is not None:  # NaN in a block makes its absmax NaN: amax and segment_reduce agree
-        torch.abs(y, out=ratio)
-        if tile.rows is None:
-            torch.amax(ratio, dim=1, keepdim=True, out=absmax)
-        else:
-            row_max = ratio.view(-1) if tile.width == 1 else torch.amax(ratio, 1, out=work.row_max)
-            absmax.copy_(torch.segment_reduce(row_max, "max", lengths=tile.rows, unsafe=True))
-    if bits == "bf16":
-        q.copy_(y)
-        if dequantized is not None:
-            dequantized.copy_(q)
-        return
-    torch.div(absmax, work.qmax, out=scales)
-    # Dividing by 1 where the scale is not positive gives q = 0 there (those blocks are zeros,
-    # or subnormal enough that the scale underflows), as ``where(scale > 0, y / scale, 0)``.
-    torch.gt(scales, work.zero, out=work.mask)
-    torch.where(work.mask, scales, work.one, out=work.step)
-    step = _per_row(work.step, tile)
-    torch.div(y, step, out=ratio)
-    qmax = _QMAX[bits]
-    ratio.round_().clamp_(-qmax, qmax)
-    q.copy_(ratio)
-    if dequantized is not None:
-        dequantized.copy_(q)  # as q.float(): no -0
-        dequantized.mul_(step)  # q * step is q * scale: q is 0 where they differ
-
-
-def dequantize_(q: Tensor, scales: Tensor | None, tile: Tile, out: Tensor) -> None:
-    """The fp32 values that one tile's ``q`` (int8 or bfloat16, ``[rows, width]``) and block
-    ``scales`` (``None`` for bf16) stand for, into ``out``."""
-    out.copy_(q)
-    if scales is not None:
-        out.mul_(_per_row(scales, tile))
-
-
-def pack_int4(q: Tensor) -> Tensor:
-    """Two int4 values (in ``[-8, 7]``) per byte, the first in the low nibble. ``q`` has an even
-    number of elements."""
-    out = torch.empty(q.numel() // 2, dtype=torch.uint8, device=q.device)
-    _pack_int4_(q.to(torch.int8, copy=True).reshape(-1), out)
-    return out
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """The int8 values that :func:`pack_int4` packed, in order."""
-    out = torch.empty(2 * packed.numel(), dtype=torch.int8, device=packed.device)
-    _unpack_int4_(packed.reshape(-1), out)
-    return out
-
-
-def _pack_int4_(q: Tensor, out: Tensor) -> None:
-    """:func:`pack_int4` of ``q`` (int8, flat) into ``out``; ``q`` is overwritten."""
-    nibbles = q.view(torch.uint8).add_(8)  # wraps around: -8..7 become 0..15
-    torch.bitwise_left_shift(nibbles[1::2], 4, out=out)
-    out.bitwise_or_(nibbles[0::2])
-
-
-def _unpack_int4_(packed: Tensor, out: Tensor) -> None:
-    """:func:`unpack_int4` of ``packed`` into ``out`` (int8, flat, twice as long)."""
-    nibbles = out.view(torch.uint8)
-    torch.bitwise_and(packed, 15, out=nibbles[0::2])
-    torch.bitwise_right_shift(packed, 4, out=nibbles[1::2])
-    nibbles.sub_(8)
-
-
-def _floats(raw: Tensor) -> Tensor:
-    """uint8 bytes read as fp32 values along the last dimension (copied, so any alignment works)."""
-    if raw.numel() == 0:
-        return torch.zeros(*raw.shape[:-1], raw.shape[-1] // 4, device=raw.device)
-    return raw.clone(memory_format=torch.contiguous_format).view(torch.float32)
-
-
-# The communicator.
-
-
-class _Plan:
-    """The tiles of one chunk (:func:`tiles`, in chunk coordinates), and how to cut a chunk's
-    elements or blocks into per-tile views in few operations."""
-
-    def __init__(self, chunk: list[Tile], below: int) -> None:
-        self.tiles = chunk
-        self.below = below  # the tiles below the buffer's numel (the rest are padding)
-        self.below_numel = chunk[below - 1].hi if below else 0
-        self.blocks = chunk[-1].b1 if chunk else 0
-        # Runs of consecutive tiles of one row per block and one width (never across `below`),
-        # and mixed tiles on their own: (first tile, lo, hi, b0, b1, width, blocks per tile).
-        self.runs: list[tuple[int, int, int, int, int, int, list[int] | None]] = []
-        for t, tile in enumerate(chunk):
-            run = self.runs[-1] if self.runs else None
-            if run and run[6] and tile.rows is None and run[5] == tile.width and t != below:
-                counts = run[6] + [tile.b1 - tile.b0]
-                self.runs[-1] = (run[0], run[1], tile.hi, run[3], tile.b1, run[5], counts)
-            else:
-                counts = [tile.b1 - tile.b0] if tile.rows is None else None
-                self.runs.append((t, tile.lo, tile.hi, tile.b0, tile.b1, tile.width, counts))
-
-    def elements(self, x: Tensor, below: bool = False) -> list[Tensor]:
-        """Each tile's ``[rows, width]`` view of ``x``, one chunk's elements (with ``below``,
-        its tiles below numel only: ``x`` holds ``below_numel``)."""
-        views: list[Tensor] = []
-        for t, lo, hi, _, _, width, counts in self.runs:
-            if below and t >= self.below:
-                break
-            if counts:
-                views += x[lo:hi].view(-1, width).split(counts)
-            else:
-                views.append(x[lo:hi].view(-1, width))
-        return views
-
-    def per_block(self, x: Tensor) -> list[Tensor]:
-        """Each tile's view of ``x``, one value per block of the chunk (see :class:`Tile`)."""
-        views: list[Tensor] = []
-        for _, _, _, b0, b1, _, counts in self.runs:
-            views += x[b0:b1].view(-1, 1).split(counts) if counts else [x[b0:b1]]
-        return views
 
 
 @dataclass
@@ -325,71 +63,6 @@ class _Call:
     work: dist.Work | None
     gathered: Tensor | None = None  # phase 2: one row from each server, [world_size, bytes]
     exchange: tuple[Exchange, int] | None = None  # the phase in flight, sent with others
-
-
-class _Scratch:
-    """Work space for the tiles of a call (:class:`TileWork` by tile shape, and flat int8
-    ``q_in`` and ``q_out`` for int4's packing), shared by the communicators of a thread and
-    device: nothing in it outlives a phase method."""
-
-    _local = threading.local()
-
-    def __init__(self, device: torch.device, numel: int, blocks: int) -> None:
-        self.numel, self.blocks = numel, blocks
-        self._ratio = torch.empty(numel, device=device)
-        self._part = torch.empty(numel, device=device)
-        self._z = torch.empty(numel, device=device)
-        self._q = torch.empty(numel, dtype=torch.int8, device=device)
-        self._q16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
-        self.q_in = torch.empty(numel + 2, dtype=torch.int8, device=device)
-        self.q_out = torch.empty(numel + 2, dtype=torch.int8, device=device)
-        self._row_max = torch.empty(numel, device=device)
-        self._scales = torch.empty(blocks, device=device)
-        self._step = torch.empty(blocks, device=device)
-        self._mask = torch.empty(blocks, dtype=torch.bool, device=device)
-        self._zero = torch.zeros((), device=device)
-        self._one = torch.ones((), device=device)
-        self._qmax = {b: torch.tensor(float(m), device=device) for b, m in _QMAX.items()}
-        self._works: dict[tuple[int, int, int, bool, str], TileWork] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, numel: int, blocks: int) -> _Scratch:
-        """This thread's work space on ``device``, grown to at least ``numel`` and ``blocks``."""
-        cache = cls._local.__dict__.setdefault("by_device", {})
-        scratch = cache.get(device)
-        if scratch is None or scratch.numel < numel or scratch.blocks < blocks:
-            if scratch is not None:
-                numel, blocks = max(numel, scratch.numel), max(blocks, scratch.blocks)
-            scratch = cache[device] = cls(device, numel, blocks)
-        return scratch
-
-    def work(self, tile: Tile, bits: str) -> TileWork:
-        """The :class:`TileWork` for tiles of ``tile``'s shape."""
-        key = (tile.hi - tile.lo, tile.b1 - tile.b0, tile.width, tile.rows is None, bits)
-        work = self._works.get(key)
-        if work is None:
-            numel, blocks, width, uniform, _ = key
-
-            def shaped(x: Tensor) -> Tensor:
-                return x[:numel].view(-1, width)
-
-            def per_block(x: Tensor) -> Tensor:
-                return x[:blocks].view(-1, 1) if uniform else x[:blocks]
-
-            work = self._works[key] = TileWork(
-                shaped(self._ratio),
-                shaped(self._part),
-                shaped(self._z),
-                shaped(self._q16 if bits == "bf16" else self._q),
-                self._row_max[: numel // width],
-                per_block(self._scales),
-                per_block(self._step),
-                per_block(self._mask),
-                self._zero,
-                self._one,
-                self._qmax.get(bits, self._one),
-            )
-        return work
 
 
 class QuantizedAllreduce:
@@ -521,7 +194,7 @@ class QuantizedAllreduce:
         self.worker_error, self.server_error = worker_error, server_error
         self._error_tiles()
 
-    def _tile_geometry(self, device: torch.device) -> list[_Plan]:
+    def _tile_geometry(self, device: torch.device) -> list[ChunkPlan]:
         """The tiles of each chunk, in chunk coordinates: its pieces' blocks (bf16: plain runs
         of elements), never straddling ``numel`` (the padding is a piece of its own)."""
         ends, start = [], 0
@@ -545,18 +218,18 @@ class QuantizedAllreduce:
             chunk += tiles(
                 pieces[split:], block_size, tile_numel, lo=last.hi, b0=last.b1, device=device
             )
-            plans.append(_Plan(chunk, below))
+            plans.append(ChunkPlan(chunk, below))
         return plans
 
     @property
     def phase1_width(self) -> int:
         """Bytes of each row of phase 1's message (an :class:`~onebit.exchange.Exchange` part)."""
-        return self._payload + _FLOAT_BYTES * (self._scale_count + 1 + self.header_numel)
+        return self._payload + FLOAT_BYTES * (self._scale_count + 1 + self.header_numel)
 
     @property
     def phase2_width(self) -> int:
         """Bytes of phase 2's message."""
-        return self._payload + _FLOAT_BYTES * self._scale_count
+        return self._payload + FLOAT_BYTES * self._scale_count
 
     @property
     def bytes_per_call(self) -> int:
@@ -616,7 +289,7 @@ class QuantizedAllreduce:
             message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=buffer.device)
         else:
             message = exchange[0].part(exchange[1])
-        s = self._payload + _FLOAT_BYTES * self._scale_count
+        s = self._payload + FLOAT_BYTES * self._scale_count
         values = None
         if self.header_numel:
             values = header.to(device=buffer.device, dtype=torch.float32).reshape(1, -1)
@@ -626,9 +299,9 @@ class QuantizedAllreduce:
         else:
             buffer[self.numel :].zero_()  # the padding is zeros, whatever a caller left there
             absmax = self._quantize_chunks(buffer, source, message)
-            message[:, s : s + _FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
+            message[:, s : s + FLOAT_BYTES] = absmax.reshape(1, 1).view(torch.uint8)
             if values is not None:
-                message[:, s + _FLOAT_BYTES :] = values.view(torch.uint8)
+                message[:, s + FLOAT_BYTES :] = values.view(torch.uint8)
         if exchange is not None:
             return _Call(buffer, message, message, None, exchange=exchange)
         if n == 1 or not self.numel:
@@ -640,7 +313,7 @@ class QuantizedAllreduce:
     def _quantize_chunks(self, buffer: Tensor, source: Tensor | None, message: Tensor) -> Tensor:
         """:meth:`start`'s worker quantization in torch, tile by tile; returns ``max |y|``."""
         c, bits = self.chunk_numel, self.bits
-        p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
+        p, s = self._payload, self._payload + FLOAT_BYTES * self._scale_count
         scratch = self._scratch()
         for j, plan in enumerate(self._plans):
             ys = plan.elements(buffer[j * c : (j + 1) * c])
@@ -656,11 +329,11 @@ class QuantizedAllreduce:
                 self._quantize(y, tile, t, payload, scales, absmax[t], work, scratch)
         return self._absmax.amax() if self.numel else buffer.new_zeros(())
 
-    def _scratch(self) -> _Scratch:
-        return _Scratch.get(self.worker_error.device, self._max_tile, self._max_tile_blocks)
+    def _scratch(self) -> Scratch:
+        return Scratch.get(self.worker_error.device, self._max_tile, self._max_tile_blocks)
 
     def _rows(
-        self, payload: Tensor, scales: Tensor, plan: _Plan, outgoing: bool = False
+        self, payload: Tensor, scales: Tensor, plan: ChunkPlan, outgoing: bool = False
     ) -> tuple[Tensor | list[Tensor], list[Tensor]]:
         """One chunk's payload and scale bytes, per tile: its values (bf16, int8; for int4 the
         whole packed row) and its fp32 scales (``outgoing``: zeroing the slots the chunk lacks)."""
@@ -683,7 +356,7 @@ class QuantizedAllreduce:
         scales: list[Tensor] | None,
         absmax: Tensor | None,
         work: TileWork,
-        scratch: _Scratch,
+        scratch: Scratch,
         dequantized: Tensor | None = None,
     ) -> None:
         """:func:`quantize_` of tile ``t`` of a chunk into the chunk's payload and scales
@@ -701,7 +374,7 @@ class QuantizedAllreduce:
         end = first + size
         even = end - (end & 1)
         start = (tile.lo - first) // 2
-        _pack_int4_(q_out[:even], payload[start : start + even // 2])
+        pack_int4_into(q_out[:even], payload[start : start + even // 2])
         if end & 1:
             q_out[:1].copy_(q_out[even : even + 1])
 
@@ -712,7 +385,7 @@ class QuantizedAllreduce:
         tile: Tile,
         t: int,
         out: Tensor,
-        scratch: _Scratch,
+        scratch: Scratch,
     ) -> None:
         """:func:`dequantize_` of tile ``t`` of a chunk's payload and scales (:meth:`_rows`)."""
         scale = scales[t] if scales else None
@@ -720,7 +393,7 @@ class QuantizedAllreduce:
             dequantize_(payload[t], scale, tile, out)
             return
         first, last = tile.lo // 2, (tile.hi + 1) // 2
-        _unpack_int4_(payload[first:last], scratch.q_in[: 2 * (last - first)])
+        unpack_int4_into(payload[first:last], scratch.q_in[: 2 * (last - first)])
         odd = tile.lo & 1
         q = scratch.q_in[odd : odd + tile.hi - tile.lo]
         dequantize_(q.view(out.shape), scale, tile, out)
@@ -734,13 +407,13 @@ class QuantizedAllreduce:
         if call.work is not None:
             call.work.wait()
             call.work = None
-        end = self._payload + _FLOAT_BYTES * (self._scale_count + 1)
-        return _floats(call.received[:, self._payload : end]).reshape(-1)
+        end = self._payload + FLOAT_BYTES * (self._scale_count + 1)
+        return floats(call.received[:, self._payload : end]).reshape(-1)
 
     def headers(self, call: _Call) -> Tensor:
         """Every rank's header, ``[world_size, header_numel]`` fp32, after :meth:`worker_scales`."""
-        start = self._payload + _FLOAT_BYTES * (self._scale_count + 1)
-        return _floats(call.received[:, start:])
+        start = self._payload + FLOAT_BYTES * (self._scale_count + 1)
+        return floats(call.received[:, start:])
 
     def serve(self, call: _Call, exchange: tuple[Exchange, int] | None = None) -> None:
         """Commit the worker error, average and requantize this rank's chunk with server error,
@@ -754,7 +427,7 @@ class QuantizedAllreduce:
             call.gathered = call.received
             return
         n, c, rank, bits = self.world_size, self.chunk_numel, self.rank, self.bits
-        p, s = self._payload, self._payload + _FLOAT_BYTES * self._scale_count
+        p, s = self._payload, self._payload + FLOAT_BYTES * self._scale_count
         if self._kernels is not None:
             self._kernels.commit_workers(call.sent, call.sent.stride(0), call.y,
                                          self.worker_error)  # fmt: skip
