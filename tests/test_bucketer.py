@@ -8,9 +8,9 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from onebit.base import _CommSender, _MeanSender
 from onebit.bucketer import Bucketer
 from onebit.comm import CompressedAllreduce
+from onebit.engine import _CommSender, _MeanSender
 from onebit.layout import FlatLayout
 from onebit.wire import MeanAllreduce
 
@@ -18,8 +18,8 @@ HEADER_NUMEL = 5
 
 
 class Recorder:
-    """The optimizer's side of its senders (``onebit.base``'s), with a bucketer of ``model``'s
-    parameters, recording what the senders asked for."""
+    """The engine's side of its senders (``onebit.engine``'s) and the step they open, with a
+    bucketer of ``model``'s parameters, recording what the senders asked for."""
 
     def __init__(self, model, bucket_size=16, clip=False, overlap=False):
         self.layout = FlatLayout(list(model.parameters()), bucket_size, 1)
@@ -39,13 +39,16 @@ class Recorder:
             return _MeanSender(self, True, inv_scale)
         return _CommSender(self, kind, self.comms, True, inv_scale, self.prepare)
 
-    def _begin_step(self, follow=True):
+    @property
+    def step(self):
+        """The open step (this recorder), which each bucket sent asks for."""
         self.opened += 1
+        return self
 
-    def _close_step(self):
+    def close(self):
         self.closed += 1
 
-    def _header_for(self, k, sparse=False, norm2=None):
+    def header_for(self, k, sparse=False, norm2=None):
         self.headers.append((k, sparse, None if norm2 is None else float(norm2)))
         return torch.full((HEADER_NUMEL,), float(k))
 
@@ -198,7 +201,7 @@ def _allreduce_headers(rank, world_size):
     for p in model.parameters():
         p.grad = torch.full_like(p, float(rank))
     recorder = Recorder(model)
-    recorder._header_for = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
+    recorder.header_for = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
     bucketer = recorder.bucketer
     for call in bucketer.launch_all(recorder.sender("allreduce")):
         call.wait()

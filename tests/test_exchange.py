@@ -10,6 +10,7 @@ from family import all_equal, loss_of, make_model, make_optimizer, params_of
 
 import onebit
 from onebit import comm, exchange, quantized
+from onebit.header import OpenStep
 
 STEPS = 8
 
@@ -86,7 +87,7 @@ def _unsent(rank, world_size):
                             warmup_compression="int8")  # fmt: skip
     loss_of(model, 1, rank).backward()
     if rank == 1:  # each bucket's header is made as its message is filled
-        opt._header_for = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
+        OpenStep.header_for = lambda *args: (_ for _ in ()).throw(ValueError("broken"))
     try:
         opt.step()
     except (ValueError, RuntimeError) as err:

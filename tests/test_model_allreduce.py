@@ -50,23 +50,23 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
     """``RUNS[name]``'s run with non-finite gradients, every bucket at once or (``whole``
     false) a bucket at a time; with how many steps sent every bucket at once, and how many
     compressed allreduces went a bucket at a time."""
-    from onebit import base, momentum
+    from onebit import engine, momentum
     from onebit.kernels import triton_model
 
     use_backend("triton")
     took, apart, fused = [0], [0], [0]
-    communicate = base.CompressedOptimizer._communicate
+    communicate = engine.Engine.communicate
 
     def counted_apart(self, kind, *args, **kwargs):
         apart[0] += kind == "compressed"
         return communicate(self, kind, *args, **kwargs)
 
-    base.CompressedOptimizer._communicate = counted_apart
+    engine.Engine.communicate = counted_apart
     for method in ("compress", "signs"):  # the allreduce's input; 1-bit Adam's compression
         _count(triton_model.ModelPasses, method, took)
     _count(triton_model.ModelPasses, "sync_progress", fused)  # 0/1 Adam's sync
     if not whole:
-        base.CompressedOptimizer._model_allreduce = lambda self: None
+        engine.Engine.model_allreduce = lambda self: None
         momentum.PackedMomentumStage.passes = lambda self: None
     calls, skipped, dropped, steps = _non_finite(RUNS[name], rank, world_size)
     trace = [(c.stage, c.params_after, c.state_after) for c in calls]
@@ -211,11 +211,11 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
     ``addcdiv`` rounds ``p + value·(m/d)`` on CUDA (``(value·m)/d`` on the CPU, as the passes
     do), so its parameters differ in their last bits and a sign of the progress may flip. In
     both an element passes if it stays within a quarter of the distance it travelled."""
-    from onebit import base, momentum
+    from onebit import engine, momentum
 
     monkeypatch.delenv(kernels.ENV, raising=False)
     whole, took = _large_trajectory(name)
-    monkeypatch.setattr(base.CompressedOptimizer, "_model_allreduce", lambda self: None)
+    monkeypatch.setattr(engine.Engine, "model_allreduce", lambda self: None)
     monkeypatch.setattr(momentum.PackedMomentumStage, "passes", lambda self: None)
     per_bucket, none = _large_trajectory(name)
     assert took >= 5 and none == 0

@@ -12,7 +12,7 @@ from harness import CASES
 from reference import RefBucketedAllreduce, bucket_bounds
 
 import onebit
-from onebit.base import HEADER_NUMEL
+from onebit.header import HEADER_NUMEL
 
 CASE = CASES["adam"]
 PROBLEM = CASE.problem

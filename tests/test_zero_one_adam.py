@@ -11,7 +11,7 @@ from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
-from onebit.base import HEADER_NUMEL
+from onebit.header import HEADER_NUMEL
 from onebit.wire import allreduce_bytes
 from onebit.zero_one_adam import PAPER_SCHEDULE, run_schedule
 

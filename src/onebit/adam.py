@@ -13,6 +13,7 @@ from . import momentum
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
 from .checkpoint import NoState, StatePart
+from .engine import COMPRESSED
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 
@@ -200,13 +201,14 @@ class OnebitAdam(CompressedOptimizer):
     def _momentum_into_bucket_(self, k: int, grads: Tensor) -> None:
         """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
         ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
+        self._packed_stage()  # the packed sender's fallback: unpack first
         start, end = self.layout.buckets[k]
         torch.lerp(self._exp_avg[start:end], grads, 1 - self._hyper.beta1, out=grads)
 
     def _take_step(self) -> None:
         stage, t = self.stage, self.num_steps + 1
         if stage == "compression" and not self.overlap_backward:
-            self._clip_own_gradient()
+            self.engine.clip_own_gradient()
         fused = stage == "compression" and self._packed_stage() is not None
         v = self._exp_avg_sq
         m = None if fused else self._exp_avg[: self.layout.numel]  # packed: may have no storage
@@ -215,25 +217,25 @@ class OnebitAdam(CompressedOptimizer):
         if stage == "warmup":
             applied, nbytes = self._average_gradients()
             if applied and not fused_adam:
-                adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
+                adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
         elif fused:
             applied, nbytes = self._fused_compressed_step()
         else:
-            g = self._grads
+            g = self.engine.grads
             clip_result = self.bucketer.clip  # sent during backward: SPEC 6
-            if self._at_once():
+            if self.engine.at_once():
                 applied, nbytes = self._momentum_at_once(m, g)
                 if applied:
                     m.copy_(g)
             else:
-                applied, nbytes = self._communicate("compressed", out=g if clip_result else m)
+                applied, nbytes = self.engine.communicate(COMPRESSED, out=g if clip_result else m)
             if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
-                m.mul_(hyper.beta1).lerp_(g, self._compressed_clip_coefficient())
+                m.mul_(hyper.beta1).lerp_(g, self.clipping.of_mean())
             if applied:
                 self._apply_mask_(m)
         if applied and stage == "warmup":
             if fused_adam:
-                self._adam.fused_step_(self._grads, m, v, t, hyper)
+                self._adam.fused_step_(self.engine.grads, m, v, t, hyper)
             else:
                 self._adam.step_from_moments_(m, v, t, hyper)
             if t == self.freeze_step:
@@ -253,9 +255,9 @@ class OnebitAdam(CompressedOptimizer):
         at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
         ``_communicate``, bit for bit, in a number of kernels that does not grow with the
         buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
-        self._gather_grads()
+        self.engine.gather_grads()
         torch.lerp(m, g, 1 - self._hyper.beta1, out=g)
-        return self._compressed_allreduce()
+        return self.engine.compressed_allreduce()
 
     def _freeze_variance_(self, t: int) -> None:
         """At the end of the last warmup step: fill the zero variances, then keep
@@ -270,7 +272,7 @@ class OnebitAdam(CompressedOptimizer):
     def _fused_compressed_step(self) -> tuple[bool, int]:
         """A compression step by the fused passes of :class:`~onebit.momentum.
         PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
-        applied, nbytes, calls = self._packed_allreduce()
+        applied, nbytes, calls = self.engine.packed_allreduce(self._fused)
         if applied:
             if calls is not None:
                 self._fused.finish(calls)

@@ -1,19 +1,12 @@
-"""Plumbing shared by the 1-bit optimizers: checks, flat state, step headers, the step
-template and torch's face (``state_dict``; what a state dict holds is
-:mod:`onebit.checkpoint`'s; Adam's math, :mod:`onebit.adam_step`'s). When buckets are gathered
-and launched is the :class:`~onebit.bucketer.Bucketer`'s job; that all ranks built the same
-optimizer, :mod:`onebit.agreement`'s.
+"""Plumbing shared by the 1-bit optimizers: checks, flat state, the step template and torch's
+face (``state_dict``; what a state dict holds is :mod:`onebit.checkpoint`'s). When buckets are
+gathered and launched is the :class:`~onebit.bucketer.Bucketer`'s job; what a step sends and
+its verdict, the :class:`~onebit.engine.Engine`'s; what each message's header carries,
+:mod:`onebit.header`'s; that all ranks built the same optimizer, :mod:`onebit.agreement`'s.
 
 Subclasses implement the update rule in ``step`` and keep their math in
-:mod:`onebit.functional`; everything that touches ``torch.distributed`` lives here or below.
-
-Every collective a step sends carries a small header per rank (:data:`HEADER_NUMEL` fp32
-values: the step() call number, a digest of the hyperparameters, a status code, the local
-gradient norm and the number of backward passes run). In the compressed allreduce it rides
-in the phase-1 message next to the scale; in the fp32 allreduce each rank writes it into a slot
-of its own at the end of the buffer. Every rank therefore sees every rank's header before
-anything is committed, and all ranks raise the same error together when they disagree, instead
-of hanging or diverging.
+:mod:`onebit.functional` and :mod:`onebit.adam_step`; everything that touches
+``torch.distributed`` lives here or below.
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ import itertools
 import math
 import operator
 import warnings
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,28 +24,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checkpoint, host, kernels, rehearsal
+from . import checkpoint, kernels, rehearsal
 from .agreement import broadcast_from_first_rank, check_ranks_agree, digest
 from .bucketer import Bucketer
 from .checkpoint import StatePart
+from .clipping import Clipping
 from .comm import CompressedAllreduce
-from .exchange import Exchange, phase_exchange
+from .engine import ALLREDUCE, QUANTIZED, Engine, Prepare
 from .flat_state import FlatState
 from .freeze import FreezeSchedule, VarianceMonitor
-from .functional import (
-    clip_coefficient,
-    layer_norms,
-)
+from .header import HEADER_NUMEL, OpenStep, gradient_factor
 from .kernels.errors import check_error_dtype
-from .kernels.fused import DTYPES, gradient_addresses
+from .kernels.fused import DTYPES
 from .layout import FlatLayout
-from .model_allreduce import ModelAllreduce, ModelCall
-from .model_quantized import ModelQuantized
 from .momentum import PackedMomentumStage, fused_parameters, unpacked_because
 from .quantized import QuantizedAllreduce
 from .sharding import Replicated, has_dtensors, shards_of
 from .stats import CommStats
-from .wire import MeanAllreduce, commit_compressed_, group_size_and_rank, scales_finite
+from .wire import group_size_and_rank
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
@@ -70,33 +58,6 @@ SCALE_PER = ("tensor", "bucket")
 """What gets its own 1-bit scale: ``"tensor"`` (default), each parameter's part of a bucket, so
 that no tensor's magnitude sets another's step; ``"bucket"``, one scale per bucket as SPEC 2."""
 
-HEADER_NUMEL = 5
-"""Per-rank header of every step's messages: call number, hyperparameter digest, status, the
-squared norm of the bucket's local gradient, backward passes so far."""
-
-_REPLACED_IN_BACKWARD = (
-    "backward sent the gradients of the parameters the optimizer was laid out on "
-    "(overlap_backward), not of those in param_groups: replace them between steps"
-)
-_COUNTER = 1 << 24  # integers below this are exact in fp32
-
-STATUS = {
-    1: "a sparse gradient (not supported)",
-    2: "betas or eps that differ between param groups (they act on whole buckets: set them "
-    "the same in every group)",
-    3: "parameters on more than one device (move the whole model: model.to(device))",
-    4: "gradients that FSDP2 did not reduce (set_requires_gradient_sync(False) is on: turn it "
-    "back on before the last backward of a step)",
-    5: "parameters in param_groups that replaced those the optimizer was laid out on, and it "
-    "could not follow them",
-}
-"""What each status code a step's header carries means, for the error every rank raises."""
-
-
-Prepare = Callable[[int, Tensor], None]
-"""``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
-call sends (1-bit Adam sends its momentum)."""
-
 
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an optimizer's ``step`` so that an exception leaves nothing of the step behind: the
@@ -109,7 +70,7 @@ def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return step(self, *args, **kwargs)
         except BaseException:
-            self._step_open = False
+            self._close_step()
             for name in ("grad_scale", "found_inf"):
                 self.__dict__.pop(name, None)
             raise
@@ -236,18 +197,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             problem = str(err)  # raised on every rank below, not here alone
         self._agree(self._settings() if problem is None else problem, sharded)
         self._build_on_device()
-        self._step_open = False
+        self._step: OpenStep | None = None
         self._replace_problem: str | None = None
         self._prepare = prepare
         self.bucketer = self._new_bucketer()
+        self.engine = self._new_engine()
         self.comm_stats = CommStats()
         self.comm_stats.freeze_step = self.freeze.freeze_step
         self.skipped_steps = 0
         self.num_steps = 0
         self._calls = 0
-        self._grad_norm: float | Tensor | None = None
-        self._grad_addresses = host.Uploaded(torch.int64)
-        self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
         self._hyper = self._step_hyperparameters(self.param_groups)[0]  # each step reads anew
         self._allocate_state()
@@ -320,6 +279,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._fused = None
         self._build_on_device()
         self.bucketer.place(device)
+        self.engine = self._new_engine()
         self._allocate_state()
         self.load_state_dict(saved)
 
@@ -340,7 +300,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf
         ):
             raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.clipping = Clipping(None if max_grad_norm is None else float(max_grad_norm))
         for key in ("betas", "eps"):
             values = {repr(g[key]) for g in self.param_groups}
             if len(values) > 1:
@@ -396,6 +356,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         )
         bucketer.backward_passes = backward_passes
         return bucketer
+
+    def _new_engine(self) -> Engine:
+        return Engine(
+            self.layout,
+            self.bucketer,
+            self.comms,
+            self.warmup_comms,
+            process_group=self.process_group,
+            shards=self.shards,
+            backend=self.backend,
+            overlap=self.overlap_backward,
+            clipping=self.clipping,
+            prepare=self._prepare,
+            open_step=functools.partial(self._begin_step, follow=False),
+        )
 
     # Following param_groups: frameworks replace the parameters after the optimizer was built.
 
@@ -545,6 +520,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._build_on_device()
         self.bucketer.close()
         self.bucketer = self._new_bucketer(self.bucketer.backward_passes)
+        self.engine = self._new_engine()
         self._allocate_state()
         self._push_next_sender()
         if saved is not None:
@@ -605,12 +581,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    @property
-    def _grads(self) -> Tensor:
-        """The bucketer's gradient buffer, up to the parameters' end: after a full-precision
-        allreduce it holds the averaged gradient, and steps use it as scratch."""
-        return self.bucketer.grads[: self.layout.numel]
-
     # Where the warmup stands: the FreezeSchedule's answers.
 
     @property
@@ -634,45 +604,56 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The ``"auto"`` rule's state, ``freeze.monitor``."""
         return self.freeze.monitor
 
-    # Each step: the hyperparameters and loss scale it runs with, and the header it sends.
+    # Each step: the hyperparameters and loss scale it runs with, and what it sends.
 
-    def _begin_step(self, follow: bool = True) -> None:
-        """Read this step's hyperparameters and loss scale; idempotent until :meth:`_end_step`.
+    def _begin_step(self, follow: bool = True) -> OpenStep:
+        """Open the step: read its hyperparameters, make its headers (:class:`~onebit.header.
+        OpenStep`), and return it; idempotent until :meth:`_end_step`.
 
         Runs at the first bucket launched (during backward with ``overlap_backward``, without
         ``follow``) or at the start of ``step()``, where it first follows ``param_groups`` to
         parameters that replaced the ones it was laid out on (:meth:`_follow_param_groups`).
-        ``betas`` and ``eps`` come from the param groups; a group that disagrees, or
-        parameters it could not follow, are reported through the header, so every rank raises
-        together.
+        What the subclass reads from the param groups comes with the step; groups that
+        disagree, or parameters it could not follow, are reported through the header, so every
+        rank raises together.
         """
         if self._step_open:
-            return
+            return self._step
         if follow:
             replaced = self._follow_param_groups() is not None
         else:
             replaced = not self._on_param_groups()
         one_device = self._follow_parameters()
-        self._step_open = True
-        groups = self.param_groups
-        self._hyper, uniform = self._step_hyperparameters(groups)
+        self._hyper, uniform = self._step_hyperparameters(self.param_groups)
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
-        self._status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
-        if not self._status and not self.shards.syncing():
-            self._status = 4
-        if not self._status and replaced:
-            self._status = 5
-        self._inv_scale = None
-        hyper = zlib.crc32(repr(self._group_hyperparameters()).encode()) % _COUNTER
-        call = (self._calls + 1) % _COUNTER
-        passes = self.bucketer.backward_passes % _COUNTER
-        header = [float(call), float(hyper), float(self._status), 0.0, float(passes)]
-        self._headers = host.upload([header] * max(len(self.comms), 1), self.device)
-        self._headers_status = self._status
+        status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
+        if not status and not self.shards.syncing():
+            status = 4
+        if not status and replaced:
+            status = 5
+        self._step = OpenStep(
+            owner=type(self).__name__,
+            rank=self.rank,
+            shards=self.shards,
+            hyperparameters=self._group_hyperparameters(),
+            hyper=self._hyper,
+            status=status,
+            call=self._calls + 1,
+            backward_passes=self.bucketer.backward_passes,
+            buckets=len(self.comms),
+            device=self.device,
+            replace_problem=self._replace_problem,
+        )
+        return self._step
+
+    @property
+    def _step_open(self) -> bool:
+        return self._step is not None and self._step.open
 
     def _close_step(self) -> None:
         """Close the step without applying it (it raised, or was abandoned)."""
-        self._step_open = False
+        if self._step is not None:
+            self._step.close()
 
     def _read_grad_scale(self) -> None:
         """Take ``grad_scale`` set by ``torch.amp.GradScaler.step`` (``None`` outside it, or once
@@ -689,389 +670,54 @@ class CompressedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None:
             return
-        grad_scale = torch.as_tensor(grad_scale, device=self.device)
-        self._inv_scale = self._gradient_factor(grad_scale.double().reciprocal().float())
-
-    def _gradient_factor(self, value: Tensor) -> float | Tensor | None:
-        """``value``, what every pass multiplies each gradient by, as the kernels take it: left
-        on the device for Triton's passes, which load it (no read); a number for the C kernels
-        (a read of the CPU, which costs nothing), ``None`` for 1."""
-        if self.backend == "triton":
-            return value.reshape(())
-        number = float(host.read(value))
-        return None if number == 1.0 else number
-
-    def _verdict(
-        self, headers: Tensor, finite: Tensor, norms2: Tensor | None = None
-    ) -> tuple[bool, Tensor | None]:
-        """The step's verdict from the device in one host read: :meth:`_check_headers` of the
-        ranks' ``headers`` and ``finite``, a boolean tensor or a float that is finite if every
-        rank's values were (say the largest of their scales); returns (applied, ``norms2`` on
-        the host, if given)."""
-        parts = [headers, finite.reshape(1)]
-        if norms2 is not None:
-            parts.append(norms2)
-        values = host.read_all(parts)  # fp32, as the headers
-        size, width = headers.numel(), headers.shape[-1]
-        listed = values[: size + 1].tolist()
-        flag = listed[size]
-        finite_ = bool(flag) if finite.dtype == torch.bool else math.isfinite(flag)
-        rows = [listed[i : i + width] for i in range(0, size, width)]
-        verdict = self._check_headers(rows, finite_)
-        return verdict, None if norms2 is None else values[size + 1 :]
-
-    def _check_headers(self, headers: list[list[float]], finite: bool) -> bool:
-        """Raise the same error on every rank if the ranks' headers (a row of ``HEADER_NUMEL``
-        values per rank, identical on every rank) show different steps, hyperparameters or a
-        local problem; else return whether every rank's values were ``finite``.
-
-        With sharded parameters both verdicts are combined across the shard group in one
-        collective, so a problem of one shard's ranks stops every rank of the mesh."""
-        calls, digests, status, passes = ([row[i] for row in headers] for i in (0, 1, 2, 4))
-        error = None
-        if len(set(calls)) > 1 or len(set(passes)) > 1:
-            at = ", ".join(
-                f"rank {r}: call {int(c)} of step() after {int(b)} backward passes"
-                for r, (c, b) in enumerate(zip(calls, passes))
-            )
-            error = (
-                f"ranks are at different steps ({at}). Every rank must run the same number of "
-                "backward passes and call step() after each the same way: do not skip step() "
-                "on some ranks only"
-            )
-        elif len(set(digests)) > 1:
-            ranks = [r for r, d in enumerate(digests) if d != digests[0]]
-            error = (
-                f"hyperparameters differ across ranks (rank 0 and rank(s) {ranks}): lr, "
-                "weight_decay, betas or eps of some param group, as when a learning-rate "
-                "scheduler steps on some ranks only. This rank has "
-                f"{self._group_hyperparameters()}"
-            )
-        else:
-            bad = [(r, int(s)) for r, s in enumerate(status) if s]
-            if self._status and not bad:  # found after the header left (overlap_backward)
-                bad = [(self.rank, self._status)]
-            if bad:
-                ranks: dict[int, list[int]] = {}
-                for r, s in bad:
-                    ranks.setdefault(s, []).append(r)
-                problems = "; ".join(
-                    f"rank {rs[0]} has {STATUS.get(s, s)}"
-                    if len(rs) == 1
-                    else f"ranks {', '.join(map(str, rs))} have {STATUS.get(s, s)}"
-                    for s, rs in ranks.items()
-                )
-                error = f"{type(self).__name__}.step(): {problems}{self._status_detail()}"
-        verdict = self.shards.worst(2 if error is not None else 0 if finite else 1)
-        if verdict == 2:
-            self._close_step()
-            raise RuntimeError(
-                error
-                or f"{type(self).__name__}.step(): the ranks that hold another shard raised an "
-                "error (see theirs); this step was not applied"
-            )
-        return verdict == 0
-
-    def _status_detail(self) -> str:
-        """What this rank knows beyond its status code (why it could not follow
-        ``param_groups``), to end an error message with."""
-        if self._status != 5:
-            return ""
-        return f". On this rank: {self._replace_problem or _REPLACED_IN_BACKWARD}"
-
-    # Communication: the bucketer launches the buckets through a sender, the headers are
-    # checked here.
-
-    def _sender(
-        self, kind: str, fill: bool = True, inv_scale: float | Tensor | None = None
-    ) -> _Sender:
-        """What a ``kind`` call sends of each bucket (see :meth:`_communicate`; ``"packed"``:
-        the packed momentum's fused passes read ``.grad``), for the bucketer to call."""
-        if kind == "allreduce":
-            return _MeanSender(self, fill, inv_scale)
-        if kind == "quantized":
-            return _CommSender(self, kind, self.warmup_comms, fill, inv_scale)
-        if kind == "compressed":
-            return _CommSender(self, kind, self.comms, fill, inv_scale, self._prepare)
-        return _PackedSender(self)
+        inverse = torch.as_tensor(grad_scale, device=self.device).double().reciprocal().float()
+        self._step.inv_scale = gradient_factor(inverse, self.backend)
 
     def _next_kind(self) -> str | None:
         """What the next step sends, if it can start during backward (``overlap_backward``),
-        else ``None``: a ``kind`` of :meth:`_sender`."""
+        else ``None``: a ``kind`` of :meth:`Engine.sender <onebit.engine.Engine.sender>`."""
         return None
 
     def _push_next_sender(self) -> None:
         """Give the bucketer what the next step sends (at construction, after each step and
         after a load)."""
         kind = self._next_kind() if self.overlap_backward else None
-        self.bucketer.sender = None if kind is None else self._sender(kind)
-
-    def _header_for(self, k: int, sparse: bool = False, norm2: Tensor | None = None) -> Tensor:
-        """This rank's header for the message of bucket ``k`` (a row of the headers
-        :meth:`_begin_step` uploaded); ``sparse`` if gathering it met a sparse gradient,
-        ``norm2`` its squared norm (on the device)."""
-        if sparse:
-            self._status = 1
-        header = self._headers[k]
-        if self._status != self._headers_status:
-            header[2] = float(self._status)
-        if norm2 is not None:
-            header[3] = norm2
-        return header
-
-    def _communicate(
-        self, kind: str, out: Tensor | None = None, fill: bool = True
-    ) -> tuple[bool, int]:
-        """Launch every bucket not yet launched, then complete them all.
-
-        ``kind`` is ``"allreduce"`` (average the gradient buffer in fp32, in place),
-        ``"quantized"`` (average it through :attr:`warmup_comms` into ``out``) or
-        ``"compressed"`` (1-bit allreduce of the gradient buffer into the flat buffer ``out``).
-        With ``fill`` the gradients are first gathered from ``.grad``: for a full-precision
-        kind without ``overlap_backward`` all at once, else each bucket as it launches, passed
-        through the ``prepare`` callback; without it the caller has filled the gradient buffer.
-        Returns (applied, bytes sent); not applied means some rank had a non-finite value and
-        nothing but the gradient buffer changed. Raises on every rank, before anything is
-        committed, if the ranks' headers disagree.
-        """
-        self._begin_step()
-        if fill and kind != "compressed" and not self.overlap_backward:
-            self._gather_grads()  # one multi-tensor copy, not one per bucket
-            fill = False
-        if kind == "quantized" and not self.overlap_backward:
-            model = self._model_quantized()
-            if model is not None:
-                return self._reduce_quantized(model, out)
-        calls = self.bucketer.launch_all(self._sender(kind, fill, self._inv_scale))
-        if kind == "allreduce":
-            for call in calls:
-                call.wait()
-            # a max-norm, not isfinite(grads).all(): no model-sized temporaries
-            largest = self.bucketer.verdict_slot()
-            torch.linalg.vector_norm(self._grads, math.inf, out=largest)
-            applied, _ = self._verdict(self.bucketer.header_slots(), largest)
-            return applied, sum(c.bytes_sent for c in calls)
-        outputs = self.layout.bucket_views(out)
-        return self._finish_compressed(calls, outputs, gradients=True, kind=kind)
+        sender = None if kind is None else self.engine.sender(kind, packed=self._fused)
+        self.bucketer.sender = sender
 
     @property
     def _warmup_kind(self) -> str:
         """What a full-precision step sends: ``"allreduce"``, or ``"quantized"``."""
-        return "allreduce" if self.warmup_compression == "fp32" else "quantized"
+        return ALLREDUCE if self.warmup_compression == "fp32" else QUANTIZED
 
-    def _finish_compressed(
-        self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = "compressed"
-    ) -> tuple[bool, int]:
-        """Complete compressed or quantized calls started with headers: check the headers, then
-        serve and decompress (:func:`~onebit.wire.commit_compressed_`). For 1-bit
-        ``gradients`` sent during backward (``overlap_backward``), note the mean of the ranks'
-        gradient norms that ``max_grad_norm`` clips the result with (a quantized average is
-        clipped as an fp32 one, by its own norm)."""
-        comms = self.warmup_comms if kind == "quantized" else self.comms
-        finite = scales_finite(comms, calls)
-        headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
-        clipped = gradients and kind == "compressed" and self.bucketer.clip
-        applied, norms2 = self._buckets_verdict(headers, finite, clipped)
-        if applied:
-            commit_compressed_(comms, calls, outputs)
-        if applied and norms2 is not None:
-            self.grad_norm = float(norms2.sqrt().mean())
-        return applied, sum(c.bytes_per_call for c in comms)
+    def _average_gradients(self) -> tuple[bool, int]:
+        """Average the gradients at full precision into the gradient buffer and clip the average
+        (:meth:`Engine.average_gradients <onebit.engine.Engine.average_gradients>`)."""
+        return self.engine.average_gradients(self._warmup_kind == QUANTIZED)
 
-    def _buckets_verdict(
-        self, headers: Tensor, finite: Tensor, clipped: bool = False
-    ) -> tuple[bool, Tensor | None]:
-        """:meth:`_verdict` of every bucket's ``headers``, ``[buckets, world_size,
-        header_numel]``: any bucket's status counts; ``clipped`` adds each rank's squared
-        gradient norm over all buckets."""
-        first = headers[-1].clone()  # the bucket sent first
-        first[:, 2] = headers[:, :, 2].amax(0)
-        norms2 = None
-        if clipped:  # each rank's buckets summed in a row, as _reduce_compressed sums its own
-            norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
-        return self._verdict(first, finite, norms2)
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global norm gradients are clipped to (``None``: no clipping)."""
+        return self.clipping.max_norm
 
-    def _reduce_compressed(self, flat: Tensor, post: Tensor | None = None) -> tuple[bool, int]:
-        """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
-        every bucket with its padding) times ``post`` (``layout.numel``, if given: multiplied
-        in the worker's pass where the backend can), with headers; returns (applied, bytes
-        sent). Not applied leaves the error buffers as they were and ``flat`` holding what it
-        sent plus the error.
-
-        ``flat`` holds gradients, what a compressed step sends in their place (1-bit Adam's
-        momentum), or values that are not gradients (0/1 Adam's sync)."""
-        self._begin_step()
-        model = self._model_allreduce()
-        if model is not None:  # every bucket at once
-            applied, call = self._phase1_at_once(
-                model, lambda headers: model.start(flat, headers, post)
-            )
-            if applied:
-                model.commit(call)
-            return applied, sum(c.bytes_per_call for c in self.comms)
-        if post is not None:
-            flat[: self.layout.numel].mul_(post)
-        buffers = self.layout.bucket_views(flat, padded=True)
-        with phase_exchange(self.comms, 1).filling() as exchange:
-            calls = [
-                comm.start(buffers[k], self._header_for(k), (exchange, k))
-                for k, comm in enumerate(self.comms)
-            ]
-        outputs = self.layout.bucket_views(flat[: self.layout.numel])
-        return self._finish_compressed(calls, outputs, gradients=False)
-
-    def _phase1_at_once(
-        self, model: ModelAllreduce, start: Callable[[Tensor], ModelCall]
-    ) -> tuple[bool, ModelCall]:
-        """Phase 1 of every bucket at once, ``start(headers)``, and its verdict: whether every
-        rank's scales are finite and the headers agree. The caller commits."""
-        call = start(self._step_headers())
-        applied, _ = self._verdict(*model.received(call))
-        return applied, call
-
-    def _reduce_quantized(self, model: ModelQuantized, out: Tensor) -> tuple[bool, int]:
-        """The quantized average of the gradient buffer, every bucket at once, into ``out``
-        (the buffer's buckets, or as long); returns (applied, bytes sent), as
-        :meth:`_communicate`."""
-        flat = self.bucketer.grads[: self.layout.padded_numel]
-        exchange = model.start(flat, self._step_headers())
-        applied, _ = self._verdict(*model.received(exchange))
-        if applied:
-            model.commit(exchange, flat)
-            if out.data_ptr() != flat.data_ptr():
-                out.copy_(flat[: self.layout.numel])
-        return applied, sum(c.bytes_per_call for c in self.warmup_comms)
-
-    _quantized: ModelQuantized | None = None
-    _quantized_for: list[QuantizedAllreduce] | None = None  # the communicators it was made for
-
-    def _model_quantized(self) -> ModelQuantized | None:
-        """The quantized warmup allreduce of every bucket at once (made at first use, for these
-        communicators), where the backend has it; ``None`` where it runs a bucket at a time."""
-        if self._quantized_for is not self.warmup_comms:
-            self._quantized = ModelQuantized.build(self.layout, self.warmup_comms)
-            self._quantized_for = self.warmup_comms
-        return self._quantized
-
-    _model: ModelAllreduce | None = None
-    _model_for: list[CompressedAllreduce] | None = None  # the communicators it was made for
-
-    def _model_allreduce(self) -> ModelAllreduce | None:
-        """The compressed allreduce of every bucket at once (made at first use, for these
-        communicators), where the backend has it; ``None`` where it runs a bucket at a time."""
-        if self._model_for is not self.comms:
-            model = None
-            if ModelAllreduce.applies(self.comms):
-                model = ModelAllreduce(self.layout, self.comms)
-                model = model if model.passes() is not None else None
-            self._model, self._model_for = model, self.comms
-        return self._model
-
-    def _step_headers(self) -> Tensor:
-        """This step's headers (``[buckets, header_numel]``, the same in every bucket), for
-        a step that sends every bucket at once: the status found since they went up, in."""
-        if self._status != self._headers_status:
-            self._headers[:, 2] = float(self._status)
-        return self._headers
-
-    def _gather_grads(self) -> Tensor:
-        """Copy (and unscale, and clip: :meth:`_clip_own_gradient`) every ``.grad`` into the
-        flat gradient buffer; ``None`` counts as zero."""
-        self._begin_step()
-        if self.bucketer.gather(self._inv_scale):
-            self._status = 1
-        return self._grads
-
-    def _at_once(self) -> bool:
-        """Whether a compressed allreduce of the gradient buffer sends every bucket at once: on
-        the Triton kernels (:meth:`_model_allreduce`), unless buckets go out during backward
-        (``overlap_backward``)."""
-        return not self.overlap_backward and self._model_allreduce() is not None
-
-    def _compressed_allreduce(self) -> tuple[bool, int]:
-        """Compressed allreduce, in place, of the flat gradient buffer that
-        :meth:`_gather_grads` filled (then changed as the step sends it); return
-        (applied, bytes sent). Not applied means some rank had a non-finite value, and nothing
-        but the buffer changed. Every bucket at once where :meth:`_at_once`, else a bucket at
-        a time, bit for bit the same."""
-        if self._at_once():
-            flat = self.bucketer.grads[: self.layout.padded_numel]  # y keeps the padding
-            return self._reduce_compressed(flat)
-        return self._communicate("compressed", self._grads, fill=False)
-
-    # Gradient clipping (max_grad_norm) and exp_avg_mask.
-
-    def _clip_averaged_(self, g: Tensor) -> None:
-        """Clip the averaged gradient ``g`` in place by its global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` does after DDP's allreduce."""
-        if self.max_grad_norm is None:
-            return
-        total = torch.linalg.vector_norm(layer_norms(self.layout.views(g)))
-        total = self.shards.combine(total.reshape(1))[0]
-        self._grad_norm = total  # read when asked for, not during the step
-        g.mul_(clip_coefficient(total, self.max_grad_norm))
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self.clipping.max_norm = value
 
     @property
     def grad_norm(self) -> float | None:
         """The gradient norm the last step clipped with (``max_grad_norm``; ``None`` before one
         has): see the class's ``grad_norm`` attribute."""
-        if torch.is_tensor(self._grad_norm):
-            self._grad_norm = float(host.read(self._grad_norm))
-        return self._grad_norm
+        return self.clipping.norm
 
     @grad_norm.setter
     def grad_norm(self, value: float | None) -> None:
-        self._grad_norm = value
-
-    def _compressed_clip_coefficient(self) -> float:
-        """The clipping coefficient of a compressed step under ``overlap_backward``:
-        ``max_grad_norm`` over the mean of the ranks' local gradient norms, which the buckets'
-        headers carried (the same on every rank; 1 without clipping)."""
-        if self.max_grad_norm is None or self.grad_norm is None:
-            return 1.0
-        return float(clip_coefficient(torch.tensor(self.grad_norm), self.max_grad_norm))
-
-    def _own_clip(self, grads: list[Tensor]) -> list[Tensor]:
-        """This rank's gradient norm (``grads`` unscaled, whole layers across shards) and the
-        coefficient that clips it to ``max_grad_norm``, on the device."""
-        norm = torch.linalg.vector_norm(layer_norms(grads))
-        norm = self._unscaled(self.shards.combine(norm.reshape(1))[0])
-        return [norm, clip_coefficient(norm, self.max_grad_norm)]
-
-    def _unscaled(self, value: Tensor) -> Tensor:
-        """``value`` times the inverse loss scale, if any (a number, or on Triton a tensor)."""
-        return value if self._inv_scale is None else value * self._inv_scale
-
-    def _clip_own_gradient(self) -> None:
-        """Open a 1-bit gradient step with ``max_grad_norm``: this rank clips its own gradient
-        before anything is sent (SPEC 6), by folding the coefficient into the inverse loss
-        scale that every pass multiplies the gradient by. Clipping then costs one read of the
-        gradients (the norm) and no pass, and the momentum stays what the compressed allreduce
-        returned (:meth:`_gradient_factor`). A norm that is not finite makes the gradient
-        non-finite, and every rank skips the step."""
-        if self.max_grad_norm is None:
-            return
-        grads = [p.grad for p in self.layout.params]
-        present = [g for g in grads if g is not None and not g.is_sparse]
-        norm, coefficient = self._own_clip(present)
-        self._grad_norm = norm  # read when asked for, not during the step
-        scale = torch.where(norm.isfinite(), self._unscaled(coefficient), math.nan)
-        self._inv_scale = self._gradient_factor(scale)
+        self.clipping.norm = value
 
     def _apply_mask_(self, flat: Tensor) -> None:
         """Zero the masked-out entries of the flat momentum ``flat`` (``exp_avg_mask``)."""
         for offset, mask in self._masks:
             flat[offset : offset + mask.numel()].mul_(mask)
-
-    def _average_gradients(self) -> tuple[bool, int]:
-        """Average the gradients at full precision into the gradient buffer (an fp32
-        allreduce, or the quantized warmup exchange) and clip the average
-        (``max_grad_norm``); return (applied, bytes sent)."""
-        g = self._grads
-        applied, nbytes = self._communicate(self._warmup_kind, out=g)
-        if applied:
-            self._clip_averaged_(g)
-        return applied, nbytes
 
     # The step: the template every optimizer runs, and its overlap with backward.
 
@@ -1111,7 +757,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
         first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
-        self._step_open = False
+        self._close_step()
         self._calls += 1
         self.shards.release(self.layout.params)
         if self.shards.sharded and not self._keeps_gradient_buffer:
@@ -1133,7 +779,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.device.type == "cuda" and self.world_size > 1:
             can = not self._any_rank(not can)
         if can:
-            rehearsal.rehearse(self._tiny_copy(), scaled=self._inv_scale is not None)
+            rehearsal.rehearse(self._tiny_copy(), scaled=self._step.inv_scale is not None)
 
     def _tiny_copy(self) -> CompressedOptimizer:
         """A copy of this optimizer on :func:`~onebit.rehearsal.tiny_groups`, with the options
@@ -1167,54 +813,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._unpacked = unpacked_because(self.layout, self.scale_per)
             self.flat.expose("exp_avg", self._exp_avg)
         return self._fused
-
-    def _packed_allreduce(
-        self, scaling: Tensor | None = None
-    ) -> tuple[bool, int, list[Any] | None]:
-        """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
-        ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
-        (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
-        every bucket at once made the results the momentum already)."""
-        if self.overlap_backward:  # buckets that backward did not launch go now, one by one
-            calls = self.bucketer.launch_all(self._sender("packed"))
-            applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
-            return applied, nbytes, calls
-        addresses, keep, sparse = gradient_addresses(self.layout.params, self.layout.strides)
-        grads = self._grad_addresses(addresses, self.device)
-        if sparse:
-            self._status = 1
-        stage, nbytes = self._fused, sum(c.bytes_per_call for c in self.comms)
-        if stage.passes() is not None:  # every bucket at once
-            call = stage.start_all(grads, self._inv_scale, self._hyper.beta1, self._step_headers(),
-                                   scaling, keep)  # fmt: skip
-            applied, _ = self._verdict(*stage.model.received(call))
-            if applied:
-                stage.commit_all(call)
-            return applied, nbytes, None
-        calls: list[Any] = [None] * len(self.comms)
-        with phase_exchange(self.comms, 1).filling() as exchange:
-            for k in reversed(range(len(self.comms))):  # the bucketer's launch order
-                header = self._header_for(k)
-                calls[k] = self._fused.start(k, grads, self._inv_scale, self._hyper.beta1, header,
-                                             scaling, (exchange, k), keep)  # fmt: skip
-        applied, nbytes = self._finish_compressed(calls, [None] * len(calls), gradients=True)
-        return applied, nbytes, calls
-
-    def _start_packed(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        """Bucket ``k``'s fused pass 1 and phase 1 for ``overlap_backward``, from the ``.grad``
-        of its parameters as soon as they are final (see :meth:`_packed_allreduce`)."""
-        layout, bucket = self.layout, self.layout.bucket_params[k]
-        found, keep, sparse = gradient_addresses([layout.params[i] for i in bucket],
-                                                 [layout.strides[i] for i in bucket])  # fmt: skip
-        addresses = [0] * len(layout.params)
-        for i, address in zip(bucket, found):
-            addresses[i] = address
-        uploaded = self._bucket_grad_addresses.setdefault(k, host.Uploaded(torch.int64))
-        grads = uploaded(addresses, self.device)
-        header = self._header_for(k, sparse)
-        beta1 = self._hyper.beta1
-        return self._fused.start(k, grads, self._inv_scale, beta1, header, None, exchange,
-                                 keep)  # fmt: skip
 
     # Checkpoints (onebit.checkpoint): the state's parts, each saving and loading itself.
 
@@ -1380,114 +978,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._fused is not None and self._frozen:
             self.bucketer.release()  # the .grad views keep theirs; the packed stage needs none
         self._push_next_sender()
-
-
-class _Sender:
-    """What one step of ``optimizer`` sends of each bucket: the
-    :class:`~onebit.bucketer.Sender` the bucketer calls when a bucket is ready. Its first call
-    opens the step (during backward, with ``overlap_backward``)."""
-
-    comms: Sequence[Any] = ()
-    kind = ""
-    """What it sends, by the name :meth:`CompressedOptimizer._sender` takes."""
-
-    def __init__(
-        self, optimizer: CompressedOptimizer, fill: bool = True, inv_scale: Any = None
-    ) -> None:
-        self.optimizer, self.fill, self.inv_scale = optimizer, fill, inv_scale
-
-    def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        self.optimizer._begin_step(follow=False)
-        return self._start(k, exchange)
-
-    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        raise NotImplementedError
-
-    def abandon(self, calls: dict[int, Any]) -> None:
-        for k, call in calls.items():
-            self.comms[k].worker_scales(call)
-        self.optimizer._close_step()
-
-    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor]:
-        """Bucket ``k`` of the gradient buffer (filled first, with :attr:`fill`) and its
-        header."""
-        opt = self.optimizer
-        sparse, norm2 = False, None
-        if self.fill:
-            sparse, norm2 = opt.bucketer.fill(k, self.inv_scale, norm)
-        return opt.bucketer.buckets[k], opt._header_for(k, sparse, norm2)
-
-
-class _MeanSender(_Sender):
-    """An fp32 mean allreduce, in place in the gradient buffer; the bucket sent first carries
-    every rank's header slots after the padded buffer."""
-
-    kind = "allreduce"
-
-    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> MeanAllreduce:
-        opt = self.optimizer
-        bucketer, (start, end) = opt.bucketer, opt.layout.buckets[k]
-        grads, header = self._gathered(k)
-        buffer = grads
-        if k == len(opt.layout.buckets) - 1:
-            buffer = bucketer.grads[start:-1]
-            slots = bucketer.header_slots()
-            slots.zero_()
-            slots[bucketer.rank] = header
-        return MeanAllreduce(buffer, opt.process_group, average=grads[: end - start])
-
-    def abandon(self, calls: dict[int, Any]) -> None:
-        for call in calls.values():
-            call.wait()
-        self.optimizer._close_step()
-
-
-class _CommSender(_Sender):
-    """Through ``comms``, the quantized warmup's or (``kind`` ``"compressed"``) the 1-bit ones,
-    what ``prepare`` makes of each bucket's gradients if given. A 1-bit message's header carries
-    its squared gradient norm where the bucketer clips."""
-
-    def __init__(
-        self,
-        optimizer: CompressedOptimizer,
-        kind: str,
-        comms: Sequence[Any],
-        fill: bool,
-        inv_scale: Any,
-        prepare: Prepare | None = None,
-    ) -> None:
-        super().__init__(optimizer, fill, inv_scale)
-        self.kind, self.comms, self.prepare = kind, comms, prepare
-
-    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        grads, header = self._gathered(k, norm=self.kind == "compressed")
-        if self.fill and self.prepare is not None:
-            self.prepare(k, grads[: self.comms[k].numel])
-        return self.comms[k].start(grads, header, exchange)
-
-
-class _PackedSender(_Sender):
-    """The packed momentum's fused pass 1 and phase 1, reading ``.grad``: nothing is
-    gathered."""
-
-    kind = "packed"
-
-    def __init__(self, optimizer: CompressedOptimizer) -> None:
-        super().__init__(optimizer)
-        self.comms = optimizer.comms
-        self._unfused: _Sender | None = None
-        self._checked = False
-
-    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        opt = self.optimizer
-        if not self._checked:  # the parameters may have stopped suiting the kernels
-            self._checked = True
-            if opt._packed_stage() is None:
-                self._unfused = opt._sender("compressed")
-                self.kind = self._unfused.kind
-        if self._unfused is not None:
-            return self._unfused._start(k, exchange)
-        return opt._start_packed(k, exchange)
 
 
 def _plain(value: Any) -> Any:

@@ -226,7 +226,7 @@ class OnebitLamb(CompressedOptimizer):
         applied, nbytes = self._average_gradients()
         if applied:
             t, hyper = self.num_steps + 1, self._hyper
-            adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
+            adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
             bc1 = hyper.bc1(t)
             params, ms = self.layout.params, self.layout.views(m)
             norms = []
@@ -253,7 +253,7 @@ class OnebitLamb(CompressedOptimizer):
     def _compression_step(self) -> None:
         if not self._frozen:
             self._freeze()
-        self._clip_own_gradient()
+        self.engine.clip_own_gradient()
         if self._packed_stage() is not None:
             applied, nbytes = self._packed_compression_step()
         else:
@@ -277,12 +277,12 @@ class OnebitLamb(CompressedOptimizer):
         m, frozen_denom = self._exp_avg[: self.layout.numel], self._exp_avg_sq
         v_fresh = self._exp_avg_sq_fresh
         assert v_fresh is not None
-        g = self._gather_grads()
+        g = self.engine.gather_grads()
         views = self.layout.views(g)
         scaling = self._scaling.tolist()
         torch.lerp(m, g, 1 - beta1, out=g)
         torch._foreach_mul_(views, scaling)
-        applied, nbytes = self._compressed_allreduce()  # in place: g is the averaged momentum
+        applied, nbytes = self.engine.compressed_allreduce()  # in place: g is the averaged momentum
         if applied:
             t = self.num_steps + 1
             torch._foreach_div_(views, scaling)
@@ -290,7 +290,7 @@ class OnebitLamb(CompressedOptimizer):
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
             self._apply_mask_(m)
-            fresh = self._hyper.denominator(v_fresh, t, out=self._grads)
+            fresh = self._hyper.denominator(v_fresh, t, out=self.engine.grads)
             torch.div(frozen_denom, fresh, out=g)
             raw = self.shards.layer_norms(views, math.inf)  # each layer's largest ratio
             raw = torch.where(torch.tensor(self.shards.numels()) > 0, raw, 1.0)
@@ -321,7 +321,7 @@ class OnebitLamb(CompressedOptimizer):
         bit for bit as the unpacked step, on two temporaries of a block (and one of a layer,
         for the norms that weight decay needs)."""
         scaling = self._device_scaling()
-        applied, nbytes, calls = self._packed_allreduce(scaling)
+        applied, nbytes, calls = self.engine.packed_allreduce(self._fused, scaling)
         if not applied:
             return applied, nbytes
         t, stage = self.num_steps + 1, self._fused
@@ -508,7 +508,7 @@ class OnebitLamb(CompressedOptimizer):
     def _adam_update(self, m: Tensor, denom: Tensor, step: int) -> Tensor:
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
         buffer."""
-        return torch.div(m, denom, out=self._grads).div_(self._hyper.bc1(step))
+        return torch.div(m, denom, out=self.engine.grads).div_(self._hyper.bc1(step))
 
     def _add_weight_decay(self, update: Tensor) -> None:
         for group, params, updates in self.flat.per_group(update):

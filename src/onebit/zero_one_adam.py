@@ -12,12 +12,7 @@ from torch import Tensor
 
 from . import host
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
-from .base import (
-    DEFAULT_BUCKET_SIZE,
-    STATUS,
-    CompressedOptimizer,
-    check_step_count,
-)
+from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_step_count, closes_step_on_error
 from .checkpoint import NoState, StatePart
 from .freeze import FreezeSchedule
 from .functional import (
@@ -26,6 +21,7 @@ from .functional import (
     layer_norms,
     momentum_from_grads_,
 )
+from .header import STATUS
 from .kernels.fused import gradient_addresses
 from .momentum import fused_parameters
 
@@ -292,6 +288,7 @@ class ZeroOneAdam(CompressedOptimizer):
         else:
             self._local_phase_step()
 
+    @closes_step_on_error
     @torch.no_grad()
     def synchronize(self) -> None:
         """Make the parameters identical on every rank now (a collective; phase B only).
@@ -314,23 +311,23 @@ class ZeroOneAdam(CompressedOptimizer):
             stage = "variance"
             applied, nbytes = self._average_gradients()
             if applied:
-                adam_moments_(m, v, self._grads, hyper.beta1, hyper.beta2)
+                adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
                 self._count_variance_update()
         else:
             stage = "compression"
-            self._clip_own_gradient()
-            g = self._gather_grads()
-            applied, nbytes = self._compressed_allreduce()  # in place: g is now the estimate
+            self.engine.clip_own_gradient()
+            g = self.engine.gather_grads()
+            applied, nbytes = self.engine.compressed_allreduce()  # in place: g is now the estimate
             if applied:
                 adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
                 self._apply_mask_(m)
         if applied:
             if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
                 floor = hyper.zero_variance_floor(self._var_updates)
-                filled = self._grads
+                filled = self.engine.grads
                 fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(filled))
                 v = filled
-            denom = hyper.denominator(v, self._var_updates, out=self._grads)
+            denom = hyper.denominator(v, self._var_updates, out=self.engine.grads)
             self._adam.adamw_update_(m, denom, t, hyper)
         self._end_step(stage, nbytes, applied)
 
@@ -351,9 +348,9 @@ class ZeroOneAdam(CompressedOptimizer):
         t = self.num_steps + 1
         params = self.layout.params
         grads = [p.grad for p in params]
-        if self._status:
+        if self._step.status:
             self._close_step()
-            problem = STATUS[self._status] + self._status_detail()
+            problem = STATUS[self._step.status] + self._step.detail()
             raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
         finite, scale = self._local_verdict(grads)
         sync = t % self.local_step_interval == 0
@@ -381,14 +378,14 @@ class ZeroOneAdam(CompressedOptimizer):
         """Whether a local step's gradients are finite on every shard, and what multiplies
         this rank's gradient: the inverse loss scale, times the coefficient that clips the
         unscaled local gradient to ``max_grad_norm``. One read of the device."""
-        inv = self._inv_scale
+        inv = self._step.inv_scale
         present = [g for g in grads if g is not None]
         largest = layer_norms(present, ord=math.inf).to(self.device)  # each gradient's
         values = [largest]
         if torch.is_tensor(inv):  # a GradScaler's, left on the device
             values.append(inv.reshape(1))
         if self.max_grad_norm is not None:
-            values += self._own_clip(present)
+            values += self.clipping.own(present, self.shards, inv)
         read = host.read_all(values).tolist()
         # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
         finite = self.shards.all_(math.isfinite(sum(read[: len(largest)])))
@@ -406,7 +403,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self._hyper.denominator(v, self._var_updates, out=v)
         for comm in self.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
-        anchor = self._grads
+        anchor = self.engine.grads
         torch._foreach_copy_(self.layout.views(anchor), self.layout.params)
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
@@ -416,13 +413,13 @@ class ZeroOneAdam(CompressedOptimizer):
         self._frozen = frozen
         self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
-        self.flat.expose("sync_params", self._grads if frozen else None)
+        self.flat.expose("sync_params", self.engine.grads if frozen else None)
 
     def _sync_passes(self, grads: list[Tensor | None]) -> Any | None:
         """The Triton passes that take a sync step in two launches around its allreduce
         (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
         parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
-        model = self._model_allreduce()
+        model = self.engine.model_allreduce()
         if model is None or self._masks or not fused_parameters(self.layout):
             return None
         if any(g is not None and g.is_sparse for g in grads):
@@ -444,12 +441,12 @@ class ZeroOneAdam(CompressedOptimizer):
             return self._fused_sync(passes, local)
         n = self.layout.numel
         params = self.layout.params
-        progress, anchor, denom = self._exp_avg[:n], self._grads, self._exp_avg_sq
+        progress, anchor, denom = self._exp_avg[:n], self.engine.grads, self._exp_avg_sq
         anchors = self.layout.views(anchor)
         torch._foreach_copy_(self.layout.views(progress), params)
         for (start, end), decay in zip(self._ranges, self._decay):
             progress[start:end].sub_(anchor[start:end], alpha=decay)
-        synced, nbytes = self._reduce_compressed(self._exp_avg, post=denom)
+        synced, nbytes = self.engine.reduce_compressed(self._exp_avg, post=denom)
         if synced:
             for (start, end), decay in zip(self._ranges, self._decay):
                 if decay != 1.0:
@@ -492,15 +489,15 @@ class ZeroOneAdam(CompressedOptimizer):
             addresses, keep, _ = gradient_addresses(params, self.layout.strides)
             grads = self._grad_bases(addresses, device)
             step = (grads, local[1], 1 - self._hyper.beta1, step_decay, value)
-        m, denom, anchor = self._exp_avg, self._exp_avg_sq, self._grads
-        model, scale = self._model_allreduce(), self.comms[0].scale
+        m, denom, anchor = self._exp_avg, self._exp_avg_sq, self.engine.grads
+        model, scale = self.engine.model_allreduce(), self.comms[0].scale
 
         def progress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
             return passes.sync_progress(bases, m, denom, anchor, since, step, errors, scale,
                                         headers, message)  # fmt: skip
 
         self._begin_step()
-        synced, call = self._phase1_at_once(
+        synced, call = self.engine.phase1_at_once(
             model, lambda headers: model.start_from(m, headers, progress)
         )
         del keep

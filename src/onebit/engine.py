@@ -1,0 +1,462 @@
+"""A step's exchange of the gradient buckets: what goes out, in which wire format, and the
+verdict before anything is committed.
+
+An optimizer's stage asks its :class:`Engine` for one exchange per step: the fp32 or quantized
+average of the gradients (:meth:`Engine.average_gradients`), the 1-bit allreduce of the
+gradient buffer (:meth:`Engine.compressed_allreduce`) or of a flat buffer of its own
+(:meth:`Engine.reduce_compressed`), or the packed momentum's (:meth:`Engine.packed_allreduce`).
+The engine starts the buckets through the :class:`~onebit.bucketer.Bucketer` (each through a
+sender, the bucketer's one hook), or every bucket at once where the backend's passes can
+(:class:`~onebit.model_allreduce.ModelAllreduce`), reads the ranks' headers and returns the
+verdict (:class:`~onebit.header.OpenStep`), and commits only where every rank may.
+
+It reaches up to its optimizer once: a bucket launched during backward opens the step
+(``open_step``), since the step's hyperparameters are read when its first message leaves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import host
+from .bucketer import Bucketer
+from .clipping import Clipping
+from .comm import CompressedAllreduce
+from .exchange import Exchange, phase_exchange
+from .header import OpenStep
+from .kernels.fused import DTYPES, gradient_addresses
+from .layout import FlatLayout
+from .model_allreduce import ModelAllreduce, ModelCall
+from .model_quantized import ModelQuantized
+from .momentum import PackedMomentumStage, fused_parameters
+from .quantized import QuantizedAllreduce
+from .sharding import Replicated
+from .wire import MeanAllreduce, commit_compressed_, scales_finite
+
+Prepare = Callable[[int, Tensor], None]
+"""``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
+call sends (1-bit Adam sends its momentum)."""
+
+ALLREDUCE, QUANTIZED, COMPRESSED, PACKED = "allreduce", "quantized", "compressed", "packed"
+"""What a step sends (:meth:`Engine.sender`): an fp32 mean, the quantized warmup average, a
+1-bit allreduce of the gathered gradients, or of the packed momentum's fused passes."""
+
+
+class Engine:
+    """The exchanges of one optimizer's steps over its buckets.
+
+    Args:
+        layout: the flat layout and its buckets.
+        bucketer: gathers and launches the buckets.
+        comms: each bucket's 1-bit :class:`~onebit.comm.CompressedAllreduce`.
+        warmup_comms: each bucket's :class:`~onebit.quantized.QuantizedAllreduce` (empty for
+            an fp32 warmup).
+        process_group: the data-parallel group.
+        shards: the parameters' shards (their verdicts and norms combine across the shard
+            group).
+        backend: the kernels' backend (``"triton"`` takes gradient factors on the device).
+        overlap: whether buckets go out during backward (``overlap_backward``).
+        clipping: the optimizer's :class:`~onebit.clipping.Clipping`.
+        prepare: what a 1-bit step sends in place of each bucket's gradients, if not them.
+        open_step: opens the step if it is not open, and returns it.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        bucketer: Bucketer,
+        comms: list[CompressedAllreduce],
+        warmup_comms: list[QuantizedAllreduce],
+        *,
+        process_group: dist.ProcessGroup | None,
+        shards: Replicated,
+        backend: str,
+        overlap: bool,
+        clipping: Clipping,
+        prepare: Prepare | None,
+        open_step: Callable[[], OpenStep],
+    ) -> None:
+        self.layout, self.bucketer = layout, bucketer
+        self.comms, self.warmup_comms = comms, warmup_comms
+        self.process_group, self.shards, self.backend = process_group, shards, backend
+        self.overlap, self.clipping = overlap, clipping
+        self.prepare, self._open_step = prepare, open_step
+        self.device = layout.params[0].device if layout.params else torch.device("cpu")
+        self._grad_addresses = host.Uploaded(torch.int64)
+        self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
+        self._model: ModelAllreduce | None | bool = False  # False: not made yet
+        self._quantized: ModelQuantized | None | bool = False
+
+    @property
+    def step(self) -> OpenStep:
+        """The open step (opened now if it is not)."""
+        return self._open_step()
+
+    @property
+    def grads(self) -> Tensor:
+        """The bucketer's gradient buffer, up to the parameters' end: after a full-precision
+        allreduce it holds the averaged gradient, and steps use it as scratch."""
+        return self.bucketer.grads[: self.layout.numel]
+
+    def gather_grads(self) -> Tensor:
+        """Copy (and unscale, and clip: :meth:`clip_own_gradient`) every ``.grad`` into the flat
+        gradient buffer; ``None`` counts as zero."""
+        step = self.step
+        if self.bucketer.gather(step.inv_scale):
+            step.status = 1
+        return self.grads
+
+    def clip_own_gradient(self) -> None:
+        """Open a 1-bit gradient step with clipping: :meth:`Clipping.own_gradient`."""
+        grads = [p.grad for p in self.layout.params]
+        self.clipping.own_gradient(grads, self.shards, self.step, self.backend)
+
+    # Full precision: an fp32 or quantized average, bucket by bucket or every bucket at once.
+
+    def average_gradients(self, quantized: bool) -> tuple[bool, int]:
+        """Average the gradients at full precision into the gradient buffer (an fp32 allreduce,
+        or, ``quantized``, the quantized warmup exchange) and clip the average; return
+        (applied, bytes sent)."""
+        g = self.grads
+        applied, nbytes = self.communicate(QUANTIZED if quantized else ALLREDUCE, out=g)
+        if applied:
+            self.clipping.clip_averaged_(g, self.layout.views(g), self.shards)
+        return applied, nbytes
+
+    def communicate(
+        self, kind: str, out: Tensor | None = None, fill: bool = True
+    ) -> tuple[bool, int]:
+        """Launch every bucket not yet launched, then complete them all.
+
+        ``kind`` is :data:`ALLREDUCE` (average the gradient buffer in fp32, in place),
+        :data:`QUANTIZED` (average it through :attr:`warmup_comms` into ``out``) or
+        :data:`COMPRESSED` (1-bit allreduce of the gradient buffer into the flat buffer
+        ``out``). With ``fill`` the gradients are first gathered from ``.grad``: for a
+        full-precision kind without ``overlap`` all at once, else each bucket as it launches,
+        passed through ``prepare``; without it the caller has filled the gradient buffer.
+        Returns (applied, bytes sent); not applied means some rank had a non-finite value and
+        nothing but the gradient buffer changed. Raises on every rank, before anything is
+        committed, if the ranks' headers disagree.
+        """
+        step = self.step
+        if fill and kind != COMPRESSED and not self.overlap:
+            self.gather_grads()  # one multi-tensor copy, not one per bucket
+            fill = False
+        if kind == QUANTIZED and not self.overlap:
+            model = self._model_quantized()
+            if model is not None:
+                return self._reduce_quantized(model, out)
+        calls = self.bucketer.launch_all(self.sender(kind, fill, step.inv_scale))
+        if kind == ALLREDUCE:
+            for call in calls:
+                call.wait()
+            # a max-norm, not isfinite(grads).all(): no model-sized temporaries
+            largest = self.bucketer.verdict_slot()
+            torch.linalg.vector_norm(self.grads, math.inf, out=largest)
+            applied, _ = step.verdict(self.bucketer.header_slots(), largest)
+            return applied, sum(c.bytes_sent for c in calls)
+        outputs = self.layout.bucket_views(out)
+        return self._finish(calls, outputs, gradients=True, kind=kind)
+
+    def _model_quantized(self) -> ModelQuantized | None:
+        """The quantized warmup allreduce of every bucket at once (made at first use), where
+        the backend has it; ``None`` where it runs a bucket at a time."""
+        if self._quantized is False:
+            self._quantized = ModelQuantized.build(self.layout, self.warmup_comms)
+        return self._quantized
+
+    def _reduce_quantized(self, model: ModelQuantized, out: Tensor) -> tuple[bool, int]:
+        """The quantized average of the gradient buffer, every bucket at once, into ``out``
+        (the buffer's buckets, or as long); returns (applied, bytes sent)."""
+        flat = self.bucketer.grads[: self.layout.padded_numel]
+        exchange = model.start(flat, self.step.all_headers())
+        applied, _ = self.step.verdict(*model.received(exchange))
+        if applied:
+            model.commit(exchange, flat)
+            if out.data_ptr() != flat.data_ptr():
+                out.copy_(flat[: self.layout.numel])
+        return applied, sum(c.bytes_per_call for c in self.warmup_comms)
+
+    # 1-bit: the gradient buffer or a flat buffer of the optimizer's, with headers.
+
+    def model_allreduce(self) -> ModelAllreduce | None:
+        """The compressed allreduce of every bucket at once (made at first use), where the
+        backend has it; ``None`` where it runs a bucket at a time."""
+        if self._model is False:
+            model = None
+            if ModelAllreduce.applies(self.comms):
+                model = ModelAllreduce(self.layout, self.comms)
+                model = model if model.passes() is not None else None
+            self._model = model
+        return self._model
+
+    def at_once(self) -> bool:
+        """Whether a compressed allreduce of the gradient buffer sends every bucket at once: on
+        the Triton kernels (:meth:`model_allreduce`), unless buckets go out during backward."""
+        return not self.overlap and self.model_allreduce() is not None
+
+    def compressed_allreduce(self) -> tuple[bool, int]:
+        """Compressed allreduce, in place, of the flat gradient buffer that
+        :meth:`gather_grads` filled (then changed as the step sends it); return
+        (applied, bytes sent). Not applied means some rank had a non-finite value, and nothing
+        but the buffer changed. Every bucket at once where :meth:`at_once`, else a bucket at
+        a time, bit for bit the same."""
+        if self.at_once():
+            flat = self.bucketer.grads[: self.layout.padded_numel]  # y keeps the padding
+            return self.reduce_compressed(flat)
+        return self.communicate(COMPRESSED, self.grads, fill=False)
+
+    def reduce_compressed(self, flat: Tensor, post: Tensor | None = None) -> tuple[bool, int]:
+        """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
+        every bucket with its padding) times ``post`` (``layout.numel``, if given: multiplied
+        in the worker's pass where the backend can), with headers; returns (applied, bytes
+        sent). Not applied leaves the error buffers as they were and ``flat`` holding what it
+        sent plus the error.
+
+        ``flat`` holds gradients, what a compressed step sends in their place (1-bit Adam's
+        momentum), or values that are not gradients (0/1 Adam's sync)."""
+        step = self.step
+        model = self.model_allreduce()
+        if model is not None:  # every bucket at once
+            applied, call = self.phase1_at_once(
+                model, lambda headers: model.start(flat, headers, post)
+            )
+            if applied:
+                model.commit(call)
+            return applied, sum(c.bytes_per_call for c in self.comms)
+        if post is not None:
+            flat[: self.layout.numel].mul_(post)
+        buffers = self.layout.bucket_views(flat, padded=True)
+        with phase_exchange(self.comms, 1).filling() as exchange:
+            calls = [
+                comm.start(buffers[k], step.header_for(k), (exchange, k))
+                for k, comm in enumerate(self.comms)
+            ]
+        outputs = self.layout.bucket_views(flat[: self.layout.numel])
+        return self._finish(calls, outputs, gradients=False)
+
+    def phase1_at_once(
+        self, model: ModelAllreduce, start: Callable[[Tensor], ModelCall]
+    ) -> tuple[bool, ModelCall]:
+        """Phase 1 of every bucket at once, ``start(headers)``, and its verdict: whether every
+        rank's scales are finite and the headers agree. The caller commits."""
+        step = self.step
+        call = start(step.all_headers())
+        applied, _ = step.verdict(*model.received(call))
+        return applied, call
+
+    def _finish(
+        self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = COMPRESSED
+    ) -> tuple[bool, int]:
+        """Complete compressed or quantized calls started with headers: check the headers, then
+        serve and decompress (:func:`~onebit.wire.commit_compressed_`). For 1-bit
+        ``gradients`` sent during backward, note the mean of the ranks' gradient norms that
+        clipping scales the result by (a quantized average is clipped as an fp32 one, by its
+        own norm)."""
+        comms = self.warmup_comms if kind == QUANTIZED else self.comms
+        finite = scales_finite(comms, calls)
+        headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
+        clipped = gradients and kind == COMPRESSED and self.bucketer.clip
+        first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
+        first[:, 2] = headers[:, :, 2].amax(0)
+        norms2 = None
+        if clipped:  # each rank's buckets summed in a row, as reduce_compressed sums its own
+            norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
+        applied, norms2 = self.step.verdict(first, finite, norms2)
+        if applied:
+            commit_compressed_(comms, calls, outputs)
+        if applied and norms2 is not None:
+            self.clipping.norm = float(norms2.sqrt().mean())
+        return applied, sum(c.bytes_per_call for c in comms)
+
+    # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum).
+
+    def packed_allreduce(
+        self, stage: PackedMomentumStage, scaling: Tensor | None = None
+    ) -> tuple[bool, int, list[Any] | None]:
+        """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
+        ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
+        (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
+        every bucket at once made the results the momentum already)."""
+        if self.overlap:  # buckets that backward did not launch go now, one by one
+            calls = self.bucketer.launch_all(self.sender(PACKED, packed=stage))
+            applied, nbytes = self._finish(calls, [None] * len(calls), gradients=True)
+            return applied, nbytes, calls
+        step, layout = self.step, self.layout
+        addresses, keep, sparse = gradient_addresses(layout.params, layout.strides)
+        grads = self._grad_addresses(addresses, self.device)
+        if sparse:
+            step.status = 1
+        nbytes, beta1 = sum(c.bytes_per_call for c in self.comms), step.hyper.beta1
+        if stage.passes() is not None:  # every bucket at once
+            call = stage.start_all(grads, step.inv_scale, beta1, step.all_headers(), scaling, keep)
+            applied, _ = step.verdict(*stage.model.received(call))
+            if applied:
+                stage.commit_all(call)
+            return applied, nbytes, None
+        calls: list[Any] = [None] * len(self.comms)
+        with phase_exchange(self.comms, 1).filling() as exchange:
+            for k in reversed(range(len(self.comms))):  # the bucketer's launch order
+                calls[k] = stage.start(k, grads, step.inv_scale, beta1, step.header_for(k),
+                                       scaling, (exchange, k), keep)  # fmt: skip
+        applied, nbytes = self._finish(calls, [None] * len(calls), gradients=True)
+        return applied, nbytes, calls
+
+    def _start_packed(
+        self, stage: PackedMomentumStage, k: int, exchange: tuple[Exchange, int] | None
+    ) -> Any:
+        """Bucket ``k``'s fused pass 1 and phase 1 during backward, from the ``.grad`` of its
+        parameters as soon as they are final (see :meth:`packed_allreduce`)."""
+        layout, bucket, step = self.layout, self.layout.bucket_params[k], self.step
+        found, keep, sparse = gradient_addresses([layout.params[i] for i in bucket],
+                                                 [layout.strides[i] for i in bucket])  # fmt: skip
+        addresses = [0] * len(layout.params)
+        for i, address in zip(bucket, found):
+            addresses[i] = address
+        uploaded = self._bucket_grad_addresses.setdefault(k, host.Uploaded(torch.int64))
+        grads = uploaded(addresses, self.device)
+        header = step.header_for(k, sparse)
+        return stage.start(k, grads, step.inv_scale, step.hyper.beta1, header, None, exchange,
+                           keep)  # fmt: skip
+
+    # Senders: what the bucketer calls when a bucket is ready.
+
+    def sender(
+        self,
+        kind: str,
+        fill: bool = True,
+        inv_scale: float | Tensor | None = None,
+        packed: PackedMomentumStage | None = None,
+    ) -> Sender:
+        """What a ``kind`` call sends of each bucket (see :meth:`communicate`; :data:`PACKED`:
+        the ``packed`` stage's fused passes read ``.grad``), for the bucketer to call."""
+        if kind == ALLREDUCE:
+            return _MeanSender(self, fill, inv_scale)
+        if kind == QUANTIZED:
+            return _CommSender(self, kind, self.warmup_comms, fill, inv_scale)
+        if kind == COMPRESSED:
+            return _CommSender(self, kind, self.comms, fill, inv_scale, self.prepare)
+        if kind == PACKED and packed is not None:
+            return _PackedSender(self, packed)
+        raise ValueError(f"no sender for {kind!r}")
+
+
+class Sender:
+    """What one step sends of each bucket: the :class:`~onebit.bucketer.Sender` the bucketer
+    calls when a bucket is ready. Its first call opens the step (during backward, with
+    ``overlap_backward``)."""
+
+    comms: Sequence[Any] = ()
+    kind = ""
+    """What it sends, by the name :meth:`Engine.sender` takes."""
+
+    def __init__(self, engine: Engine, fill: bool = True, inv_scale: Any = None) -> None:
+        self.engine, self.fill, self.inv_scale = engine, fill, inv_scale
+
+    opened: OpenStep | None = None
+    """The step its first call opened (or found open), which :meth:`abandon` closes."""
+
+    def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        self.opened = self.engine.step
+        return self._start(k, exchange)
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        raise NotImplementedError
+
+    def abandon(self, calls: dict[int, Any]) -> None:
+        for k, call in calls.items():
+            self.comms[k].worker_scales(call)
+        self._close()
+
+    def _close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
+
+    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor]:
+        """Bucket ``k`` of the gradient buffer (filled first, with :attr:`fill`) and its
+        header."""
+        bucketer = self.engine.bucketer
+        sparse, norm2 = False, None
+        if self.fill:
+            sparse, norm2 = bucketer.fill(k, self.inv_scale, norm)
+        return bucketer.buckets[k], self.opened.header_for(k, sparse, norm2)
+
+
+class _MeanSender(Sender):
+    """An fp32 mean allreduce, in place in the gradient buffer; the bucket sent first carries
+    every rank's header slots after the padded buffer."""
+
+    kind = ALLREDUCE
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> MeanAllreduce:
+        engine = self.engine
+        bucketer, (start, end) = engine.bucketer, engine.layout.buckets[k]
+        grads, header = self._gathered(k)
+        buffer = grads
+        if k == len(engine.layout.buckets) - 1:
+            buffer = bucketer.grads[start:-1]
+            slots = bucketer.header_slots()
+            slots.zero_()
+            slots[bucketer.rank] = header
+        return MeanAllreduce(buffer, engine.process_group, average=grads[: end - start])
+
+    def abandon(self, calls: dict[int, Any]) -> None:
+        for call in calls.values():
+            call.wait()
+        self._close()
+
+
+class _CommSender(Sender):
+    """Through ``comms``, the quantized warmup's or (``kind`` :data:`COMPRESSED`) the 1-bit
+    ones, what ``prepare`` makes of each bucket's gradients if given. A 1-bit message's header
+    carries its squared gradient norm where the bucketer clips."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        kind: str,
+        comms: Sequence[Any],
+        fill: bool,
+        inv_scale: Any,
+        prepare: Prepare | None = None,
+    ) -> None:
+        super().__init__(engine, fill, inv_scale)
+        self.kind, self.comms, self.prepare = kind, comms, prepare
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        grads, header = self._gathered(k, norm=self.kind == COMPRESSED)
+        if self.fill and self.prepare is not None:
+            self.prepare(k, grads[: self.comms[k].numel])
+        return self.comms[k].start(grads, header, exchange)
+
+
+class _PackedSender(Sender):
+    """The packed momentum's fused pass 1 and phase 1, reading ``.grad``: nothing is gathered.
+    Where the parameters stopped suiting the fused kernels (checked at the first bucket), a
+    1-bit sender of the gathered gradients, whose ``prepare`` unpacks the momentum."""
+
+    kind = PACKED
+
+    def __init__(self, engine: Engine, stage: PackedMomentumStage) -> None:
+        super().__init__(engine)
+        self.comms, self.stage = engine.comms, stage
+        self._unfused: Sender | None = None
+        self._checked = False
+
+    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
+        engine = self.engine
+        if not self._checked:
+            self._checked = True
+            if not fused_parameters(engine.layout, DTYPES):
+                self._unfused = engine.sender(COMPRESSED)
+                self.kind = self._unfused.kind
+        if self._unfused is not None:
+            self._unfused.opened = self.opened
+            return self._unfused._start(k, exchange)
+        return engine._start_packed(self.stage, k, exchange)
