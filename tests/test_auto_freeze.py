@@ -211,7 +211,7 @@ def test_resume_in_the_middle_of_the_decision_is_exact(make, knobs):
     params = _params()
     opt = make(params, "auto", auto_freeze=knobs)
     _run(params, opt, 1, checkpoint)
-    assert opt.freeze_step is None and opt._freeze_monitor.stable_windows >= 1
+    assert opt.freeze_step is None and opt.freeze.monitor.stable_windows >= 1
     saved = _roundtrip({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()})
     params = _params()
     opt = make(params, "auto", auto_freeze=knobs)

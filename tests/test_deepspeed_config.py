@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import onebit
-from onebit.base import DEFAULT_BUCKET_SIZE
 from onebit.integrations import deepspeed as ds
 from onebit.integrations.deepspeed import (
     KEY_MAP,
@@ -26,6 +25,7 @@ from onebit.integrations.deepspeed import (
     optimizer_from_config,
     translate_config,
 )
+from onebit.options import DEFAULT_BUCKET_SIZE
 
 # DeepSpeed docs/_tutorials/onebit-adam.md, section 1.4 "Configuration of 1-bit Adam" (the
 # tutorial's JSON, verbatim apart from JSON -> Python literals).

@@ -9,16 +9,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import momentum
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
-from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
+from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .engine import COMPRESSED
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
+from .momentum import PacksMomentum
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_
 
 
-class OnebitAdam(CompressedOptimizer):
+class OnebitAdam(PacksMomentum, CompressedOptimizer):
     """AdamW whose gradient communication drops to 1 bit per element after a warmup.
 
     A drop-in replacement for ``torch.optim.AdamW`` plus ``DistributedDataParallel``: do not
@@ -144,7 +145,7 @@ class OnebitAdam(CompressedOptimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         def check() -> FreezeSchedule:
-            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
             return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -175,12 +176,7 @@ class OnebitAdam(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros()
         self._set_frozen(False)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
-        self._unpacked = momentum.unpacked_because(
-            self.layout, self.scale_per, bool(self._masks), clips_result
-        )
-        if self._unpacked is None:
-            self._fused = momentum.PackedMomentumStage(self.layout, self.comms, self._exp_avg,
-                                                       masks=self._masks)  # fmt: skip
+        self._pack_momentum(self._exp_avg, clips_result=clips_result)
 
     def _set_frozen(self, frozen: bool) -> None:
         """Name the state for its stage: ``exp_avg_sq`` until the freeze, then ``frozen_denom``
@@ -195,7 +191,7 @@ class OnebitAdam(CompressedOptimizer):
         """Every step can start during backward: in the compression stage, ``"packed"`` where
         the fused passes run it (checked again at its first bucket)."""
         if self.stage == "warmup":
-            return self._warmup_kind
+            return self.engine.warmup_kind
         return "packed" if self._fused is not None else "compressed"
 
     def _momentum_into_bucket_(self, k: int, grads: Tensor) -> None:
@@ -215,7 +211,7 @@ class OnebitAdam(CompressedOptimizer):
         hyper = self._hyper
         fused_adam = stage == "warmup" and self._adam.fused_applies(t, hyper)
         if stage == "warmup":
-            applied, nbytes = self._average_gradients()
+            applied, nbytes = self.engine.average_gradients()
             if applied and not fused_adam:
                 adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
         elif fused:
@@ -232,7 +228,7 @@ class OnebitAdam(CompressedOptimizer):
             if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
                 m.mul_(hyper.beta1).lerp_(g, self.clipping.of_mean())
             if applied:
-                self._apply_mask_(m)
+                apply_masks_(m, self._masks)
         if applied and stage == "warmup":
             if fused_adam:
                 self._adam.fused_step_(self.engine.grads, m, v, t, hyper)
@@ -266,7 +262,7 @@ class OnebitAdam(CompressedOptimizer):
         fill_zero_variance_(self.layout.views(v), self._hyper.zero_variance_floor(t))
         self._hyper.denominator(v, t, out=v)
         self._set_frozen(True)
-        self._end_warmup_compression()
+        self.engine.end_warmup()
         self.bucketer.release()  # the .grad views keep it; the fused stage needs no other
 
     def _fused_compressed_step(self) -> tuple[bool, int]:

@@ -18,6 +18,7 @@ from torch import Tensor
 from .flat_state import FlatState
 from .freeze import FreezeSchedule
 from .functional import adam_denominator, adamw_update_, bias_correction
+from .options import check_same_in_every_group
 from .sharding import Replicated
 from .stats import CommStats
 
@@ -37,9 +38,14 @@ least (the default bucket size)."""
 
 
 def check_adam_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    groups: list[dict[str, Any]],
 ) -> None:
-    """Raise ``ValueError`` for hyperparameters ``torch.optim.AdamW`` would also reject."""
+    """Raise ``ValueError`` for hyperparameters ``torch.optim.AdamW`` would also reject, or
+    param ``groups`` whose ``betas`` or ``eps`` differ (they act on whole buckets)."""
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -51,6 +57,7 @@ def check_adam_hyperparameters(
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    check_same_in_every_group(groups, ("betas", "eps"))
 
 
 class AdamHyper(NamedTuple):

@@ -3,10 +3,10 @@
 A onebit optimizer's state dict is torch's (``state``, ``param_groups``) plus an ``"onebit"``
 entry: the optimizer's name, world size and bucket layout, its counters and freeze schedule,
 what each :class:`StatePart` saves, and under ``"ranks"`` each rank's own part (the error
-buffers above all), keyed by rank. The optimizer keeps torch's face (``state_dict``,
-``load_state_dict``); the pieces of its state that save themselves are parts, each filling the
-:class:`StatePart` protocol, and this module holds the checks and the steps of a load that do
-not depend on which optimizer it is.
+buffers above all), keyed by rank. :class:`Checkpointed` gives the optimizer torch's face
+(``state_dict``, ``load_state_dict``) and ZeroRedundancyOptimizer's consolidation; the pieces of
+its state that save themselves are parts, each filling the :class:`StatePart` protocol, and this
+module holds the checks and the steps of a load that do not depend on which optimizer it is.
 
 Every state dict a release saved must still load: ``tests/checkpoints/`` holds one of each
 optimizer in each stage, and a test loads them.
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .agreement import digest
 from .flat_state import FlatState
 from .momentum import PackedMomentumStage
 from .sharding import Replicated, local_tensor
@@ -365,3 +366,163 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(to_cpu(v) for v in value)
     return value
+
+
+class Checkpointed:
+    """The checkpoint face of :class:`~onebit.base.CompressedOptimizer`: ``state_dict``,
+    ``load_state_dict`` and the consolidation of every rank's part, built from the optimizer's
+    :class:`StatePart` s (its error buffers, its stages' own part from :meth:`_stage_state`,
+    which stage the buffers are named for, and the packed momentum)."""
+
+    _frozen = False
+    """Whether the state is the frozen stage's (past the warmup), as :meth:`_set_frozen` named
+    it."""
+
+    def _set_frozen(self, frozen: bool) -> None:
+        """Name the subclass's state in ``state`` for the warmup or, ``frozen``, the stage after
+        it."""
+        raise NotImplementedError
+
+    def _stage_state(self) -> StatePart:
+        """The subclass's own :class:`~onebit.checkpoint.StatePart`: its stages' counters and
+        state that is not per parameter."""
+        return NoState()
+
+    def _state_parts(self) -> list[StatePart]:
+        """The parts of the state that save and load themselves, in the order they load: the
+        error buffers, the subclass's stages, which stage the buffers are named for, and the
+        packed momentum."""
+        errors = ErrorBuffers(self.comms, self.warmup_comms, self.error_dtype, type(self).__name__)
+        parts = [errors, self._stage_state(), Frozen(self._frozen, self._set_frozen)]
+        if self._fused is not None:
+            parts.append(PackedMomentum(self._fused, self.flat))
+        return parts
+
+    def _layout_digest(self) -> str:
+        layout = (self.layout.buckets, self.layout.numels, self.world_size)
+        return digest((*layout, self.shards.settings()) if self.shards.sharded else layout)
+
+    @property
+    def _part(self) -> int:
+        """Where this rank's part of the state sits in ``["onebit"]["ranks"]``: its rank in the
+        group, or in the world where parameters are sharded (every rank's part differs)."""
+        return self.rank if not self.shards.sharded else dist.get_rank()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's whole state: per-parameter buffers, error buffers, schedules, counters.
+
+        What differs between ranks (the error buffers above all) sits under
+        ``["onebit"]["ranks"][rank]``: save one file per rank, or gather every rank's part into
+        one dict with :meth:`consolidated_state_dict` (or :meth:`consolidate_state_dict`, then
+        this). ``torch.load(weights_only=True)`` loads it. A sharded optimizer's per-parameter
+        state is DTensors, for ``torch.distributed.checkpoint``, and keeps the warmup's names
+        through the freeze (``exp_avg_sq`` then holds ``frozen_denom``).
+        """
+        self._follow_param_groups_or_raise("save")
+        parts = self._state_parts()
+        with saving(parts):
+            state = super().state_dict()
+            state["state"] = {i: dict(s) for i, s in state["state"].items()}  # not self.state's
+        if self.shards.sharded:
+            state["state"] = sharded(state["state"], self.shards)
+        ranks = {self._part: rank_state(parts)}
+        if self._gathered is not None and self._gathered[0] == self._calls:
+            ranks = self._gathered[1]
+        state["onebit"] = {
+            "optimizer": type(self).__name__,
+            "world_size": self.world_size,
+            "layout": self._layout_digest(),
+            "num_steps": self.num_steps,
+            "skipped_steps": self.skipped_steps,
+            "calls": self._calls,
+            "backward_passes": self.bucketer.backward_passes,
+            "comm_stats": self.comm_stats.state_dict(),
+            **self.freeze.state_dict(),
+            **extra_state(parts),
+            "ranks": ranks,
+        }
+        return state
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's part of the state on rank ``to``, for its next :meth:`state_dict`.
+
+        A collective: call it on every rank. Until the next ``step()``, ``state_dict()`` on rank
+        ``to`` then holds every rank's part, so one file saved from there resumes exactly on
+        every rank. This is ``ZeroRedundancyOptimizer``'s protocol, which Lightning's and
+        Fabric's checkpointing call on every rank before saving from rank 0.
+        """
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"to must be a rank in [0, {self.world_size}), got {to!r}")
+        if self.shards.sharded:
+            raise ValueError(
+                "a sharded optimizer's state is saved with torch.distributed.checkpoint, every "
+                "rank its own part: see onebit.fsdp.save"
+            )
+        self._gathered = None
+        if self.world_size == 1:
+            return
+        mine = rank_state(self._state_parts())
+        parts = gather_rank_states(mine, to, self.rank, self.world_size, self.process_group)
+        if parts is not None:
+            self._gathered = (self._calls, parts)
+
+    def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """Every rank's state in one dict on rank ``to`` (``None`` on the others).
+
+        A collective: call it on every rank. Where one optimizer file is saved from rank 0 and
+        loaded on every rank (as HF Trainer, Accelerate and Lightning do with ``state_dict()``),
+        save this instead and the run resumes exactly: :meth:`load_state_dict` takes each
+        rank's own part.
+        """
+        self.consolidate_state_dict(to)
+        return self.state_dict() if self.rank == to else None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer
+        fp32 and flat.
+
+        This rank's part (error buffers) is taken from the dict. If the dict has no part for
+        this rank (another rank's file), or it was saved with another world size or bucket
+        layout, the error buffers are reset to zero with a warning; everything else is restored.
+        A state of another optimizer raises ``ValueError`` and changes nothing.
+        """
+        self._follow_param_groups_or_raise("load")
+        self._follow_parameters()
+        saved = onebit_entry(state_dict, type(self).__name__)
+        groups = state_dict["param_groups"]
+        index = parameter_index(groups, self.param_groups)
+        self._gathered = None
+        parts = self._state_parts()
+        undo = before_load(parts, saved)
+        try:
+            check_buffers(self.state, index, state_dict["state"])
+        except ValueError:
+            undo()
+            raise
+        copy_buffers(self.state, index, state_dict["state"])
+        for saved_group, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        extra, ranks = split_ranks(saved, self._part, self._layout_digest())
+        try:
+            own = own_rank_state(extra, ranks, self._part, self._layout_digest())
+            for part in parts:
+                part.load_rank_state(own)
+        except ValueError as err:
+            warnings.warn(
+                f"error-feedback buffers reset ({err}); resume is not exact", stacklevel=2
+            )
+            parts[0].reset()
+        self.num_steps = extra.pop("num_steps")
+        self.skipped_steps = extra.pop("skipped_steps")
+        self._calls = extra.pop("calls", self.num_steps + self.skipped_steps)
+        self.bucketer.backward_passes = extra.pop("backward_passes", 0)
+        self.comm_stats.load_state_dict(extra.pop("comm_stats"))
+        self.freeze.load_state_dict(extra)
+        self.comm_stats.freeze_step = self.freeze.freeze_step
+        for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
+            extra.pop(key, None)
+        for part in parts:
+            part.load_extra_state(extra)
+        if self._fused is not None and self._frozen:
+            self.bucketer.release()  # the .grad views keep theirs; the packed stage needs none
+        self._push_next_sender()

@@ -29,7 +29,7 @@ from .bucketer import Bucketer
 from .clipping import Clipping
 from .comm import CompressedAllreduce
 from .exchange import Exchange, phase_exchange
-from .header import OpenStep
+from .header import HEADER_NUMEL, OpenStep, gradient_factor
 from .kernels.fused import DTYPES, gradient_addresses
 from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall
@@ -48,6 +48,46 @@ ALLREDUCE, QUANTIZED, COMPRESSED, PACKED = "allreduce", "quantized", "compressed
 1-bit allreduce of the gathered gradients, or of the packed momentum's fused passes."""
 
 
+def bucket_communicators(
+    layout: FlatLayout,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    scale_per: str,
+    warmup_compression: str,
+    error_dtype: torch.dtype,
+) -> tuple[list[CompressedAllreduce], list[QuantizedAllreduce]]:
+    """Each bucket's 1-bit communicator (a scale per tensor, or per bucket: ``scale_per``), and
+    its quantized warmup communicator (none for an ``"fp32"`` ``warmup_compression``)."""
+    buckets = [(k, end - start) for k, (start, end) in enumerate(layout.buckets)]
+    segments = layout.segments if scale_per == "tensor" else lambda k: None
+    comms = [
+        CompressedAllreduce(
+            numel,
+            group=group,
+            device=device,
+            segments=segments(k),
+            header_numel=HEADER_NUMEL,
+            error_dtype=error_dtype,
+        )  # fmt: skip
+        for k, numel in buckets
+    ]
+    if warmup_compression == "fp32":
+        return comms, []
+    warmup_comms = [
+        QuantizedAllreduce(
+            numel,
+            segments=layout.segments(k),
+            bits=warmup_compression,
+            group=group,
+            device=device,
+            header_numel=HEADER_NUMEL,
+        )  # fmt: skip
+        for k, numel in buckets
+    ]
+    return comms, warmup_comms
+
+
 class Engine:
     """The exchanges of one optimizer's steps over its buckets.
 
@@ -60,6 +100,7 @@ class Engine:
         process_group: the data-parallel group.
         shards: the parameters' shards (their verdicts and norms combine across the shard
             group).
+        device: the parameters' device.
         backend: the kernels' backend (``"triton"`` takes gradient factors on the device).
         overlap: whether buckets go out during backward (``overlap_backward``).
         clipping: the optimizer's :class:`~onebit.clipping.Clipping`.
@@ -76,6 +117,7 @@ class Engine:
         *,
         process_group: dist.ProcessGroup | None,
         shards: Replicated,
+        device: torch.device,
         backend: str,
         overlap: bool,
         clipping: Clipping,
@@ -84,10 +126,10 @@ class Engine:
     ) -> None:
         self.layout, self.bucketer = layout, bucketer
         self.comms, self.warmup_comms = comms, warmup_comms
-        self.process_group, self.shards, self.backend = process_group, shards, backend
+        self.process_group, self.shards = process_group, shards
+        self.device, self.backend = device, backend
         self.overlap, self.clipping = overlap, clipping
         self.prepare, self._open_step = prepare, open_step
-        self.device = layout.params[0].device if layout.params else torch.device("cpu")
         self._grad_addresses = host.Uploaded(torch.int64)
         self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._model: ModelAllreduce | None | bool = False  # False: not made yet
@@ -117,14 +159,41 @@ class Engine:
         grads = [p.grad for p in self.layout.params]
         self.clipping.own_gradient(grads, self.shards, self.step, self.backend)
 
+    def read_grad_scale(self, step: OpenStep, grad_scale: Tensor | float | None) -> None:
+        """Take ``grad_scale``, which ``torch.amp.GradScaler.step`` set (``None`` once
+        ``scaler.unscale_`` has unscaled ``.grad``), as ``step``'s gradient factor. A scaler's
+        step raises where buckets already left during backward, scaled."""
+        if self.bucketer.inflight:
+            self.bucketer.abandon()
+            raise RuntimeError(
+                "overlap_backward sends gradients during backward, before torch.amp.GradScaler "
+                "unscales them or passes its scale to step(): use overlap_backward=False with a "
+                "GradScaler"
+            )
+        if grad_scale is not None:
+            scale = torch.as_tensor(grad_scale, device=self.device)
+            step.inv_scale = gradient_factor(scale.double().reciprocal().float(), self.backend)
+
+    def end_warmup(self) -> None:
+        """At the freeze: zero the quantized warmup's error buffers, which tracked gradients that
+        the compression stage no longer sends."""
+        for comm in self.warmup_comms:
+            comm.reset()
+
     # Full precision: an fp32 or quantized average, bucket by bucket or every bucket at once.
 
-    def average_gradients(self, quantized: bool) -> tuple[bool, int]:
+    @property
+    def warmup_kind(self) -> str:
+        """What a full-precision step sends: :data:`ALLREDUCE`, or :data:`QUANTIZED` where the
+        buckets have quantized communicators."""
+        return QUANTIZED if self.warmup_comms else ALLREDUCE
+
+    def average_gradients(self) -> tuple[bool, int]:
         """Average the gradients at full precision into the gradient buffer (an fp32 allreduce,
-        or, ``quantized``, the quantized warmup exchange) and clip the average; return
-        (applied, bytes sent)."""
+        or the quantized warmup exchange) and clip the average; return (applied, bytes
+        sent)."""
         g = self.grads
-        applied, nbytes = self.communicate(QUANTIZED if quantized else ALLREDUCE, out=g)
+        applied, nbytes = self.communicate(self.warmup_kind, out=g)
         if applied:
             self.clipping.clip_averaged_(g, self.layout.views(g), self.shards)
         return applied, nbytes

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host, momentum
+from . import host
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
-from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer
+from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import (
@@ -25,6 +25,8 @@ from .functional import (
     scaled_sub_,
     trust_ratio,
 )
+from .momentum import PacksMomentum
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_
 
 BLOCK = 1 << 20
 """Elements of the temporaries a compression step takes after its allreduce where the backend
@@ -32,7 +34,7 @@ has no pass over every bucket (the C kernels): it walks each bucket in blocks th
 buffers of 4 MiB whatever the bucket size."""
 
 
-class OnebitLamb(CompressedOptimizer):
+class OnebitLamb(PacksMomentum, CompressedOptimizer):
     """LAMB whose gradient communication drops to 1 bit per element after a warmup.
 
     LAMB (You et al., 2020) is Adam with a per-layer trust ratio: each parameter ("layer")
@@ -148,7 +150,7 @@ class OnebitLamb(CompressedOptimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         def check() -> FreezeSchedule:
-            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
             _check_range("min_coeff", min_coeff, "max_coeff", max_coeff)
             if not 0.0 <= coeff_beta < 1.0:
                 raise ValueError(f"Invalid coeff_beta: {coeff_beta}")
@@ -198,11 +200,7 @@ class OnebitLamb(CompressedOptimizer):
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._exp_avg_sq_fresh: Tensor | None = None
         self._set_frozen(False)
-        self._unpacked = momentum.unpacked_because(self.layout, self.scale_per, bool(self._masks))
-        if self._unpacked is None:
-            self._fused = momentum.PackedMomentumStage(
-                self.layout, self.comms, self._exp_avg, keeps_last=True, masks=self._masks
-            )
+        self._pack_momentum(self._exp_avg, keeps_last=True)
 
     def _settings(self) -> dict[str, Any]:
         knobs = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min")
@@ -223,7 +221,7 @@ class OnebitLamb(CompressedOptimizer):
 
     def _warmup_step(self) -> None:
         m, v = self._exp_avg[: self.layout.numel], self._exp_avg_sq
-        applied, nbytes = self._average_gradients()
+        applied, nbytes = self.engine.average_gradients()
         if applied:
             t, hyper = self.num_steps + 1, self._hyper
             adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
@@ -289,7 +287,7 @@ class OnebitLamb(CompressedOptimizer):
             m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
-            self._apply_mask_(m)
+            apply_masks_(m, self._masks)
             fresh = self._hyper.denominator(v_fresh, t, out=self.engine.grads)
             torch.div(frozen_denom, fresh, out=g)
             raw = self.shards.layer_norms(views, math.inf)  # each layer's largest ratio
@@ -537,7 +535,7 @@ class OnebitLamb(CompressedOptimizer):
         if self.bias_correction:
             ema = ema / (1 - self.coeff_beta**self._coeff_updates)
         self._frozen_coeffs = torch.where(self._coeff_updates > 0, ema, 1.0)
-        self._end_warmup_compression()
+        self.engine.end_warmup()
         self._set_frozen(True)
         self.bucketer.release()  # the .grad views keep it; the compression stage gets its own
 

@@ -547,3 +547,34 @@ class PackedMomentumStage:
             comm.worker_error = slice_
         self.packed = packed
         self._release_momentum()
+
+
+class PacksMomentum:
+    """What 1-bit Adam and 1-bit LAMB add to :class:`~onebit.base.CompressedOptimizer`: their
+    momentum kept packed in the compression stage (``_fused``), where it applies."""
+
+    _fused: PackedMomentumStage | None = None
+    _unpacked: str | None = None  # why _fused is None (unpacked_because)
+
+    def _pack_momentum(
+        self, momentum: Tensor, keeps_last: bool = False, clips_result: bool = False
+    ) -> None:
+        """Make the packed momentum stage on the flat momentum ``momentum`` where it applies,
+        else say why not in ``_unpacked``."""
+        masked = bool(self._masks)
+        self._unpacked = unpacked_because(self.layout, self.scale_per, masked, clips_result)
+        if self._unpacked is None:
+            self._fused = PackedMomentumStage(self.layout, self.comms, momentum,
+                                              keeps_last=keeps_last, masks=self._masks)  # fmt: skip
+
+    def _packed_stage(self) -> PackedMomentumStage | None:
+        """The packed momentum stage, if the parameters still suit its kernels; once they do not
+        (one layer cast to another dtype, or given other strides) it is unpacked, and the
+        unfused path runs from then on."""
+        stage = self._fused
+        if stage is not None and not fused_parameters(self.layout, fused.DTYPES):
+            stage.unpack_()
+            self._fused = None
+            self._unpacked = unpacked_because(self.layout, self.scale_per)
+            self.flat.expose("exp_avg", stage.momentum)
+        return self._fused

@@ -49,6 +49,34 @@ def applies(optimizer: CompressedOptimizer) -> bool:
     )
 
 
+def compile_ahead(optimizer: CompressedOptimizer) -> None:
+    """After ``optimizer``'s first warmup step: compile the kernels of the stage to come now,
+    where they compile at their first launch, if every rank can (a collective on CUDA)."""
+    can = applies(optimizer)
+    if optimizer.device.type == "cuda" and optimizer.world_size > 1:
+        can = not optimizer._any_rank(not can)
+    if can:
+        rehearse(tiny_copy(optimizer), scaled=optimizer._step.inv_scale is not None)
+
+
+def tiny_copy(optimizer: CompressedOptimizer) -> CompressedOptimizer:
+    """A copy of ``optimizer`` on :func:`tiny_groups`, with the options of its class's
+    ``_rehearsal_options``, for :func:`rehearse`. It compiles nothing ahead itself. A
+    collective, as the construction of any onebit optimizer."""
+    groups = tiny_groups(optimizer.param_groups, optimizer.device)
+    options = {
+        **{k: v for k, v in optimizer._constructor_options.items() if k != "params"},
+        **optimizer._rehearsal_options,
+        "process_group": optimizer.process_group,
+    }
+    if optimizer._masks:
+        first = groups[0]["params"][0]
+        options["exp_avg_mask"] = {first: torch.ones_like(first)}
+    copy = type(optimizer)(groups, **options)
+    copy._compiles_ahead = False
+    return copy
+
+
 def tiny_groups(param_groups: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
     """``param_groups`` on tiny parameters of the same dtypes and layouts (:func:`_tiny_params`),
     at the learning rate :data:`LR`: the copy's groups."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import host
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
-from .base import DEFAULT_BUCKET_SIZE, CompressedOptimizer, check_step_count, closes_step_on_error
+from .base import CompressedOptimizer, closes_step_on_error
 from .checkpoint import NoState, StatePart
 from .freeze import FreezeSchedule
 from .functional import (
@@ -24,6 +24,7 @@ from .functional import (
 from .header import STATUS
 from .kernels.fused import gradient_addresses
 from .momentum import fused_parameters
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count
 
 
 class Schedule(NamedTuple):
@@ -207,7 +208,7 @@ class ZeroOneAdam(CompressedOptimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         def check() -> FreezeSchedule:
-            check_adam_hyperparameters(lr, betas, eps, weight_decay)
+            check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
             self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
             given = Schedule(var_update_scaler, local_step_scaler, local_step_clipper)
             for name, value in zip(Schedule._fields, given):
@@ -309,7 +310,7 @@ class ZeroOneAdam(CompressedOptimizer):
         t, hyper = self.num_steps + 1, self._hyper
         if t % self.var_interval == 0:
             stage = "variance"
-            applied, nbytes = self._average_gradients()
+            applied, nbytes = self.engine.average_gradients()
             if applied:
                 adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
                 self._count_variance_update()
@@ -320,7 +321,7 @@ class ZeroOneAdam(CompressedOptimizer):
             applied, nbytes = self.engine.compressed_allreduce()  # in place: g is now the estimate
             if applied:
                 adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
-                self._apply_mask_(m)
+                apply_masks_(m, self._masks)
         if applied:
             if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
                 floor = hyper.zero_variance_floor(self._var_updates)
@@ -357,7 +358,7 @@ class ZeroOneAdam(CompressedOptimizer):
         passes = self._sync_passes(grads) if sync else None
         if finite and passes is None:
             momentum_from_grads_(self.layout.views(m), grads, hyper.beta1, scale)
-            self._apply_mask_(m)
+            apply_masks_(m, self._masks)
             self._adam.adamw_update_(m, denom, t, hyper)
         elif not finite:
             self.local_skipped_steps += 1
@@ -454,7 +455,7 @@ class ZeroOneAdam(CompressedOptimizer):
             anchor.addcdiv_(progress, denom)
             for (start, end), lrs in zip(self._ranges, self._lrs):
                 progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
-            self._apply_mask_(progress)
+            apply_masks_(progress, self._masks)
         else:
             progress.zero_()
         torch._foreach_copy_(params, anchors)

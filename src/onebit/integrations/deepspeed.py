@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .. import registry
-from ..base import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE, CompressedOptimizer
+from ..base import CompressedOptimizer
+from ..options import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE
 from ..wire import group_size_and_rank
 
 __all__ = [

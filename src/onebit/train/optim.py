@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import onebit
 from onebit import registry
-from onebit.base import DEFAULT_BUCKET_SIZE
+from onebit.options import DEFAULT_BUCKET_SIZE
 from onebit.wire import allreduce_bytes
 
 _ONEBIT = {entry.name: entry for entry in registry.OPTIMIZERS}
@@ -38,7 +38,7 @@ OPTIMIZERS = tuple(dict.fromkeys(n for name, ref in REFERENCE.items() for n in (
 """``--optimizer`` choices: each uncompressed optimizer before the 1-bit ones measured against
 it."""
 
-WARMUP_COMPRESSION = onebit.base.WARMUP_COMPRESSION
+WARMUP_COMPRESSION = onebit.options.WARMUP_COMPRESSION
 """``--warmup-compression`` choices: how the 1-bit optimizers' warmup averages gradients."""
 
 WARMUP_COMPRESSED = tuple(name for name, entry in _ONEBIT.items() if entry.freezes)
