@@ -13,7 +13,7 @@ import torch
 from train_cli import TINY, clean_env, onebit_train, read_metrics, without_timing
 
 import onebit
-from onebit.train import cli, optim
+from onebit.train import arguments, cli, optim
 from onebit.train.data import prepare, source_files, stdlib_path, windows
 from onebit.train.model import MASK_TOKEN, ModelConfig, Transformer, build_model
 
@@ -118,10 +118,10 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
         "onebit-lamb": ("int4", "auto"),
     }
     assert [c.label for c in plan.configs] == COMPARE  # the defaults need no suffix
-    (row,) = cli._parse_compare("zero-one-adam:varscale=64:local=9")
+    (row,) = arguments.parse_compare("zero-one-adam:varscale=64:local=9")
     assert (row.var_update_scaler, row.local_step_scaler) == (64, 9)
     assert row.label(True, "fp32") == "zero-one-adam-local-9-varscale-64"
-    (row,) = cli._parse_compare("onebit-adam:errors=bf16")
+    (row,) = arguments.parse_compare("onebit-adam:errors=bf16")
     assert row.errors == "bf16" and row.label(True, "int4", "bf16") == "onebit-adam-errors-bf16"
 
 

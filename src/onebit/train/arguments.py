@@ -1,0 +1,376 @@
+"""``onebit train``'s options: the parser, the checks of each value, and ``--compare``'s runs.
+Every mistake ends in a one-line error and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import loggers, optim
+from .model import MODELS
+
+DEFAULT_STEPS = 300
+DEFAULT_WORKERS = 4
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class UsageError(Exception):
+    """Bad input; the message is printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and exit status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _integer(1)
+_non_negative = _integer(0)
+
+
+def _number(low: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low`` (or equal to it if ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (value == low and not inclusive):
+            bound = "at least" if inclusive else "above"
+            raise argparse.ArgumentTypeError(f"must be {bound} {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _freeze_step(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive(text)
+
+
+def _resume(text: str) -> Path | str:
+    return AUTO if text == AUTO else Path(text)
+
+
+def _log(text: str) -> tuple[str, ...]:
+    try:
+        return loggers.parse_backends(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+AUTO = "auto"
+SEED_MAX = 2**32 - 1
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``onebit train``."""
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--optimizer",
+        choices=optim.OPTIMIZERS,
+        help="default onebit-adam; adamw is torch.optim.AdamW with DistributedDataParallel, lamb "
+        "is uncompressed LAMB",
+    )
+    run.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help=f"local worker processes (default: one per GPU with --device cuda, else "
+        f"{DEFAULT_WORKERS}; under torchrun, its ranks)",
+    )
+    run.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto (default): cuda when torch.cuda.is_available(), else cpu. On cuda each worker "
+        "takes a GPU of its own and the workers talk over NCCL; on cpu, over gloo",
+    )
+    run.add_argument(
+        "--steps", type=_positive, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})"
+    )
+    run.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="N", help="sequences per worker (16)"
+    )
+    run.add_argument(
+        "--lr",
+        type=_number(0, inclusive=False),
+        help="peak learning rate (default 1e-3, LAMB 1e-2)",
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=_number(0, inclusive=True),
+        default=0.1,
+        help="decoupled, on matrices only (0.1)",
+    )
+    run.add_argument(
+        "--amp",
+        choices=("bf16", "fp16"),
+        help="autocast the forward pass to bf16, or to fp16 with a GradScaler (default: fp32)",
+    )
+    run.add_argument(
+        "--grad-clip",
+        type=_number(0, inclusive=False),
+        metavar="NORM",
+        help="clip the averaged gradients to this global norm (default: no clipping)",
+    )
+    run.add_argument(
+        "--shard",
+        type=_positive,
+        default=1,
+        metavar="S",
+        help="FSDP2: shard the model over S ranks per emulated node, the other ranks being "
+        "replicas; the 1-bit optimizers average each shard across nodes, adamw is torch's HSDP "
+        "(default 1: every rank holds the whole model)",
+    )
+    run.add_argument(
+        "--freeze-step",
+        type=_freeze_step,
+        metavar="N|auto",
+        help="warmup steps of onebit-adam and onebit-lamb (default auto: watch Adam's variance "
+        "and freeze it once stable, by 20%% of --steps at the latest), and zero-one-adam's "
+        "var_freeze_step (default 20%% of --steps)",
+    )
+    run.add_argument(
+        "--warmup-compression",
+        choices=optim.WARMUP_COMPRESSION,
+        help="onebit-adam, onebit-lamb: how the warmup averages gradients (fp32: exactly "
+        "AdamW + DDP; bf16, int8, int4: 2-8x fewer bytes, with error feedback; default "
+        f"{optim.DEFAULT_WARMUP_COMPRESSION})",
+    )
+    run.add_argument(
+        "--error-dtype",
+        choices=tuple(optim.ERROR_DTYPES),
+        help="onebit-adam, onebit-lamb, zero-one-adam: the dtype of the error-feedback buffers "
+        "(bf16: half their memory; default fp32)",
+    )
+    run.add_argument(
+        "--bucket-size",
+        type=_positive,
+        default=optim.DEFAULT_BUCKET_SIZE,
+        metavar="N",
+        help=f"elements per 1-bit bucket ({optim.DEFAULT_BUCKET_SIZE}, the library's default)",
+    )
+    run.add_argument(
+        "--local-step-scaler",
+        type=_positive,
+        metavar="N",
+        help="zero-one-adam: steps between doublings of its local-step interval (default: a "
+        "fifth of phase B, so the interval doubles 4 times in the run)",
+    )
+    run.add_argument(
+        "--seed", type=_integer(0, SEED_MAX), default=0, help="model init and data order (0)"
+    )
+    run.add_argument(
+        "--compare",
+        metavar="OPT,OPT,...",
+        help="run each optimizer in turn with the same seed and data order, then write a "
+        "comparison table and plot; OPT:no-ef runs a 1-bit optimizer without error feedback",
+    )
+    run.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_false",
+        help="research ablation: drop the 1-bit optimizers' error feedback (converges worse)",
+    )
+    model = parser.add_argument_group("model and data")
+    model.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt",
+        help="gpt: causal byte-level LM; bert: masked LM, the papers' workload; cnn: causal "
+        "convolutional LM, without attention; rnn: an LSTM LM (gpt)",
+    )
+    model.add_argument(
+        "--block-size", type=_positive, default=128, metavar="N", help="context in bytes (128)"
+    )
+    model.add_argument("--layers", type=_positive, default=4, metavar="N", help="(4)")
+    model.add_argument("--heads", type=_positive, default=4, metavar="N", help="(4)")
+    model.add_argument("--width", type=_positive, default=128, metavar="N", help="(128)")
+    model.add_argument(
+        "--no-bias",
+        dest="bias",
+        action="store_false",
+        help="no biases in the linear layers and LayerNorms (as nanoGPT's bias=False)",
+    )
+    model.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="a text file or a folder of them (default: the Python standard library's source)",
+    )
+    model.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the train/validation split is kept (default $ONEBIT_CACHE or ~/.cache/onebit)",
+    )
+    output = parser.add_argument_group("output and checkpoints")
+    output.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="run folder (default runs/<model>-<optimizer>-<time>, or runs/compare-...)",
+    )
+    output.add_argument(
+        "--eval-every",
+        type=_positive,
+        metavar="N",
+        help="steps between validation losses (default 5%% of --steps)",
+    )
+    output.add_argument(
+        "--eval-windows",
+        type=_positive,
+        default=256,
+        metavar="N",
+        help="validation sequences (256)",
+    )
+    output.add_argument(
+        "--save-every",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps and at the end (default 0: never)",
+    )
+    output.add_argument(
+        "--keep",
+        type=_positive,
+        metavar="K",
+        help="keep the newest K checkpoints, delete older ones (default 3)",
+    )
+    output.add_argument(
+        "--resume",
+        type=_resume,
+        metavar="DIR|auto",
+        help="continue a run exactly from a run folder (its newest usable checkpoint) or a "
+        "checkpoint folder; only --out, --steps, --save-every, --keep, --log, --max-restarts "
+        "and --device may be changed. auto: continue the run in --out if it has a checkpoint, "
+        "else start it, so that the same command starts a run and continues it after a crash",
+    )
+    output.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="if a local worker dies, stop the others and continue from the last checkpoint, up "
+        "to N times (needs --save-every; under torchrun use torchrun's --max-restarts and "
+        "--resume auto)",
+    )
+    output.add_argument(
+        "--log",
+        type=_log,
+        default=("jsonl",),
+        metavar="jsonl,csv,tensorboard,wandb",
+        help="where rank 0 logs each step's metrics, any combination (jsonl, which the summary "
+        "and --resume read, is always written)",
+    )
+    output.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+
+
+def build_parser(prog: str = "onebit train") -> argparse.ArgumentParser:
+    parser = Parser(
+        prog=prog,
+        description="Train a small byte-level language model with several data-parallel workers "
+        "and a 1-bit optimizer; write metrics, a summary and plots.",
+    )
+    add_train_arguments(parser)
+    return parser
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run of ``--compare``:
+    ``OPT[:no-ef][:warmup=BITS][:errors=DTYPE][:freeze=N|auto][:local=N][:varscale=N]``."""
+
+    name: str
+    error_feedback: bool = True
+    warmup: str | None = None
+    errors: str | None = None
+    freeze_step: int | str | None = None
+    local_step_scaler: int | None = None
+    var_update_scaler: int | None = None
+
+    def label(self, error_feedback: bool, warmup: str, errors: str = "fp32") -> str:
+        """The run's folder and row name: the optimizer, then what differs from its defaults."""
+        parts = [self.name]
+        if optim.is_compressed(self.name) and not error_feedback:
+            parts.append("no-ef")
+        if self.name in optim.WARMUP_COMPRESSED and warmup != optim.DEFAULT_WARMUP_COMPRESSION:
+            parts.append(f"warmup-{warmup}")
+        if optim.is_compressed(self.name) and errors != "fp32":
+            parts.append(f"errors-{errors}")
+        if self.freeze_step is not None:
+            parts.append(f"freeze-{self.freeze_step}")
+        if self.local_step_scaler is not None:
+            parts.append(f"local-{self.local_step_scaler}")
+        if self.var_update_scaler is not None:
+            parts.append(f"varscale-{self.var_update_scaler}")
+        return "-".join(parts)
+
+
+def parse_compare(text: str) -> list[Variant]:
+    """The runs ``--compare`` lists; :class:`UsageError` for a name or variant it cannot run."""
+    runs = []
+    for item in text.split(","):
+        name, *variants = item.strip().split(":")
+        if name not in optim.OPTIMIZERS:
+            raise UsageError(
+                f"unknown optimizer {name!r} in --compare "
+                f"(choose from {', '.join(optim.OPTIMIZERS)})"
+            )
+        settings: dict[str, Any] = {}
+        for variant in variants:
+            key, _, value = variant.partition("=")
+            if not optim.is_compressed(name):
+                raise UsageError(f"{name} has no variants ({item} in --compare)")
+            if variant == "no-ef":
+                settings["error_feedback"] = False
+            elif key == "warmup" and value in optim.WARMUP_COMPRESSION:
+                if name not in optim.WARMUP_COMPRESSED:
+                    raise UsageError(f"{name} has no fp32 warmup to compress ({item})")
+                settings["warmup"] = value
+            elif key == "errors" and value in optim.ERROR_DTYPES:
+                settings["errors"] = value
+            elif key == "freeze" and (value == "auto" or value.isdigit() and int(value) > 0):
+                settings["freeze_step"] = value if value == "auto" else int(value)
+            elif key == "local" and name == "zero-one-adam" and value.isdigit() and int(value):
+                settings["local_step_scaler"] = int(value)
+            elif key == "varscale" and name == "zero-one-adam" and value.isdigit() and int(value):
+                settings["var_update_scaler"] = int(value)
+            else:
+                raise UsageError(
+                    f"unknown variant {variant!r} of {name} in --compare (no-ef, "
+                    f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, "
+                    f"errors={'|'.join(optim.ERROR_DTYPES)}, freeze=N|auto, "
+                    "local=N and varscale=N for zero-one-adam)"
+                )
+        runs.append(Variant(name, **settings))
+    if len(set(runs)) != len(runs):
+        raise UsageError(f"--compare lists a run twice: {text}")
+    return runs
