@@ -16,7 +16,7 @@ from .engine import COMPRESSED
 from .freeze import AutoFreeze, FreezeSchedule
 from .functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 from .momentum import PacksMomentum
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
 
 
 class OnebitAdam(PacksMomentum, CompressedOptimizer):
@@ -153,16 +153,8 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             params,
             defaults,
             check=check,
-            process_group=process_group,
-            bucket_size=bucket_size,
-            bias_correction=bias_correction,
-            scale_per=scale_per,
-            max_grad_norm=max_grad_norm,
-            exp_avg_mask=exp_avg_mask,
-            overlap_backward=overlap_backward,
-            warmup_compression=warmup_compression,
-            error_dtype=error_dtype,
             prepare=self._momentum_into_bucket_,
+            **shared_options(locals()),
         )
 
     _group_keys = GROUP_KEYS

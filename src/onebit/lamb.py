@@ -26,7 +26,7 @@ from .functional import (
     trust_ratio,
 )
 from .momentum import PacksMomentum
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
 
 BLOCK = 1 << 20
 """Elements of the temporaries a compression step takes after its allreduce where the backend
@@ -163,19 +163,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            check=check,
-            process_group=process_group,
-            bucket_size=bucket_size,
-            bias_correction=bias_correction,
-            scale_per=scale_per,
-            max_grad_norm=max_grad_norm,
-            exp_avg_mask=exp_avg_mask,
-            warmup_compression=warmup_compression,
-            error_dtype=error_dtype,
-        )
+        super().__init__(params, defaults, check=check, **shared_options(locals()))
         layers = len(self.layout.params)
         self._coeff_ema = torch.zeros(layers)
         self._coeff_updates = torch.zeros(layers)

@@ -29,6 +29,28 @@ SCALE_PER = ("tensor", "bucket")
 that no tensor's magnitude sets another's step; ``"bucket"``, one scale per bucket as SPEC 2."""
 
 
+SHARED_OPTIONS = (
+    "process_group",
+    "bucket_size",
+    "bias_correction",
+    "scale_per",
+    "exp_avg_mask",
+    "max_grad_norm",
+    "overlap_backward",
+    "warmup_compression",
+    "error_dtype",
+)
+"""The settings that :class:`~onebit.base.CompressedOptimizer`'s constructor takes from every
+optimizer that has them (each documents its own): see :func:`shared_options`."""
+
+
+def shared_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of :data:`SHARED_OPTIONS` among ``arguments``, an optimizer constructor's
+    ``locals()``: each optimizer lists in its signature the settings it takes, and passes them
+    on to the base in one line, ``super().__init__(..., **shared_options(locals()))``."""
+    return {name: arguments[name] for name in SHARED_OPTIONS if name in arguments}
+
+
 def check_step_count(name: str, value: Any, minimum: int = 1) -> int:
     """Return ``value`` if it is an int ``>= minimum``, else raise ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -24,7 +24,7 @@ from .functional import (
 from .header import STATUS
 from .kernels.fused import gradient_addresses
 from .momentum import fused_parameters
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count, shared_options
 
 
 class Schedule(NamedTuple):
@@ -226,18 +226,7 @@ class ZeroOneAdam(CompressedOptimizer):
             return FreezeSchedule(self.var_freeze_step)
 
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            check=check,
-            process_group=process_group,
-            bucket_size=bucket_size,
-            bias_correction=bias_correction,
-            scale_per=scale_per,
-            max_grad_norm=max_grad_norm,
-            exp_avg_mask=exp_avg_mask,
-            error_dtype=error_dtype,
-        )
+        super().__init__(params, defaults, check=check, **shared_options(locals()))
         self._ranges = _group_ranges(self.param_groups)
         self.var_interval = 1
         self._var_counter = 0
