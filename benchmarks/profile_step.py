@@ -18,7 +18,7 @@ from launches import built
 from step import VARIANTS, _gpt_shapes
 from torch.profiler import ProfilerActivity, profile
 
-from onebit.options import DEFAULT_BUCKET_SIZE
+from onebit.optim.options import DEFAULT_BUCKET_SIZE
 
 
 def main() -> None:

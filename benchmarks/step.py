@@ -4,7 +4,7 @@ Measures, side by side in one run on the same parameters:
 
 * ``step()`` of AdamW(fused=True), and of OnebitAdam in warmup (fp32 and int8) and in the
   compression stage (a scale per tensor, the default, which runs the fused passes of
-  :mod:`onebit.momentum`; one per bucket; with ``max_grad_norm``; with bf16 errors; with an
+  :mod:`onebit.wire.momentum`; one per bucket; with ``max_grad_norm``; with bf16 errors; with an
   ``exp_avg_mask``; on bf16 parameters),
   of ZeroOneAdam's 1-bit sync step and OnebitLamb's compression step (each also with bf16
   errors);

@@ -21,7 +21,7 @@ SETTINGS = {
 }
 
 
-def make_optimizer(name: str, params, **kwargs) -> onebit.base.CompressedOptimizer:
+def make_optimizer(name: str, params, **kwargs) -> onebit.optim.base.CompressedOptimizer:
     cls, settings = SETTINGS[name]
     return cls(params, **{"lr": 1e-2, "bucket_size": 128, **settings, **kwargs})
 

@@ -77,7 +77,7 @@ class Case:
     arguments it cannot do without. ``observe`` is what else to record after every step.
     """
 
-    cls: type[onebit.base.CompressedOptimizer]
+    cls: type[onebit.optim.base.CompressedOptimizer]
     problem: Problem
     settings: dict[str, Any]
     steps: int

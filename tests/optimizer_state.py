@@ -25,7 +25,7 @@ def roundtrip(obj):
 def storage_bytes(opt: torch.optim.Optimizer, gradient_buffer: bool = False) -> int:
     """Bytes of every distinct tensor storage the optimizer holds (state, scratch, errors); with
     ``gradient_buffer``, the bucketer's gradient buffer too, if it holds one between steps."""
-    from onebit.sharding import local_tensor
+    from onebit.transport.sharding import local_tensor
 
     tensors = [
         local_tensor(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)

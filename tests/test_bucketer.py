@@ -8,17 +8,18 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from onebit.bucketer import Bucketer
-from onebit.comm import CompressedAllreduce
-from onebit.engine import _CommSender, _MeanSender
-from onebit.layout import FlatLayout
-from onebit.wire import MeanAllreduce
+from onebit.state.layout import FlatLayout
+from onebit.transport.bucketer import Bucketer
+from onebit.transport.engine import _CommSender, _MeanSender
+from onebit.wire.comm import CompressedAllreduce
+from onebit.wire.protocol import MeanAllreduce
 
 HEADER_NUMEL = 5
 
 
 class Recorder:
-    """The engine's side of its senders (``onebit.engine``'s) and the step they open, with a
+    """The engine's side of its senders (``onebit.transport.engine``'s) and the step they open,
+    with a
     bucketer of ``model``'s parameters, recording what the senders asked for."""
 
     def __init__(self, model, bucket_size=16, clip=False, overlap=False):

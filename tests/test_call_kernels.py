@@ -32,7 +32,7 @@ from onebit.compress import (
     subtract_compressed_,
     subtract_compressed_segments_,
 )
-from onebit.scales import ScaleGeometry
+from onebit.wire.scales import ScaleGeometry
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 3.0e18, -3.0e18]
 BLOCK = 4096  # the C kernels' summation block

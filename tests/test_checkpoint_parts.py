@@ -5,7 +5,7 @@ import pytest
 import torch
 from family import NAMES, loss_of, make_model, make_optimizer
 
-from onebit import checkpoint
+from onebit.optim import checkpoint
 
 
 class _Recording(checkpoint.NoState):

@@ -6,7 +6,7 @@ from distributed import run_ranks
 from reference import RefCompressedAllreduce
 
 import onebit
-from onebit.wire import reduce_compressed_
+from onebit.wire.protocol import reduce_compressed_
 
 
 def _inputs(step: int, rank: int, numel: int) -> torch.Tensor:
@@ -214,8 +214,8 @@ def test_empty_buffer():
 
 
 def test_every_compressed_wire_format_is_a_communicator():
-    from onebit.quantized import QuantizedAllreduce
-    from onebit.wire import Communicator
+    from onebit.wire.protocol import Communicator
+    from onebit.wire.quantized import QuantizedAllreduce
 
     for comm in (
         onebit.CompressedAllreduce(40),

@@ -25,7 +25,7 @@ from onebit.integrations.deepspeed import (
     optimizer_from_config,
     translate_config,
 )
-from onebit.options import DEFAULT_BUCKET_SIZE
+from onebit.optim.options import DEFAULT_BUCKET_SIZE
 
 # DeepSpeed docs/_tutorials/onebit-adam.md, section 1.4 "Configuration of 1-bit Adam" (the
 # tutorial's JSON, verbatim apart from JSON -> Python literals).

@@ -1,4 +1,4 @@
-"""A step sends every bucket's phase in one collective (onebit.exchange), on 2 gloo ranks."""
+"""A step sends every bucket's phase in one collective (onebit.wire.exchange), on 2 gloo ranks."""
 
 import collections
 
@@ -9,8 +9,8 @@ from distributed import run_ranks
 from family import all_equal, loss_of, make_model, make_optimizer, params_of
 
 import onebit
-from onebit import comm, exchange, quantized
-from onebit.header import OpenStep
+from onebit.transport.header import OpenStep
+from onebit.wire import comm, exchange, quantized
 
 STEPS = 8
 

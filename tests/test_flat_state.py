@@ -6,8 +6,8 @@ from collections import defaultdict
 
 import torch
 
-from onebit.flat_state import FlatState
-from onebit.layout import FlatLayout
+from onebit.state.flat_state import FlatState
+from onebit.state.layout import FlatLayout
 
 
 def _flat_state():

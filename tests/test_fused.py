@@ -13,7 +13,7 @@ from onebit.compress import (
     subtract_compressed_segments_,
 )
 from onebit.kernels import fused
-from onebit.scales import ScaleGeometry
+from onebit.wire.scales import ScaleGeometry
 
 
 @pytest.fixture(params=["c", "triton"])

@@ -1,4 +1,5 @@
-"""The compressed allreduce of every bucket at once (:mod:`onebit.model_allreduce`, on the Triton
+"""The compressed allreduce of every bucket at once (:mod:`onebit.wire.model_allreduce`, on the
+Triton
 kernels, under the interpreter here) against the same kernels a bucket at a time: the same
 bits, on real gloo ranks, through non-finite gradients on the last rank (skipped steps, 0/1
 Adam's skipped sync) and the error buffers read mid-run. Every bucket at once, 0/1 Adam's sync
@@ -50,8 +51,9 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
     """``RUNS[name]``'s run with non-finite gradients, every bucket at once or (``whole``
     false) a bucket at a time; with how many steps sent every bucket at once, and how many
     compressed allreduces went a bucket at a time."""
-    from onebit import engine, momentum
     from onebit.kernels import triton_model
+    from onebit.transport import engine
+    from onebit.wire import momentum
 
     use_backend("triton")
     took, apart, fused = [0], [0], [0]
@@ -211,7 +213,8 @@ def test_on_cuda_every_bucket_at_once_follows_a_bucket_at_a_time(name, monkeypat
     ``addcdiv`` rounds ``p + value·(m/d)`` on CUDA (``(value·m)/d`` on the CPU, as the passes
     do), so its parameters differ in their last bits and a sign of the progress may flip. In
     both an element passes if it stays within a quarter of the distance it travelled."""
-    from onebit import engine, momentum
+    from onebit.transport import engine
+    from onebit.wire import momentum
 
     monkeypatch.delenv(kernels.ENV, raising=False)
     whole, took = _large_trajectory(name)

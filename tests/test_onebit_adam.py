@@ -12,7 +12,7 @@ from harness import CASES
 from reference import RefBucketedAllreduce, bucket_bounds
 
 import onebit
-from onebit.header import HEADER_NUMEL
+from onebit.transport.header import HEADER_NUMEL
 
 CASE = CASES["adam"]
 PROBLEM = CASE.problem
@@ -184,7 +184,7 @@ def _warmup_against_fused_adamw(device: torch.device) -> None:
 def test_warmup_in_torchs_fused_adamw_kernel_is_adamw_fused(monkeypatch):
     """On CUDA the warmup runs torch's fused AdamW kernel; the CPU has the same kernel, so the
     path is checked here too."""
-    monkeypatch.setattr(onebit.adam_step, "FUSED_ADAM_DEVICES", ("cpu",))
+    monkeypatch.setattr(onebit.optim.adam_step, "FUSED_ADAM_DEVICES", ("cpu",))
     _warmup_against_fused_adamw(torch.device("cpu"))
 
 

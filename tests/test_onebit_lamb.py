@@ -11,7 +11,8 @@ from optimizer_state import flat, roundtrip, storage_bytes, temporaries
 from reference import RefBucketedAllreduce
 
 import onebit
-from onebit import _native, lamb
+from onebit import _native
+from onebit.optim import lamb
 
 CASE = CASES["lamb"]
 PROBLEM = CASE.problem

@@ -11,7 +11,9 @@ import torch
 from distributed import run_ranks
 
 import onebit
-from onebit import _native, lamb, momentum
+from onebit import _native
+from onebit.optim import lamb
+from onebit.wire import momentum
 
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
 
@@ -334,8 +336,8 @@ def _run_triton(
     takes the torch formulation after its allreduce too). Returns the run and the count."""
     from backends import use_backend
 
-    from onebit import model_allreduce
     from onebit.kernels import triton_model
+    from onebit.wire import model_allreduce
 
     use_backend("triton")
     took = [0]

@@ -7,11 +7,12 @@ import torch
 from backends import use_backend
 from distributed import run_ranks
 
-from onebit import kernels, quantize
-from onebit.comm import CompressedAllreduce
-from onebit.quantize import BITS, pack_int4, unpack_int4
-from onebit.quantized import QuantizedAllreduce
-from onebit.wire import allreduce_bytes, finish_compressed_
+from onebit import kernels
+from onebit.wire import quantize
+from onebit.wire.comm import CompressedAllreduce
+from onebit.wire.protocol import allreduce_bytes, finish_compressed_
+from onebit.wire.quantize import BITS, pack_int4, unpack_int4
+from onebit.wire.quantized import QuantizedAllreduce
 
 # Segment sizes that are not multiples of 8 or of the block size, an empty one, and one that
 # spans chunks; each segment has its own magnitude (the fifth is all zeros: scale 0).

@@ -5,8 +5,8 @@ import inspect
 import pytest
 
 import onebit
-from onebit import registry
 from onebit.integrations import deepspeed
+from onebit.optim import registry
 from onebit.train import optim
 
 

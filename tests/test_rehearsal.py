@@ -1,4 +1,4 @@
-"""The rehearsal (:mod:`onebit.rehearsal`): after the first warmup step, a tiny copy of the
+"""The rehearsal (:mod:`onebit.optim.rehearsal`): after the first warmup step, a tiny copy of the
 optimizer launches every Triton kernel variant that the later steps launch, so that on a GPU
 they compile then and not at the freeze; and the run goes on bit for bit as without it, on real
 gloo ranks.
@@ -17,7 +17,8 @@ from backends import use_backend
 from distributed import run_ranks
 
 import onebit
-from onebit import kernels, rehearsal
+from onebit import kernels
+from onebit.optim import rehearsal
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

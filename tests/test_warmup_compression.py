@@ -1,7 +1,7 @@
 """``warmup_compression``: the warmup's gradient average at 16, 8 or 4 bits, with error feedback.
 
 The optimizers' warmup must be AdamW (or LAMB) on the average that a
-:class:`~onebit.quantized.QuantizedAllreduce` of the same geometry computes, the same on every
+:class:`~onebit.wire.quantized.QuantizedAllreduce` of the same geometry computes, the same on every
 rank, resumable bit for bit, and skipped everywhere when any rank overflows.
 """
 
@@ -15,7 +15,7 @@ from distributed import run_ranks
 from family import all_equal, loss_of, make_model, make_optimizer, params_of
 
 import onebit
-from onebit.quantized import QuantizedAllreduce
+from onebit.wire.quantized import QuantizedAllreduce
 
 STEPS = 8
 
@@ -102,7 +102,7 @@ def _on_triton(rank, world_size, bits, at_once):
     the last rank at step 4 (skipped), and from step 5 a new optimizer that loaded the state.
     Returns the parameters after each step, the error buffers, the skipped steps and how many
     steps went at once."""
-    from onebit.model_quantized import ModelQuantized
+    from onebit.wire.model_quantized import ModelQuantized
 
     use_backend("triton")
     took, start = [0], ModelQuantized.start

@@ -11,9 +11,9 @@ from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
-from onebit.header import HEADER_NUMEL
-from onebit.wire import allreduce_bytes
-from onebit.zero_one_adam import PAPER_SCHEDULE, run_schedule
+from onebit.optim.zero_one_adam import PAPER_SCHEDULE, run_schedule
+from onebit.transport.header import HEADER_NUMEL
+from onebit.wire.protocol import allreduce_bytes
 
 CASE = CASES["zero_one"]
 PROBLEM = CASE.problem

@@ -3,7 +3,7 @@
 Layers, each depending only on those before it:
 
 * :mod:`onebit.compress`: sign, scale and 8-per-byte packing;
-* :mod:`onebit.comm`: :class:`CompressedAllreduce`, the error-compensated 1-bit allreduce;
+* :mod:`onebit.wire.comm`: :class:`CompressedAllreduce`, the error-compensated 1-bit allreduce;
 * the optimizers: :class:`OnebitAdam`, :class:`ZeroOneAdam`, :class:`OnebitLamb`
   (``freeze_step="auto"``: :class:`AutoFreeze`);
 * :func:`ddp_comm_hook`, for models a framework wraps in ``DistributedDataParallel``;
@@ -11,13 +11,13 @@ Layers, each depending only on those before it:
 """
 
 from . import fsdp
-from .adam import OnebitAdam
-from .comm import CompressedAllreduce
 from .ddp_hook import ddp_comm_hook
 from .freeze import AutoFreeze
-from .lamb import OnebitLamb
+from .optim.adam import OnebitAdam
+from .optim.lamb import OnebitLamb
+from .optim.zero_one_adam import ZeroOneAdam
 from .stats import CommStats
-from .zero_one_adam import ZeroOneAdam
+from .wire.comm import CompressedAllreduce
 
 __all__ = [
     "AutoFreeze",

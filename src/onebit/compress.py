@@ -2,7 +2,7 @@
 and the result's side of the compressed allreduce (SPEC section 2).
 
 Everything here is pure tensor math on one device: no communication, no state. The
-communicator (:mod:`onebit.comm`) builds the error-feedback allreduce on it.
+communicator (:mod:`onebit.wire.comm`) builds the error-feedback allreduce on it.
 
 Conventions shared with the SPEC:
 

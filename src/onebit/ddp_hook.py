@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import CompressedOptimizer
+from .optim.base import CompressedOptimizer
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 

@@ -149,7 +149,7 @@ class VarianceMonitor:
     layers' sizes, which weigh the statistic (``None``: the sizes of the denominators
     observed). ``layer_norms(tensors, ord)`` takes each layer's norm as a CPU vector; an
     optimizer of sharded parameters sets both to the whole layers'
-    (:class:`onebit.sharding.Sharded`), so that every shard measures the same statistic.
+    (:class:`onebit.transport.sharding.Sharded`), so that every shard measures the same statistic.
     """
 
     def __init__(

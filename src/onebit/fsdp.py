@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import CompressedOptimizer, onebit_optimizer
-from .checkpoint import to_cpu
-from .sharding import Sharded
+from .optim.base import CompressedOptimizer, onebit_optimizer
+from .optim.checkpoint import to_cpu
+from .transport.sharding import Sharded
 
 __all__ = ["attach", "load", "save"]
 
@@ -222,7 +222,7 @@ def load(
     layout, cannot follow: this raises ``ValueError`` on every rank unless ``reshard``, which
     loads the model, the momentum and the variance resharded by
     ``torch.distributed.checkpoint`` and restarts the error buffers at zero, with a warning
-    (as :meth:`~onebit.base.CompressedOptimizer.load_state_dict` does for another world size).
+    (as :meth:`~onebit.optim.base.CompressedOptimizer.load_state_dict` does for another world size).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict

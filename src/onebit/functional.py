@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from .layout import memory_strides
+from .state.layout import memory_strides
 
 
 def adam_moments_(m: Tensor, v: Tensor | None, g: Tensor, beta1: float, beta2: float) -> None:

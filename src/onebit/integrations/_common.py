@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..base import CompressedOptimizer
 from ..ddp_hook import ddp_comm_hook
+from ..optim.base import CompressedOptimizer
 
 
 def hand_gradients_to(model: torch.nn.Module, optimizer: CompressedOptimizer) -> None:

@@ -62,8 +62,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..base import CompressedOptimizer, onebit_optimizer
 from ..fsdp import attach, resuming, write_rank_state
+from ..optim.base import CompressedOptimizer, onebit_optimizer
 from ._common import hand_gradients_to
 
 _SHARD_BY_HAND = (

@@ -45,10 +45,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import registry
-from ..base import CompressedOptimizer
-from ..options import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE
-from ..wire import group_size_and_rank
+from ..optim import registry
+from ..optim.base import CompressedOptimizer
+from ..optim.options import DEFAULT_BUCKET_SIZE, MAX_BUCKET_SIZE
+from ..wire.protocol import group_size_and_rank
 
 __all__ = [
     "KEY_MAP",

@@ -63,8 +63,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from ..base import CompressedOptimizer, onebit_optimizer
 from ..fsdp import attach, resuming, write_rank_state
+from ..optim.base import CompressedOptimizer, onebit_optimizer
 from ._common import hand_gradients_to
 
 _RECIPE = (

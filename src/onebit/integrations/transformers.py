@@ -62,12 +62,12 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import get_parameter_names
 
-from ..adam import OnebitAdam
-from ..base import CompressedOptimizer, onebit_optimizer
 from ..freeze import AutoFreeze
 from ..fsdp import attach, load, save
-from ..sharding import Sharded
-from ..zero_one_adam import ZeroOneAdam
+from ..optim.adam import OnebitAdam
+from ..optim.base import CompressedOptimizer, onebit_optimizer
+from ..optim.zero_one_adam import ZeroOneAdam
+from ..transport.sharding import Sharded
 from ._common import hand_gradients_to
 
 # Trainer.get_decay_parameter_names: no weight decay on biases and norms.

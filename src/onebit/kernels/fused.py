@@ -59,7 +59,7 @@ class BucketRuns:
 
     Args:
         segments: the sizes of the parameters' parts in the bucket, in order (as given to
-            :class:`~onebit.comm.CompressedAllreduce`), followed by the padding, if any.
+            :class:`~onebit.wire.comm.CompressedAllreduce`), followed by the padding, if any.
         served: per chunk, its pieces as ``(start, end, segment)`` rows in chunk coordinates
             (``CompressedAllreduce``'s geometry).
         chunk: elements per chunk.
@@ -133,7 +133,7 @@ class ModelGeometry:
     """Every bucket of a packed momentum step, for backends that run each pass over all buckets
     at once (``model_passes``). Bucket ``b`` is ``numels[b]`` elements (padded) from
     ``origins[b]`` of the flat buffers, cut into ``runs[b]``; its messages are part ``b`` of each
-    phase's :class:`~onebit.exchange.Exchange`.
+    phase's :class:`~onebit.wire.exchange.Exchange`.
 
     Attributes:
         runs: each bucket's :class:`BucketRuns`.
@@ -259,7 +259,7 @@ def gradient_addresses(
 ) -> tuple[list[int], list[Tensor], bool]:
     """Each parameter's gradient as the address the fused passes read (upload them with a
     :class:`~onebit.host.Uploaded`): a ``.grad`` of the parameter's dtype and ``strides`` (its
-    flat layout's, :attr:`~onebit.layout.FlatLayout.strides`) in place, any other through a
+    flat layout's, :attr:`~onebit.state.layout.FlatLayout.strides`) in place, any other through a
     copy with them (returned, to be kept alive while the passes run); 0 for no gradient or a
     sparse one (then also returns True)."""
     addresses, keep, sparse = [], [], False

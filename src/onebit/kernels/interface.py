@@ -34,13 +34,13 @@ class Kernels(Protocol):
 
     Attributes:
         name: what ``ONEBIT_BACKEND`` calls it.
-        packs_momentum: whether it has :class:`FusedMomentum`, which :mod:`onebit.momentum`
+        packs_momentum: whether it has :class:`FusedMomentum`, which :mod:`onebit.wire.momentum`
             needs to keep the momentum packed.
         packs_masked_momentum: whether those passes also read the momentum's masks
             (``exp_avg_mask``).
         error_dtypes: the dtypes of error buffers that those passes and ``serve_pieces_`` read
             and write where they are; the others get an fp32 copy (:mod:`onebit.kernels.errors`).
-        tile_numel: elements per tile of the quantized warmup (:mod:`onebit.quantized`).
+        tile_numel: elements per tile of the quantized warmup (:mod:`onebit.wire.quantized`).
     """
 
     name: str

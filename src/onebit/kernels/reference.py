@@ -54,7 +54,8 @@ def padded(x: Tensor, numel: int) -> Tensor:
 
 @dataclass(frozen=True)
 class QuantizedBucket:
-    """One :class:`~onebit.quantized.QuantizedAllreduce`'s layout, as a backend's kernels for it
+    """One :class:`~onebit.wire.quantized.QuantizedAllreduce`'s layout, as a backend's kernels for
+    it
     (``block_quantizer``) take it.
 
     Attributes:
@@ -106,7 +107,7 @@ class TorchKernels:
         device: torch.device,
     ) -> object | None:
         """The kernels of the phases of one or more
-        :class:`~onebit.quantized.QuantizedAllreduce` laid end to end, or ``None`` where each
+        :class:`~onebit.wire.quantized.QuantizedAllreduce` laid end to end, or ``None`` where each
         runs its own torch tiles (see :class:`~onebit.kernels.triton_quantized.BlockQuantizer`
         for the arguments)."""
         return None

@@ -6,7 +6,7 @@ per bucket: on a GPU their CPU time, not the memory traffic, sets the step's tim
 buckets are laid end to end, each starting a block of its own, and every per-bucket value the
 kernels need (where the bucket starts, its chunk, where its part of a message lies) is read from
 small tables by the block. The passes write the signs straight into the step's messages
-(:class:`~onebit.exchange.Exchange`) and read the received ones where they arrived, so that no
+(:class:`~onebit.wire.exchange.Exchange`) and read the received ones where they arrived, so that no
 message is copied; the scales and the header go into the messages with the launch that computes
 the scales, and out of them in one indexed copy per phase.
 
@@ -408,7 +408,7 @@ class ModelPasses:
         denominator: Tensor, anchor: Tensor, since: Tensor, factor: Tensor,
     ) -> None:  # fmt: skip
         """After 0/1 Adam's allreduce of :meth:`sync_progress`'s buffer, from its ``result``
-        (the phase-2 message as received and its scales, :meth:`~onebit.model_allreduce.
+        (the phase-2 message as received and its scales, :meth:`~onebit.wire.model_allreduce.
         ModelAllreduce.commit`), the average ``u``: the new ``anchor``, ``anchor·since + u /
         denominator``, into ``anchor`` and the parameters, and the ``momentum`` ``u·factor``;
         ``result`` ``None`` (the allreduce was not applied): the parameters go back to

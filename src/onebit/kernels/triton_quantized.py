@@ -1,4 +1,4 @@
-"""The warmup's quantized allreduce (:class:`~onebit.quantized.QuantizedAllreduce`) in Triton
+"""The warmup's quantized allreduce (:class:`~onebit.wire.quantized.QuantizedAllreduce`) in Triton
 kernels: a few launches per phase over one bucket, or over every bucket of a step at once,
 whatever their tensors and chunks.
 
@@ -331,10 +331,11 @@ class BlockQuantizer:
     """The phases of the quantized allreduce of one or more buckets as Triton kernels: a few
     launches per phase, whatever the number of buckets, tensors and chunks.
 
-    A bucket is one :class:`~onebit.quantized.QuantizedAllreduce`. Several lie end to end in one
+    A bucket is one :class:`~onebit.wire.quantized.QuantizedAllreduce`. Several lie end to end in
+    one
     buffer, each from its ``origin``, their worker errors in another, their server errors (the
     chunks this rank serves) end to end in a third, and their messages are the parts of each
-    phase's :class:`~onebit.exchange.Exchange`. What a kernel needs per piece, block or bucket
+    phase's :class:`~onebit.wire.exchange.Exchange`. What a kernel needs per piece, block or bucket
     (where it lies, its chunk's row, its part of a message, its scale's slot) comes from tables
     made here.
 

@@ -392,7 +392,9 @@ def _summary(
     vals = [r["loss/val"] for r in records if "loss/val" in r]
     losses = [r["loss/train"] for r in records][-20:]
     nodes = world_size // config.shard  # with --shard, the fp32 average of a shard across nodes
-    fp32 = config.steps * onebit.wire.allreduce_bytes(4 * math.ceil(numel / config.shard), nodes)
+    fp32 = config.steps * onebit.wire.protocol.allreduce_bytes(
+        4 * math.ceil(numel / config.shard), nodes
+    )
     total = per_rank[0]
     return {
         "label": config.label,

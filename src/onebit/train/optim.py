@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import onebit
-from onebit import registry
-from onebit.options import DEFAULT_BUCKET_SIZE
-from onebit.wire import allreduce_bytes
+from onebit.optim import registry
+from onebit.optim.options import DEFAULT_BUCKET_SIZE
+from onebit.wire.protocol import allreduce_bytes
 
 _ONEBIT = {entry.name: entry for entry in registry.OPTIMIZERS}
 
@@ -38,7 +38,7 @@ OPTIMIZERS = tuple(dict.fromkeys(n for name, ref in REFERENCE.items() for n in (
 """``--optimizer`` choices: each uncompressed optimizer before the 1-bit ones measured against
 it."""
 
-WARMUP_COMPRESSION = onebit.options.WARMUP_COMPRESSION
+WARMUP_COMPRESSION = onebit.optim.options.WARMUP_COMPRESSION
 """``--warmup-compression`` choices: how the 1-bit optimizers' warmup averages gradients."""
 
 WARMUP_COMPRESSED = tuple(name for name, entry in _ONEBIT.items() if entry.freezes)
@@ -225,7 +225,8 @@ def build(
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
-    0/1 Adam's (``None``: :func:`onebit.zero_one_adam.run_schedule` of the run). ``max_grad_norm``
+    0/1 Adam's (``None``: :func:`onebit.optim.zero_one_adam.run_schedule` of the run).
+    ``max_grad_norm``
     clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
     ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB; ``error_dtype`` (a key of
     :data:`ERROR_DTYPES`) that of the 1-bit optimizers' error buffers. ``mesh`` is :func:`shard`'s

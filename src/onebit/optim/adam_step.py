@@ -15,12 +15,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .flat_state import FlatState
-from .freeze import FreezeSchedule
-from .functional import adam_denominator, adamw_update_, bias_correction
+from ..freeze import FreezeSchedule
+from ..functional import adam_denominator, adamw_update_, bias_correction
+from ..state.flat_state import FlatState
+from ..stats import CommStats
+from ..transport.sharding import Replicated
 from .options import check_same_in_every_group
-from .sharding import Replicated
-from .stats import CommStats
 
 GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")
 """What every rank must agree on in each param group; ``betas`` and ``eps`` act on whole

@@ -21,19 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
-from .agreement import broadcast_from_first_rank, check_ranks_agree
-from .bucketer import Bucketer
-from .engine import Engine, bucket_communicators
-from .flat_state import FlatState
-from .header import HEADER_NUMEL
-from .layout import FlatLayout
+from .. import kernels
+from ..state.flat_state import FlatState
+from ..state.layout import FlatLayout
+from ..transport.agreement import broadcast_from_first_rank, check_ranks_agree
+from ..transport.bucketer import Bucketer
+from ..transport.engine import Engine, bucket_communicators
+from ..transport.header import HEADER_NUMEL
+from ..transport.sharding import Replicated, has_dtensors, shards_of
 from .options import check_parameters
-from .sharding import Replicated, has_dtensors, shards_of
 
 
 class Placement:
-    """The part of :class:`~onebit.base.CompressedOptimizer` that lays its state out on the
+    """The part of :class:`~onebit.optim.base.CompressedOptimizer` that lays its state out on the
     parameters (:meth:`_laid_out`, :meth:`_adopt`), makes it on their device with the
     communicators, bucketer and engine (:meth:`_build_on_device`, :meth:`_new_bucketer`,
     :meth:`_new_engine`), checks that every rank did the same (:meth:`_agree`, on

@@ -1,4 +1,4 @@
-"""Block-wise quantization for the quantized allreduce (:mod:`onebit.quantized`): bf16, int8
+"""Block-wise quantization for the quantized allreduce (:mod:`onebit.wire.quantized`): bf16, int8
 or int4 with a scale per block, the tiles a chunk is cut into (whole blocks, some tens of
 thousands of elements, processed while in cache), int4 packing, and the work space the tiles
 share.

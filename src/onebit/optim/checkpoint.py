@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .agreement import digest
-from .flat_state import FlatState
-from .momentum import PackedMomentumStage
-from .sharding import Replicated, local_tensor
-from .wire import Communicator
+from ..state.flat_state import FlatState
+from ..transport.agreement import digest
+from ..transport.sharding import Replicated, local_tensor
+from ..wire.momentum import PackedMomentumStage
+from ..wire.protocol import Communicator
 
 SHARDED_NAMES = {"frozen_denom": "exp_avg_sq"}
 """State that a sharded optimizer saves under its warmup name, so that
@@ -163,7 +163,7 @@ class ErrorBuffers(NoState):
 
 
 class PackedMomentum(NoState):
-    """The packed momentum of 1-bit Adam or LAMB (:mod:`onebit.momentum`): saved as the fp32
+    """The packed momentum of 1-bit Adam or LAMB (:mod:`onebit.wire.momentum`): saved as the fp32
     ``exp_avg`` it stands for (exactly: each element is ``±σ`` of its piece), and packed again
     at load if it was saved packed.
 
@@ -369,7 +369,7 @@ def to_cpu(value: Any) -> Any:
 
 
 class Checkpointed:
-    """The checkpoint face of :class:`~onebit.base.CompressedOptimizer`: ``state_dict``,
+    """The checkpoint face of :class:`~onebit.optim.base.CompressedOptimizer`: ``state_dict``,
     ``load_state_dict`` and the consolidation of every rank's part, built from the optimizer's
     :class:`StatePart` s (its error buffers, its stages' own part from :meth:`_stage_state`,
     which stage the buffers are named for, and the packed momentum)."""
@@ -384,7 +384,7 @@ class Checkpointed:
         raise NotImplementedError
 
     def _stage_state(self) -> StatePart:
-        """The subclass's own :class:`~onebit.checkpoint.StatePart`: its stages' counters and
+        """The subclass's own :class:`~onebit.optim.checkpoint.StatePart`: its stages' counters and
         state that is not per parameter."""
         return NoState()
 

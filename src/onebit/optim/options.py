@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels.errors import check_error_dtype
-from .layout import FlatLayout
+from ..kernels.errors import check_error_dtype
+from ..state.layout import FlatLayout
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per compressed bucket (16 MiB of fp32). Smaller buckets overlap better, larger ones
@@ -22,7 +22,7 @@ MAX_BUCKET_SIZE = 2**30
 
 WARMUP_COMPRESSION = ("fp32", "bf16", "int8", "int4")
 """How the warmup averages gradients: ``"fp32"`` (default) is an fp32 allreduce, exactly DDP;
-the others go through :class:`~onebit.quantized.QuantizedAllreduce` with error feedback."""
+the others go through :class:`~onebit.wire.quantized.QuantizedAllreduce` with error feedback."""
 
 SCALE_PER = ("tensor", "bucket")
 """What gets its own 1-bit scale: ``"tensor"`` (default), each parameter's part of a bucket, so
@@ -40,7 +40,7 @@ SHARED_OPTIONS = (
     "warmup_compression",
     "error_dtype",
 )
-"""The settings that :class:`~onebit.base.CompressedOptimizer`'s constructor takes from every
+"""The settings that :class:`~onebit.optim.base.CompressedOptimizer`'s constructor takes from every
 optimizer that has them (each documents its own): see :func:`shared_options`."""
 
 

@@ -10,8 +10,8 @@ whatever the number of buckets. The bytes each rank receives are the same, in th
 of each bucket's rows, so the results are bit for bit those of one collective per bucket.
 
 The communicators take an exchange and a part where they would otherwise allocate and send
-their own message (:class:`~onebit.comm.CompressedAllreduce`,
-:class:`~onebit.quantized.QuantizedAllreduce`).
+their own message (:class:`~onebit.wire.comm.CompressedAllreduce`,
+:class:`~onebit.wire.quantized.QuantizedAllreduce`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import weakref
 import torch
 from torch import Tensor
 
-from .compress import padded_numel
-from .kernels.fused import laid_out
+from ..compress import padded_numel
+from ..kernels.fused import laid_out
 
 
 class FlatLayout:
@@ -26,7 +26,8 @@ class FlatLayout:
 
     Attributes:
         params: the tensors the optimizer reads and updates: the parameters, or their local
-            shards where FSDP2 shards them (:mod:`onebit.sharding` keeps the list current).
+            shards where FSDP2 shards them (:mod:`onebit.transport.sharding` keeps the list
+            current).
         keys: the optimizer's parameters, which key its ``state``.
         bucket_params: per bucket, the indices of the parameters with elements in it, in order.
         strides: per parameter, the strides of its views of the flat buffers:

@@ -10,12 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host
-from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
-from .base import CompressedOptimizer
-from .checkpoint import NoState, StatePart
-from .freeze import AutoFreeze, FreezeSchedule
-from .functional import (
+from .. import host
+from ..freeze import AutoFreeze, FreezeSchedule
+from ..functional import (
     adam_denominator,
     adam_moments_,
     fill_zero_variance_,
@@ -25,7 +22,10 @@ from .functional import (
     scaled_sub_,
     trust_ratio,
 )
-from .momentum import PacksMomentum
+from ..wire.momentum import PacksMomentum
+from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .base import CompressedOptimizer
+from .checkpoint import NoState, StatePart
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
 
 BLOCK = 1 << 20
@@ -115,7 +115,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
     CPU or Triton on CUDA (parameters all fp32, bf16 or fp16, contiguous or ``channels_last``,
     ``scale_per="tensor"``, with or without ``exp_avg_mask``):
     three model-sized fp32 buffers (frozen denominator, fresh variance, worker error), the server
-    error and the momentum packed to 1 bit (:mod:`onebit.momentum`); ``exp_avg`` then leaves
+    error and the momentum packed to 1 bit (:mod:`onebit.wire.momentum`); ``exp_avg`` then leaves
     ``optimizer.state`` and appears, fp32 and exact, in ``state_dict()``. Elsewhere also the
     fp32 momentum and a gradient buffer. ``freeze`` is the
     :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say
@@ -301,7 +301,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
 
     def _packed_compression_step(self) -> tuple[bool, int]:
         """The compression step of :meth:`_unpacked_compression_step` with the momentum packed
-        (:class:`~onebit.momentum.PackedMomentumStage`) and no gradient buffer: the fused
+        (:class:`~onebit.wire.momentum.PackedMomentumStage`) and no gradient buffer: the fused
         passes read ``.grad``; what follows the allreduce takes two passes over every bucket
         where the backend has them (Triton), else walks each bucket in blocks (:meth:`_blocks`),
         bit for bit as the unpacked step, on two temporaries of a block (and one of a layer,
@@ -464,7 +464,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
 
     def _blocks(self) -> Iterator[tuple[int, int, int]]:
         """Every bucket ``k``'s elements as blocks ``(k, lo, hi)`` of at most :data:`BLOCK`
-        (:meth:`~onebit.momentum.PackedMomentumStage.blocks`), bucket after bucket: what a
+        (:meth:`~onebit.wire.momentum.PackedMomentumStage.blocks`), bucket after bucket: what a
         compression step without passes over every bucket takes after its allreduce."""
         for k in range(len(self.layout.buckets)):
             for lo, hi in self._fused.blocks(k, BLOCK):

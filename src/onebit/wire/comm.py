@@ -1,9 +1,9 @@
 """The 1-bit wire format: error-compensated 1-bit allreduce over ``torch.distributed`` (SPEC
-section 2), a :class:`~onebit.wire.Communicator`.
+section 2), a :class:`~onebit.wire.protocol.Communicator`.
 
 Only ``all_to_all_single`` and all-gather are used, so it runs on gloo, NCCL and MPI alike. With no
 process group initialised everything acts as world size 1: the same math, no communication. Byte
-counts follow :mod:`onebit.wire`'s convention.
+counts follow :mod:`onebit.wire.protocol`'s convention.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host
-from .compress import (
+from .. import host
+from ..compress import (
     allreduce_one_,
     check_scale,
     commit_input_,
@@ -26,10 +26,10 @@ from .compress import (
     padded_numel,
     server_error_,
 )
+from ..kernels.errors import check_error_dtype, fp32
 from .exchange import Exchange
-from .kernels.errors import check_error_dtype, fp32
+from .protocol import group_size_and_rank
 from .scales import ScaleGeometry, scale_rule
-from .wire import group_size_and_rank
 
 _SCALE_BYTES = 4
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -218,7 +218,8 @@ class CompressedAllreduce:
 
     @property
     def phase1_width(self) -> int:
-        """Bytes of each row of phase 1's message (an :class:`~onebit.exchange.Exchange` part)."""
+        """Bytes of each row of phase 1's message (an :class:`~onebit.wire.exchange.Exchange`
+        part)."""
         return self._chunk_bytes + self._phase1_extra
 
     @property
@@ -316,7 +317,7 @@ class CompressedAllreduce:
 
         ``header`` (``header_numel`` fp32 values) goes to every rank with this rank's chunk.
         The worker error is not yet updated: :meth:`serve` commits it once every rank's scale is
-        known to be finite. With ``exchange`` (an :class:`~onebit.exchange.Exchange` of
+        known to be finite. With ``exchange`` (an :class:`~onebit.wire.exchange.Exchange` of
         :attr:`phase1_width` parts, and this call's part) the message goes into its part, to be
         sent with the others; otherwise it is sent now.
         """

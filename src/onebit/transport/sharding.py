@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host
-from .functional import layer_norms
+from .. import host
+from ..functional import layer_norms
 
 
 def local_tensor(tensor: Any) -> Any:

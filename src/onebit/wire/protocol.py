@@ -2,10 +2,11 @@
 
 A wire format is how one bucket's gradients travel: the fp32 mean (:class:`MeanAllreduce`), the
 quantized exchange of a compressed warmup (bf16, int8, int4:
-:class:`~onebit.quantized.QuantizedAllreduce`) and the 1-bit two-phase allreduce
-(:class:`~onebit.comm.CompressedAllreduce`). The compressed ones share the two-phase protocol of
+:class:`~onebit.wire.quantized.QuantizedAllreduce`) and the 1-bit two-phase allreduce
+(:class:`~onebit.wire.comm.CompressedAllreduce`). The compressed ones share the two-phase protocol
+of
 :class:`Communicator`, with error feedback, so that the functions here and
-:class:`~onebit.exchange.Exchange` run many buckets of any of them in one collective per phase.
+:class:`~onebit.wire.exchange.Exchange` run many buckets of any of them in one collective per phase.
 
 Byte counts follow the usual bus-bandwidth convention: the bytes a bandwidth-optimal implementation
 of the collective sends from this rank (``(n-1)/n`` of an all-to-all buffer, ``n-1`` chunks of an
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host
+from .. import host
 from .exchange import Exchange, phase_exchange
 
 
@@ -42,7 +43,7 @@ class Communicator(Protocol):
         world_size, group, device: the group it averages over, and where its buffers are.
         header_numel: fp32 values each rank attaches to a call, which every rank receives.
         phase1_width, phase2_width: bytes of a row of each phase's message (an
-            :class:`~onebit.exchange.Exchange` part).
+            :class:`~onebit.wire.exchange.Exchange` part).
         bytes_per_call: bytes this rank sends per call.
     """
 
@@ -147,7 +148,7 @@ def reduce_compressed_(
     """Run several compressed allreduces at once, all or nothing.
 
     ``buffers[i]`` (``comms[i].padded_numel`` fp32, overwritten) is reduced into ``outputs[i]``.
-    Each phase is one collective for all of them (:class:`~onebit.exchange.Exchange`). If any
+    Each phase is one collective for all of them (:class:`~onebit.wire.exchange.Exchange`). If any
     rank's scale in any bucket is non-finite, returns ``False`` on every rank, with the error
     buffers and ``outputs`` untouched.
     """
@@ -184,7 +185,7 @@ def commit_compressed_(
     comms: Sequence[Communicator], calls: Sequence[Any], outputs: Sequence[Tensor | None]
 ) -> None:
     """Serve and finish calls whose phase 1 is done and whose scales are all finite: phase 2 of
-    every call in one collective (:class:`~onebit.exchange.Exchange`)."""
+    every call in one collective (:class:`~onebit.wire.exchange.Exchange`)."""
     if not comms:
         return
     with phase_exchange(comms, 2).filling() as exchange:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import host
+from .. import host
 from .sharding import Replicated
 
 HEADER_NUMEL = 5

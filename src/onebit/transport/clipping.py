@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from . import host
-from .functional import clip_coefficient, layer_norms
+from .. import host
+from ..functional import clip_coefficient, layer_norms
 from .header import OpenStep, gradient_factor
 from .sharding import Replicated
 

@@ -1,19 +1,22 @@
 """A quantized allreduce with error feedback: 16, 8 or 4 bits per element instead of 32.
 
 It averages gradients during the fp32 warmup of the optimizers. The exchange is the two-phase one
-of :class:`~onebit.comm.CompressedAllreduce` (SPEC section 2) with block-wise quantization ``Q``
-in place of the 1-bit compressor: both are a :class:`~onebit.wire.Communicator`, so
-:func:`onebit.wire.finish_compressed_` and the optimizers drive either one unchanged.
+of :class:`~onebit.wire.comm.CompressedAllreduce` (SPEC section 2) with block-wise quantization
+``Q``
+in place of the 1-bit compressor: both are a :class:`~onebit.wire.protocol.Communicator`, so
+:func:`onebit.wire.protocol.finish_compressed_` and the optimizers drive either one unchanged.
 
 :class:`QuantizedAllreduce` owns the error buffers and the communication; the compressor it
 runs (block geometry, and functions that quantize, dequantize and pack one tile of blocks) is
-:mod:`onebit.quantize`'s.
+:mod:`onebit.wire.quantize`'s.
 
-Speed: every phase runs tile by tile (:func:`~onebit.quantize.tiles`: whole blocks, some tens of
+Speed: every phase runs tile by tile (:func:`~onebit.wire.quantize.tiles`: whole blocks, some tens
+of
 thousands of elements), all its steps on one tile while it is in cache, in work space and views
 made once and reused; there is no per-element index. Where the kernel backend has kernels of its
 own for the phases (Triton, on CUDA: :mod:`onebit.kernels.triton_quantized`), they run instead,
-with the same bits; an optimizer then runs every bucket's at once (:mod:`onebit.model_quantized`).
+with the same bits; an optimizer then runs every bucket's at once
+(:mod:`onebit.wire.model_quantized`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
-from .compress import padded_numel
+from .. import kernels
+from ..compress import padded_numel
+from ..kernels.reference import QuantizedBucket
 from .exchange import Exchange
-from .kernels.reference import QuantizedBucket
+from .protocol import finish_compressed_, group_size_and_rank
 from .quantize import (
     FLOAT_BYTES,
     ChunkPlan,
@@ -46,7 +50,6 @@ from .quantize import (
     tiles,
     unpack_int4_into,
 )
-from .wire import finish_compressed_, group_size_and_rank
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -97,7 +100,7 @@ class QuantizedAllreduce:
 
     The whole-buffer absmax is in every row because rank j only receives the scales of chunk j:
     it is what lets every rank see a non-finite value anywhere on any rank, and so all agree to
-    return NaN and leave both errors untouched (:func:`~onebit.wire.finish_compressed_`).
+    return NaN and leave both errors untouched (:func:`~onebit.wire.protocol.finish_compressed_`).
 
     Memory: besides the error buffers, one fp32 per block (the blocks' absmax) and the tiles'
     bounds; the work space of a tile is shared by all communicators of a thread.
@@ -223,7 +226,8 @@ class QuantizedAllreduce:
 
     @property
     def phase1_width(self) -> int:
-        """Bytes of each row of phase 1's message (an :class:`~onebit.exchange.Exchange` part)."""
+        """Bytes of each row of phase 1's message (an :class:`~onebit.wire.exchange.Exchange`
+        part)."""
         return self._payload + FLOAT_BYTES * (self._scale_count + 1 + self.header_numel)
 
     @property
@@ -264,7 +268,7 @@ class QuantizedAllreduce:
 
         ``header`` (``header_numel`` fp32 values) goes to every rank. The worker error is not yet
         updated: :meth:`serve` commits it once every rank's scales are known to be finite. With
-        ``exchange`` (an :class:`~onebit.exchange.Exchange` of :attr:`phase1_width` parts, and
+        ``exchange`` (an :class:`~onebit.wire.exchange.Exchange` of :attr:`phase1_width` parts, and
         this call's part) the message goes into its part, to be sent with the others;
         otherwise it is sent now.
         """

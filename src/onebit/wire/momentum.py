@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import host, kernels
+from .. import host, kernels
+from ..compress import decompress_pieces_, pack_signs
+from ..kernels import fused
+from ..state.layout import FlatLayout
 from .comm import Call, CompressedAllreduce
-from .compress import decompress_pieces_, pack_signs
 from .exchange import Exchange, phase_exchange
-from .kernels import fused
-from .layout import FlatLayout
 from .model_allreduce import ModelAllreduce, ModelCall, bucket_runs
 
 
@@ -77,7 +77,7 @@ def unpacked_because(
 def fused_parameters(layout: FlatLayout, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> bool:
     """Whether the backend of the parameters of ``layout`` has the fused passes and they can
     update them in place: all of one dtype, one of ``dtypes``, and in the layout's order
-    (:meth:`~onebit.layout.FlatLayout.in_order`). Checked at every step, since
+    (:meth:`~onebit.state.layout.FlatLayout.in_order`). Checked at every step, since
     ``model.half()``, ``model.cuda()`` or ``.to(memory_format=...)`` can change it."""
     return _parameters_problem(layout, dtypes) is None
 
@@ -122,7 +122,7 @@ class PackedMomentumStage:
 
     Attributes:
         packed: per bucket, the momentum as ``(signs, scales)`` of the last allreduce
-            (:meth:`~onebit.comm.CompressedAllreduce.result_signs`), or ``None`` while the
+            (:meth:`~onebit.wire.comm.CompressedAllreduce.result_signs`), or ``None`` while the
             momentum is the fp32 buffer.
     """
 
@@ -173,7 +173,7 @@ class PackedMomentumStage:
     # Every bucket at once, where the backend runs each pass over all of them (Triton).
 
     def passes(self) -> Any | None:
-        """The backend's passes over every bucket at once (:class:`~onebit.model_allreduce.
+        """The backend's passes over every bucket at once (:class:`~onebit.wire.model_allreduce.
         ModelAllreduce`), or ``None`` where it runs them a bucket at a time."""
         return self.model.passes()
 
@@ -197,7 +197,7 @@ class PackedMomentumStage:
         return call
 
     def commit_all(self, call: ModelCall) -> None:
-        """After :meth:`~onebit.model_allreduce.ModelAllreduce.received` found every scale
+        """After :meth:`~onebit.wire.model_allreduce.ModelAllreduce.received` found every scale
         finite: commit every worker error, serve this rank's chunks and send them (phase 2, one
         collective), and make the results the momentum; with :attr:`keeps_last`, :meth:`results`
         (``None``) gives them and :meth:`install` makes them the momentum."""
@@ -550,7 +550,7 @@ class PackedMomentumStage:
 
 
 class PacksMomentum:
-    """What 1-bit Adam and 1-bit LAMB add to :class:`~onebit.base.CompressedOptimizer`: their
+    """What 1-bit Adam and 1-bit LAMB add to :class:`~onebit.optim.base.CompressedOptimizer`: their
     momentum kept packed in the compression stage (``_fused``), where it applies."""
 
     _fused: PackedMomentumStage | None = None

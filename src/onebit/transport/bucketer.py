@@ -1,7 +1,7 @@
 """The bucketer: when each bucket of gradients is gathered, launched and completed.
 
 It is the part of torch's DDP ``Reducer`` that a onebit optimizer needs. It owns the gradient
-buffer laid out by :class:`~onebit.layout.FlatLayout`, the order in which buckets launch, the
+buffer laid out by :class:`~onebit.state.layout.FlatLayout`, the order in which buckets launch, the
 calls in flight, and the overlap with backward: the parameters' post-accumulate hooks,
 ``no_sync()``, and the bucket-ready calls of :func:`onebit.ddp_comm_hook`.
 
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from .exchange import Exchange, phase_exchange
-from .layout import FlatLayout
-from .wire import group_size_and_rank
+from ..state.layout import FlatLayout
+from ..wire.exchange import Exchange, phase_exchange
+from ..wire.protocol import group_size_and_rank
 
 
 class Sender(Protocol):
@@ -36,7 +36,7 @@ class Sender(Protocol):
 
     comms: Sequence[Any]
     """Its communicators, one per bucket, whose messages can go in one collective for every
-    bucket (:func:`~onebit.exchange.phase_exchange`); empty where the calls are collectives of
+    bucket (:func:`~onebit.wire.exchange.phase_exchange`); empty where the calls are collectives of
     their own (an fp32 allreduce)."""
 
     def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:

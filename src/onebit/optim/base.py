@@ -1,11 +1,13 @@
 """Plumbing shared by the 1-bit optimizers: checks, flat state, the step template and torch's
-face (``state_dict``; what a state dict holds is :mod:`onebit.checkpoint`'s). When buckets are
-gathered and launched is the :class:`~onebit.bucketer.Bucketer`'s job; what a step sends and
-its verdict, the :class:`~onebit.engine.Engine`'s; what each message's header carries,
-:mod:`onebit.header`'s; that all ranks built the same optimizer, :mod:`onebit.agreement`'s.
+face (``state_dict``; what a state dict holds is :mod:`onebit.optim.checkpoint`'s). When buckets are
+gathered and launched is the :class:`~onebit.transport.bucketer.Bucketer`'s job; what a step sends
+and
+its verdict, the :class:`~onebit.transport.engine.Engine`'s; what each message's header carries,
+:mod:`onebit.transport.header`'s; that all ranks built the same optimizer,
+:mod:`onebit.transport.agreement`'s.
 
 Subclasses implement the update rule in ``step`` and keep their math in
-:mod:`onebit.functional` and :mod:`onebit.adam_step`; everything that touches
+:mod:`onebit.functional` and :mod:`onebit.optim.adam_step`; everything that touches
 ``torch.distributed`` lives here or below.
 """
 
@@ -20,18 +22,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..freeze import FreezeSchedule
+from ..stats import CommStats
+from ..transport.clipping import Clipping
+from ..transport.engine import Prepare
+from ..transport.header import OpenStep
+from ..transport.sharding import Replicated, has_dtensors
+from ..wire.momentum import PackedMomentumStage
+from ..wire.protocol import group_size_and_rank
 from . import rehearsal
 from .checkpoint import Checkpointed
-from .clipping import Clipping
-from .engine import Prepare
-from .freeze import FreezeSchedule
-from .header import OpenStep
-from .momentum import PackedMomentumStage
 from .options import check_masks, check_options
 from .placement import Placement
-from .sharding import Replicated, has_dtensors
-from .stats import CommStats
-from .wire import group_size_and_rank
 
 
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -59,11 +61,11 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     At construction it checks that every rank has the same parameters and settings, broadcasts
     the parameters from rank 0, and lays the state out in flat fp32 buffers split into buckets,
-    on the parameters' device (:class:`~onebit.placement.Placement`, which also follows the
+    on the parameters' device (:class:`~onebit.optim.placement.Placement`, which also follows the
     parameters to another device or to tensors that replaced them in ``param_groups``). Each
     bucket has its communicators; the :attr:`engine` runs a step's exchanges over them, the
-    :attr:`bucketer` gathers and launches the buckets, and :mod:`onebit.checkpoint` saves and
-    loads the state (:class:`~onebit.checkpoint.Checkpointed`).
+    :attr:`bucketer` gathers and launches the buckets, and :mod:`onebit.optim.checkpoint` saves and
+    loads the state (:class:`~onebit.optim.checkpoint.Checkpointed`).
 
     A subclass passes this constructor its argument checks, ``check``, which raises
     ``ValueError`` or returns the :class:`~onebit.freeze.FreezeSchedule` that ends its warmup
@@ -83,9 +85,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         backend: the kernels its steps run on the parameters' device (``"triton"`` on CUDA,
             ``"c"`` on the CPU; ``"numpy"`` or ``"torch"`` where those cannot run, with a
             warning; see :mod:`onebit.kernels`).
-        engine: the :class:`~onebit.engine.Engine` of its steps' exchanges.
-        bucketer: the :class:`~onebit.bucketer.Bucketer` of the gradient buckets.
-        flat: the :class:`~onebit.flat_state.FlatState` that shows the flat buffers per
+        engine: the :class:`~onebit.transport.engine.Engine` of its steps' exchanges.
+        bucketer: the :class:`~onebit.transport.bucketer.Bucketer` of the gradient buckets.
+        flat: the :class:`~onebit.state.flat_state.FlatState` that shows the flat buffers per
             parameter in ``state``.
         freeze: the :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step`` and
             ``in_warmup`` read it.
@@ -108,7 +110,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     rehearsal's own copy)."""
 
     _rehearsal_options: dict[str, Any] = {}
-    """What :func:`~onebit.rehearsal.rehearse` changes in the keyword arguments of its copy, so
+    """What :func:`~onebit.optim.rehearsal.rehearse` changes in the keyword arguments of its copy,
+    so
     that the copy goes through every kind of step within its few steps."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CompressedOptimizer:
@@ -204,7 +207,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     # Each step: the hyperparameters and loss scale it runs with, and what it sends.
 
     def _begin_step(self, follow: bool = True) -> OpenStep:
-        """Open the step: read its hyperparameters, make its headers (:class:`~onebit.header.
+        """Open the step: read its hyperparameters, make its headers
+        (:class:`~onebit.transport.header.
         OpenStep`), and return it; idempotent until :meth:`_end_step`.
 
         Runs at the first bucket launched (during backward with ``overlap_backward``, without
@@ -254,7 +258,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     def _next_kind(self) -> str | None:
         """What the next step sends, if it can start during backward (``overlap_backward``),
-        else ``None``: a ``kind`` of :meth:`Engine.sender <onebit.engine.Engine.sender>`."""
+        else ``None``: a ``kind`` of :meth:`Engine.sender
+        <onebit.transport.engine.Engine.sender>`."""
         return None
 
     def _push_next_sender(self) -> None:
@@ -338,7 +343,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             rehearsal.compile_ahead(self)
 
     _fused: PackedMomentumStage | None = None
-    """The packed momentum stage, where the subclass has one (:class:`~onebit.momentum.
+    """The packed momentum stage, where the subclass has one (:class:`~onebit.wire.momentum.
     PacksMomentum`)."""
 
 

@@ -4,7 +4,7 @@ Each rank's worker compresses its buffer with scales, and each server its chunk.
 one of two: :class:`OneScale` (SPEC 2: one scale per buffer on the worker, one per chunk on the
 server) or :class:`SegmentScales` (one per tensor, ``segments``, on the worker and one per piece,
 a segment's part of a chunk, on the server), each placed by a :class:`ScaleGeometry`. A
-:class:`~onebit.comm.CompressedAllreduce` holds one rule and calls it where the two differ.
+:class:`~onebit.wire.comm.CompressedAllreduce` holds one rule and calls it where the two differ.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .compress import (
+from ..compress import (
     decompress_,
     decompress_pieces_,
     segment_scales,

@@ -2,12 +2,12 @@
 over all of them (the Triton kernels: :class:`~onebit.kernels.triton_model.ModelPasses`).
 
 A bucket at a time, a step launches a few kernels and copies per bucket
-(:class:`~onebit.comm.CompressedAllreduce`); here each pass is one launch over the buckets laid
-end to end, and each phase one collective (:class:`~onebit.exchange.Exchange`) whose messages
+(:class:`~onebit.wire.comm.CompressedAllreduce`); here each pass is one launch over the buckets laid
+end to end, and each phase one collective (:class:`~onebit.wire.exchange.Exchange`) whose messages
 the passes write and read in place. The bits are those of a bucket at a time: the communicators
 keep their error buffers, as slices of one buffer each, and their state as before.
 
-Callers: :class:`~onebit.momentum.PackedMomentumStage` (1-bit Adam's compression step,
+Callers: :class:`~onebit.wire.momentum.PackedMomentumStage` (1-bit Adam's compression step,
 whose worker side is its own fused pass), the optimizers' compressed allreduce of a flat
 buffer that is not a gradient (:meth:`ModelAllreduce.start`), and 0/1 Adam's sync, whose
 worker pass takes its local step (:meth:`ModelAllreduce.start_from`) and whose pass after it
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import kernels
+from .. import kernels
+from ..kernels import fused
+from ..state.layout import FlatLayout
 from .comm import CompressedAllreduce
 from .exchange import Exchange, part_offsets, phase_exchange
-from .kernels import fused
-from .layout import FlatLayout
 from .scales import ScaleGeometry
 
 
@@ -201,7 +201,7 @@ class ModelAllreduce:
         return received, passes.momentum(received)
 
     def results(self, received: Tensor, scales: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Each bucket's result, packed, as :meth:`~onebit.comm.CompressedAllreduce.
+        """Each bucket's result, packed, as :meth:`~onebit.wire.comm.CompressedAllreduce.
         result_signs` gives it: views of :meth:`serve`'s message and scales."""
         g, n = self.passes().geometry, self.comms[0].world_size
         offsets = self.passes().column_offsets

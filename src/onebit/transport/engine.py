@@ -5,10 +5,11 @@ An optimizer's stage asks its :class:`Engine` for one exchange per step: the fp3
 average of the gradients (:meth:`Engine.average_gradients`), the 1-bit allreduce of the
 gradient buffer (:meth:`Engine.compressed_allreduce`) or of a flat buffer of its own
 (:meth:`Engine.reduce_compressed`), or the packed momentum's (:meth:`Engine.packed_allreduce`).
-The engine starts the buckets through the :class:`~onebit.bucketer.Bucketer` (each through a
+The engine starts the buckets through the :class:`~onebit.transport.bucketer.Bucketer` (each
+through a
 sender, the bucketer's one hook), or every bucket at once where the backend's passes can
-(:class:`~onebit.model_allreduce.ModelAllreduce`), reads the ranks' headers and returns the
-verdict (:class:`~onebit.header.OpenStep`), and commits only where every rank may.
+(:class:`~onebit.wire.model_allreduce.ModelAllreduce`), reads the ranks' headers and returns the
+verdict (:class:`~onebit.transport.header.OpenStep`), and commits only where every rank may.
 
 It reaches up to its optimizer once: a bucket launched during backward opens the step
 (``open_step``), since the step's hyperparameters are read when its first message leaves.
@@ -24,20 +25,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import host
+from .. import host
+from ..kernels.fused import DTYPES, gradient_addresses
+from ..state.layout import FlatLayout
+from ..wire.comm import CompressedAllreduce
+from ..wire.exchange import Exchange, phase_exchange
+from ..wire.model_allreduce import ModelAllreduce, ModelCall
+from ..wire.model_quantized import ModelQuantized
+from ..wire.momentum import PackedMomentumStage, fused_parameters
+from ..wire.protocol import MeanAllreduce, commit_compressed_, scales_finite
+from ..wire.quantized import QuantizedAllreduce
 from .bucketer import Bucketer
 from .clipping import Clipping
-from .comm import CompressedAllreduce
-from .exchange import Exchange, phase_exchange
 from .header import HEADER_NUMEL, OpenStep, gradient_factor
-from .kernels.fused import DTYPES, gradient_addresses
-from .layout import FlatLayout
-from .model_allreduce import ModelAllreduce, ModelCall
-from .model_quantized import ModelQuantized
-from .momentum import PackedMomentumStage, fused_parameters
-from .quantized import QuantizedAllreduce
 from .sharding import Replicated
-from .wire import MeanAllreduce, commit_compressed_, scales_finite
 
 Prepare = Callable[[int, Tensor], None]
 """``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
@@ -94,8 +95,8 @@ class Engine:
     Args:
         layout: the flat layout and its buckets.
         bucketer: gathers and launches the buckets.
-        comms: each bucket's 1-bit :class:`~onebit.comm.CompressedAllreduce`.
-        warmup_comms: each bucket's :class:`~onebit.quantized.QuantizedAllreduce` (empty for
+        comms: each bucket's 1-bit :class:`~onebit.wire.comm.CompressedAllreduce`.
+        warmup_comms: each bucket's :class:`~onebit.wire.quantized.QuantizedAllreduce` (empty for
             an fp32 warmup).
         process_group: the data-parallel group.
         shards: the parameters' shards (their verdicts and norms combine across the shard
@@ -103,7 +104,7 @@ class Engine:
         device: the parameters' device.
         backend: the kernels' backend (``"triton"`` takes gradient factors on the device).
         overlap: whether buckets go out during backward (``overlap_backward``).
-        clipping: the optimizer's :class:`~onebit.clipping.Clipping`.
+        clipping: the optimizer's :class:`~onebit.transport.clipping.Clipping`.
         prepare: what a 1-bit step sends in place of each bucket's gradients, if not them.
         open_step: opens the step if it is not open, and returns it.
     """
@@ -324,7 +325,7 @@ class Engine:
         self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = COMPRESSED
     ) -> tuple[bool, int]:
         """Complete compressed or quantized calls started with headers: check the headers, then
-        serve and decompress (:func:`~onebit.wire.commit_compressed_`). For 1-bit
+        serve and decompress (:func:`~onebit.wire.protocol.commit_compressed_`). For 1-bit
         ``gradients`` sent during backward, note the mean of the ranks' gradient norms that
         clipping scales the result by (a quantized average is clipped as an fp32 one, by its
         own norm)."""
@@ -344,7 +345,7 @@ class Engine:
             self.clipping.norm = float(norms2.sqrt().mean())
         return applied, sum(c.bytes_per_call for c in comms)
 
-    # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.momentum).
+    # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.wire.momentum).
 
     def packed_allreduce(
         self, stage: PackedMomentumStage, scaling: Tensor | None = None
@@ -417,7 +418,8 @@ class Engine:
 
 
 class Sender:
-    """What one step sends of each bucket: the :class:`~onebit.bucketer.Sender` the bucketer
+    """What one step sends of each bucket: the :class:`~onebit.transport.bucketer.Sender` the
+    bucketer
     calls when a bucket is ready. Its first call opens the step (during backward, with
     ``overlap_backward``)."""
 

@@ -2,9 +2,9 @@
 runs each phase over all of them (the Triton kernels:
 :class:`~onebit.kernels.triton_quantized.BlockQuantizer` of every bucket).
 
-A bucket at a time (:class:`~onebit.quantized.QuantizedAllreduce`), a warmup step makes a few
+A bucket at a time (:class:`~onebit.wire.quantized.QuantizedAllreduce`), a warmup step makes a few
 launches and torch ops per bucket; here each pass is one launch over the buckets laid end to
-end, and each phase one collective (:class:`~onebit.exchange.Exchange`) whose messages the
+end, and each phase one collective (:class:`~onebit.wire.exchange.Exchange`) whose messages the
 kernels write and read in place. The bits are those of a bucket at a time: the communicators
 keep their error buffers, as slices of one buffer each, and their state as before.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import kernels
+from .. import kernels
+from ..state.layout import FlatLayout
 from .exchange import Exchange, part_offsets, phase_exchange
-from .layout import FlatLayout
 from .quantized import QuantizedAllreduce
 
 

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..freeze import AutoFreeze, FreezeSchedule
+from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
+from ..transport.engine import COMPRESSED
+from ..wire.momentum import PacksMomentum
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
-from .engine import COMPRESSED
-from .freeze import AutoFreeze, FreezeSchedule
-from .functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
-from .momentum import PacksMomentum
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
 
 
@@ -74,7 +74,7 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             allreduce, exactly AdamW + DDP. ``"bf16"``, ``"int8"`` and ``"int4"`` send 2, 4 and
             8 times fewer bytes through the same two-phase exchange as the 1-bit stage, with
             block-wise scales (256 elements, never straddling tensors) and error feedback of
-            their own, zeroed at the freeze (:class:`~onebit.quantized.QuantizedAllreduce`).
+            their own, zeroed at the freeze (:class:`~onebit.wire.quantized.QuantizedAllreduce`).
             Every rank still gets the same averaged gradient, bit for bit.
         error_dtype: what the compression stage keeps its error-feedback buffers (the worker's
             and the server's) in: ``torch.float32`` (default) or ``torch.bfloat16``, half their
@@ -113,7 +113,8 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
       ``overlap_backward`` with ``max_grad_norm``),
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
-      buffer holds the worker error (:class:`~onebit.momentum.PackedMomentumStage`). The state then
+      buffer holds the worker error (:class:`~onebit.wire.momentum.PackedMomentumStage`). The state
+      then
       takes ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2. :meth:`state_dict`
       still gives an fp32 ``exp_avg``, unpacked when it is called, and resume is exact.
 
@@ -258,7 +259,7 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
         self.bucketer.release()  # the .grad views keep it; the fused stage needs no other
 
     def _fused_compressed_step(self) -> tuple[bool, int]:
-        """A compression step by the fused passes of :class:`~onebit.momentum.
+        """A compression step by the fused passes of :class:`~onebit.wire.momentum.
         PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
         applied, nbytes, calls = self.engine.packed_allreduce(self._fused)
         if applied:

@@ -1,0 +1,1 @@
+"""The optimizers: torch's face, the step template, and what each algorithm does in a step."""

@@ -1,0 +1,1 @@
+"""The flat fp32 buffers an optimizer keeps, and their views per parameter."""

@@ -1,0 +1,1 @@
+"""Moving gradients between ranks: the bucketer, a step's exchanges, headers and verdicts."""

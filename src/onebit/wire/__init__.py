@@ -1,0 +1,1 @@
+"""Wire formats: what goes on the wire, with its error feedback."""
