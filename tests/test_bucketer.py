@@ -12,15 +12,14 @@ from onebit.state.layout import FlatLayout
 from onebit.transport.bucketer import Bucketer
 from onebit.transport.engine import _CommSender, _MeanSender
 from onebit.wire.comm import CompressedAllreduce
-from onebit.wire.protocol import MeanAllreduce
+from onebit.wire.mean import MeanAllreduce
 
 HEADER_NUMEL = 5
 
 
 class Recorder:
-    """The engine's side of its senders (``onebit.transport.engine``'s) and the step they open,
-    with a
-    bucketer of ``model``'s parameters, recording what the senders asked for."""
+    """The engine's side of its senders (``onebit.transport.engine``'s) and the step they open, with
+    a bucketer of ``model``'s parameters, recording what the senders asked for."""
 
     def __init__(self, model, bucket_size=16, clip=False, overlap=False):
         self.layout = FlatLayout(list(model.parameters()), bucket_size, 1)

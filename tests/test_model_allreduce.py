@@ -1,9 +1,8 @@
 """The compressed allreduce of every bucket at once (:mod:`onebit.wire.model_allreduce`, on the
-Triton
-kernels, under the interpreter here) against the same kernels a bucket at a time: the same
-bits, on real gloo ranks, through non-finite gradients on the last rank (skipped steps, 0/1
-Adam's skipped sync) and the error buffers read mid-run. Every bucket at once, 0/1 Adam's sync
-step is its Triton passes (``ModelPasses.sync_progress``); a bucket at a time, torch ops."""
+Triton kernels, under the interpreter here) against the same kernels a bucket at a time: the same
+bits, on real gloo ranks, through non-finite gradients on the last rank (skipped steps, 0/1 Adam's
+skipped sync) and the error buffers read mid-run. Every bucket at once, 0/1 Adam's sync step is its
+Triton passes (``ModelPasses.sync_progress``); a bucket at a time, torch ops."""
 
 import dataclasses
 

@@ -55,8 +55,7 @@ def padded(x: Tensor, numel: int) -> Tensor:
 @dataclass(frozen=True)
 class QuantizedBucket:
     """One :class:`~onebit.wire.quantized.QuantizedAllreduce`'s layout, as a backend's kernels for
-    it
-    (``block_quantizer``) take it.
+    it (``block_quantizer``) take it.
 
     Attributes:
         chunk_pieces: per chunk (one per rank), the sizes of its pieces in order: a tensor's

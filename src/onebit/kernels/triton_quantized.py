@@ -332,12 +332,10 @@ class BlockQuantizer:
     launches per phase, whatever the number of buckets, tensors and chunks.
 
     A bucket is one :class:`~onebit.wire.quantized.QuantizedAllreduce`. Several lie end to end in
-    one
-    buffer, each from its ``origin``, their worker errors in another, their server errors (the
-    chunks this rank serves) end to end in a third, and their messages are the parts of each
-    phase's :class:`~onebit.wire.exchange.Exchange`. What a kernel needs per piece, block or bucket
-    (where it lies, its chunk's row, its part of a message, its scale's slot) comes from tables
-    made here.
+    one buffer, each from its ``origin``, their worker errors in another, their server errors (the
+    chunks this rank serves) end to end in a third, and their messages are the parts of each phase's
+    :class:`~onebit.wire.exchange.Exchange`. What a kernel needs per piece, block or bucket (where
+    it lies, its chunk's row, its part of a message, its scale's slot) comes from tables made here.
 
     Args:
         buckets: each bucket's layout, in order, laid end to end.

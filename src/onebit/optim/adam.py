@@ -114,9 +114,9 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
       from the first applied compression step, only ``frozen_denom``: the momentum is kept packed, 1
       bit per element plus the scales, since each element is ``±σ`` of its piece, and the fp32
       buffer holds the worker error (:class:`~onebit.wire.momentum.PackedMomentumStage`). The state
-      then
-      takes ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2. :meth:`state_dict`
-      still gives an fp32 ``exp_avg``, unpacked when it is called, and resume is exact.
+      then takes ``2 + 1/n + 1/32`` model sizes at ``n`` ranks, against AdamW's 2.
+      :meth:`state_dict` still gives an fp32 ``exp_avg``, unpacked when it is called, and resume is
+      exact.
 
     ``comm_stats`` reports the bytes this rank sent. ``freeze`` is the
     :class:`~onebit.freeze.FreezeSchedule`; ``freeze_step``, ``in_warmup`` and ``stage`` say

@@ -1,8 +1,7 @@
 """Plumbing shared by the 1-bit optimizers: checks, flat state, the step template and torch's
 face (``state_dict``; what a state dict holds is :mod:`onebit.optim.checkpoint`'s). When buckets are
 gathered and launched is the :class:`~onebit.transport.bucketer.Bucketer`'s job; what a step sends
-and
-its verdict, the :class:`~onebit.transport.engine.Engine`'s; what each message's header carries,
+and its verdict, the :class:`~onebit.transport.engine.Engine`'s; what each message's header carries,
 :mod:`onebit.transport.header`'s; that all ranks built the same optimizer,
 :mod:`onebit.transport.agreement`'s.
 
@@ -111,8 +110,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     _rehearsal_options: dict[str, Any] = {}
     """What :func:`~onebit.optim.rehearsal.rehearse` changes in the keyword arguments of its copy,
-    so
-    that the copy goes through every kind of step within its few steps."""
+    so that the copy goes through every kind of step within its few steps."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CompressedOptimizer:
         self = super().__new__(cls)
@@ -208,8 +206,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     def _begin_step(self, follow: bool = True) -> OpenStep:
         """Open the step: read its hyperparameters, make its headers
-        (:class:`~onebit.transport.header.
-        OpenStep`), and return it; idempotent until :meth:`_end_step`.
+        (:class:`~onebit.transport.header. OpenStep`), and return it; idempotent until
+        :meth:`_end_step`.
 
         Runs at the first bucket launched (during backward with ``overlap_backward``, without
         ``follow``) or at the start of ``step()``, where it first follows ``param_groups`` to

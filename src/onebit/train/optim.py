@@ -226,11 +226,10 @@ def build(
     ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
     0/1 Adam's (``None``: :func:`onebit.optim.zero_one_adam.run_schedule` of the run).
-    ``max_grad_norm``
-    clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16 loss scaler.
-    ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB; ``error_dtype`` (a key of
-    :data:`ERROR_DTYPES`) that of the 1-bit optimizers' error buffers. ``mesh`` is :func:`shard`'s
-    if it sharded the model. Every rank must call this with the same arguments.
+    ``max_grad_norm`` clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16
+    loss scaler. ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB; ``error_dtype`` (a key
+    of :data:`ERROR_DTYPES`) that of the 1-bit optimizers' error buffers. ``mesh`` is
+    :func:`shard`'s if it sharded the model. Every rank must call this with the same arguments.
     """
     cls = optimizer_class(name)
     world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -5,9 +5,8 @@ An optimizer's stage asks its :class:`Engine` for one exchange per step: the fp3
 average of the gradients (:meth:`Engine.average_gradients`), the 1-bit allreduce of the
 gradient buffer (:meth:`Engine.compressed_allreduce`) or of a flat buffer of its own
 (:meth:`Engine.reduce_compressed`), or the packed momentum's (:meth:`Engine.packed_allreduce`).
-The engine starts the buckets through the :class:`~onebit.transport.bucketer.Bucketer` (each
-through a
-sender, the bucketer's one hook), or every bucket at once where the backend's passes can
+The engine starts the buckets through the :class:`~onebit.transport.bucketer.Bucketer` (each through
+a sender, the bucketer's one hook), or every bucket at once where the backend's passes can
 (:class:`~onebit.wire.model_allreduce.ModelAllreduce`), reads the ranks' headers and returns the
 verdict (:class:`~onebit.transport.header.OpenStep`), and commits only where every rank may.
 
@@ -30,10 +29,11 @@ from ..kernels.fused import DTYPES, gradient_addresses
 from ..state.layout import FlatLayout
 from ..wire.comm import CompressedAllreduce
 from ..wire.exchange import Exchange, phase_exchange
+from ..wire.mean import MeanAllreduce
 from ..wire.model_allreduce import ModelAllreduce, ModelCall
 from ..wire.model_quantized import ModelQuantized
 from ..wire.momentum import PackedMomentumStage, fused_parameters
-from ..wire.protocol import MeanAllreduce, commit_compressed_, scales_finite
+from ..wire.protocol import commit_compressed_, scales_finite
 from ..wire.quantized import QuantizedAllreduce
 from .bucketer import Bucketer
 from .clipping import Clipping

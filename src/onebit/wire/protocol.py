@@ -1,12 +1,12 @@
 """What every wire format is: a :class:`Communicator`, and what runs many of them at once.
 
-A wire format is how one bucket's gradients travel: the fp32 mean (:class:`MeanAllreduce`), the
-quantized exchange of a compressed warmup (bf16, int8, int4:
-:class:`~onebit.wire.quantized.QuantizedAllreduce`) and the 1-bit two-phase allreduce
+A wire format is how one bucket's gradients travel: the fp32 mean
+(:class:`~onebit.wire.mean.MeanAllreduce`), the quantized exchange of a compressed warmup (bf16,
+int8, int4: :class:`~onebit.wire.quantized.QuantizedAllreduce`) and the 1-bit two-phase allreduce
 (:class:`~onebit.wire.comm.CompressedAllreduce`). The compressed ones share the two-phase protocol
-of
-:class:`Communicator`, with error feedback, so that the functions here and
-:class:`~onebit.wire.exchange.Exchange` run many buckets of any of them in one collective per phase.
+of :class:`Communicator`, with error feedback, so that the functions here and
+:class:`~onebit.wire.exchange.Exchange` run many buckets of any of them in one collective per
+phase.
 
 Byte counts follow the usual bus-bandwidth convention: the bytes a bandwidth-optimal implementation
 of the collective sends from this rank (``(n-1)/n`` of an all-to-all buffer, ``n-1`` chunks of an
@@ -109,37 +109,6 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def allreduce_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring allreduce of an ``nbytes`` buffer."""
     return 2 * nbytes * (world_size - 1) // world_size
-
-
-class MeanAllreduce:
-    """A full-precision allreduce that averages ``buffer`` in place, started at construction.
-
-    Call :meth:`wait` to complete it. ``bytes_sent`` is what this rank sends. With ``average``
-    (a view of the front of ``buffer``) only that part is divided by the world size; the rest is
-    left summed, which lets each rank contribute a slot of its own (a sum of one value and zeros
-    is exact).
-    """
-
-    def __init__(
-        self,
-        buffer: Tensor,
-        group: dist.ProcessGroup | None = None,
-        average: Tensor | None = None,
-    ) -> None:
-        self.buffer = buffer
-        self.average = buffer if average is None else average
-        self.world_size, _ = group_size_and_rank(group)
-        self.bytes_sent = allreduce_bytes(buffer.numel() * buffer.element_size(), self.world_size)
-        self._work = None
-        if self.world_size > 1:
-            self._work = dist.all_reduce(buffer, group=group, async_op=True)
-
-    def wait(self) -> Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self.average.div_(self.world_size)
-        return self.buffer
 
 
 def reduce_compressed_(

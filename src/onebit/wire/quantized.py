@@ -2,8 +2,7 @@
 
 It averages gradients during the fp32 warmup of the optimizers. The exchange is the two-phase one
 of :class:`~onebit.wire.comm.CompressedAllreduce` (SPEC section 2) with block-wise quantization
-``Q``
-in place of the 1-bit compressor: both are a :class:`~onebit.wire.protocol.Communicator`, so
+``Q`` in place of the 1-bit compressor: both are a :class:`~onebit.wire.protocol.Communicator`, so
 :func:`onebit.wire.protocol.finish_compressed_` and the optimizers drive either one unchanged.
 
 :class:`QuantizedAllreduce` owns the error buffers and the communication; the compressor it
@@ -11,12 +10,10 @@ runs (block geometry, and functions that quantize, dequantize and pack one tile 
 :mod:`onebit.wire.quantize`'s.
 
 Speed: every phase runs tile by tile (:func:`~onebit.wire.quantize.tiles`: whole blocks, some tens
-of
-thousands of elements), all its steps on one tile while it is in cache, in work space and views
-made once and reused; there is no per-element index. Where the kernel backend has kernels of its
-own for the phases (Triton, on CUDA: :mod:`onebit.kernels.triton_quantized`), they run instead,
-with the same bits; an optimizer then runs every bucket's at once
-(:mod:`onebit.wire.model_quantized`).
+of thousands of elements), all its steps on one tile while it is in cache, in work space and views
+made once and reused; there is no per-element index. Where the kernel backend has kernels of its own
+for the phases (Triton, on CUDA: :mod:`onebit.kernels.triton_quantized`), they run instead, with the
+same bits; an optimizer then runs every bucket's at once (:mod:`onebit.wire.model_quantized`).
 """
 
 from __future__ import annotations
