@@ -1,13 +1,11 @@
-"""Plumbing shared by the 1-bit optimizers: checks, flat state, the step template and torch's
-face (``state_dict``; what a state dict holds is :mod:`onebit.optim.checkpoint`'s). When buckets are
-gathered and launched is the :class:`~onebit.transport.bucketer.Bucketer`'s job; what a step sends
-and its verdict, the :class:`~onebit.transport.engine.Engine`'s; what each message's header carries,
-:mod:`onebit.transport.header`'s; that all ranks built the same optimizer,
-:mod:`onebit.transport.agreement`'s.
+"""The base of the onebit optimizers: torch's face and the step template.
 
-Subclasses implement the update rule in ``step`` and keep their math in
-:mod:`onebit.functional` and :mod:`onebit.optim.adam_step`; everything that touches
-``torch.distributed`` lives here or below.
+:class:`CompressedOptimizer` builds an optimizer (with checks that raise on every rank alike),
+opens and ends each step, and is what torch, ``GradScaler`` and the frameworks call (``step``,
+``no_sync``, ``state_dict``). Where its state lives and how it follows the parameters is
+:mod:`onebit.optim.placement`'s; its checkpoints, :mod:`onebit.optim.checkpoint`'s; what a step
+sends and the verdict every rank reaches, the :class:`~onebit.transport.engine.Engine`'s; each
+optimizer's update, its own module's (with Adam's math in :mod:`onebit.optim.adam_step`).
 """
 
 from __future__ import annotations
@@ -176,7 +174,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._allocate_state()
         self._push_next_sender()
 
-    # Following param_groups: frameworks replace the parameters after the optimizer was built.
+    # What each subclass provides (with _allocate_state, _set_frozen, _take_step, _next_kind).
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[Any, bool]:
         """What the subclass's step reads from the param groups ``groups`` when it opens (kept
@@ -205,8 +203,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     # Each step: the hyperparameters and loss scale it runs with, and what it sends.
 
     def _begin_step(self, follow: bool = True) -> OpenStep:
-        """Open the step: read its hyperparameters, make its headers
-        (:class:`~onebit.transport.header. OpenStep`), and return it; idempotent until
+        """Open the step: read its hyperparameters, make its headers (an
+        :class:`~onebit.transport.header.OpenStep`), and return it; idempotent until
         :meth:`_end_step`.
 
         Runs at the first bucket launched (during backward with ``overlap_backward``, without
@@ -247,6 +245,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     @property
     def _step_open(self) -> bool:
+        """Whether a step is open: from :meth:`_begin_step` to its end, error or abandon."""
         return self._step is not None and self._step.open
 
     def _close_step(self) -> None:
@@ -324,6 +323,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
+        """End the step a stage took: count it (applied, or skipped on every rank), book its
+        bytes, release what FSDP2 and the bucketer hold between steps, and push what the next
+        step sends; after the first warmup step, compile the next stage's kernels ahead."""
         first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
         self._close_step()
         self._calls += 1
@@ -341,8 +343,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             rehearsal.compile_ahead(self)
 
     _fused: PackedMomentumStage | None = None
-    """The packed momentum stage, where the subclass has one (:class:`~onebit.wire.momentum.
-    PacksMomentum`)."""
+    """The packed momentum stage, where the subclass has one
+    (:class:`~onebit.wire.momentum.PacksMomentum`)."""
 
 
 def onebit_optimizer(optimizer: Any, where: str) -> CompressedOptimizer:
