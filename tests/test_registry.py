@@ -3,10 +3,12 @@
 import inspect
 
 import pytest
+import torch
 
 import onebit
 from onebit.integrations import deepspeed
 from onebit.optim import registry
+from onebit.optim.options import SHARED_OPTIONS
 from onebit.train import optim
 
 
@@ -33,3 +35,32 @@ def test_onebit_train_and_deepspeed_know_each_optimizer(entry):
 def test_freezes_says_which_take_a_freeze_step_and_a_warmup_compression(entry):
     takes = inspect.signature(entry.cls).parameters
     assert ("freeze_step" in takes and "warmup_compression" in takes) == entry.freezes
+
+
+NON_DEFAULT = {
+    "bucket_size": (64, lambda opt: opt.layout.bucket_size == 64),
+    "bias_correction": (False, lambda opt: opt.bias_correction is False),
+    "scale_per": ("bucket", lambda opt: opt.scale_per == "bucket"),
+    "exp_avg_mask": (None, lambda opt: len(opt._masks) == 1),  # made per model below
+    "max_grad_norm": (0.5, lambda opt: opt.max_grad_norm == 0.5),
+    "overlap_backward": (True, lambda opt: opt.overlap_backward is True),
+    "warmup_compression": ("int8", lambda opt: opt.warmup_compression == "int8"),
+    "error_dtype": (torch.bfloat16, lambda opt: opt.error_dtype == torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("entry", registry.OPTIMIZERS, ids=lambda e: e.name)
+def test_every_shared_setting_an_optimizer_takes_reaches_it(entry):
+    """Each setting of ``options.SHARED_OPTIONS`` that an optimizer's signature lists gets to
+    the base (``shared_options(locals())``), so a non-default value changes the optimizer."""
+    takes = set(inspect.signature(entry.cls).parameters)
+    shared = [name for name in SHARED_OPTIONS if name in takes and name != "process_group"]
+    assert set(shared) <= set(NON_DEFAULT) and "bucket_size" in shared
+    required = {"freeze_step": 3} if "freeze_step" in takes else {"var_freeze_step": 3}
+    for name in shared:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        value, holds = NON_DEFAULT[name]
+        if name == "exp_avg_mask":
+            value = {model[0].weight: torch.ones_like(model[0].weight)}
+        opt = entry.cls(model.parameters(), **required, **{name: value})
+        assert holds(opt), name
