@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
-from ..transport.engine import COMPRESSED
+from ..transport.engine import COMPRESSED, PACKED
 from ..wire.momentum import PacksMomentum
 from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
@@ -181,11 +181,11 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
         self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
 
     def _next_kind(self) -> str:
-        """Every step can start during backward: in the compression stage, ``"packed"`` where
+        """Every step can start during backward: in the compression stage, ``PACKED`` where
         the fused passes run it (checked again at its first bucket)."""
         if self.stage == "warmup":
             return self.engine.warmup_kind
-        return "packed" if self._fused is not None else "compressed"
+        return PACKED if self._fused is not None else COMPRESSED
 
     def _momentum_into_bucket_(self, k: int, grads: Tensor) -> None:
         """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
