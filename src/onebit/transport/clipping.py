@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import host
 from ..functional import clip_coefficient, layer_norms
+from ..state.layout import FlatLayout
 from .header import OpenStep, gradient_factor
 from .sharding import Replicated
 
@@ -39,13 +40,13 @@ class Clipping:
     def norm(self, value: float | Tensor | None) -> None:
         self._norm = value
 
-    def clip_averaged_(self, g: Tensor, views: list[Tensor], shards: Replicated) -> None:
-        """Clip the flat averaged gradient ``g`` (``views``: per parameter) in place by its
-        global norm (whole layers across ``shards``), as ``torch.nn.utils.clip_grad_norm_``
-        does after DDP's allreduce."""
+    def clip_averaged_(self, g: Tensor, layout: FlatLayout, shards: Replicated) -> None:
+        """Clip the flat averaged gradient ``g`` (laid out by ``layout``) in place by its global
+        norm (whole layers across ``shards``), as ``torch.nn.utils.clip_grad_norm_`` does after
+        DDP's allreduce."""
         if self.max_norm is None:
             return
-        total = torch.linalg.vector_norm(layer_norms(views))
+        total = torch.linalg.vector_norm(layer_norms(layout.views(g)))
         total = shards.combine(total.reshape(1))[0]
         self._norm = total
         g.mul_(clip_coefficient(total, self.max_norm))

@@ -70,7 +70,7 @@ def bucket_communicators(
             segments=segments(k),
             header_numel=HEADER_NUMEL,
             error_dtype=error_dtype,
-        )  # fmt: skip
+        )
         for k, numel in buckets
     ]
     if warmup_compression == "fp32":
@@ -83,7 +83,7 @@ def bucket_communicators(
             group=group,
             device=device,
             header_numel=HEADER_NUMEL,
-        )  # fmt: skip
+        )
         for k, numel in buckets
     ]
     return comms, warmup_comms
@@ -196,7 +196,7 @@ class Engine:
         g = self.grads
         applied, nbytes = self.communicate(self.warmup_kind, out=g)
         if applied:
-            self.clipping.clip_averaged_(g, self.layout.views(g), self.shards)
+            self.clipping.clip_averaged_(g, self.layout, self.shards)
         return applied, nbytes
 
     def communicate(
