@@ -58,6 +58,18 @@ class OpenStep:
     """What one step of an optimizer runs with and has found, from the moment it opens (at its
     first bucket, during backward with ``overlap_backward``, or at ``step()``) to its verdict.
 
+    Args:
+        owner: the optimizer's name, for the errors.
+        rank: this rank in the optimizer's group.
+        shards: the parameters' shards; the verdict is combined across the shard group.
+        hyperparameters: what every rank must agree on in each param group (its digest goes in
+            the header; the error shows this rank's).
+        hyper, status: the first values of the attributes below.
+        call, backward_passes: this ``step()`` call's number and the backward passes run so
+            far, which must be the same on every rank.
+        buckets, device: one header per bucket, on the device.
+        replace_problem: why this rank could not follow ``param_groups``, if it could not.
+
     Attributes:
         headers: ``[buckets, HEADER_NUMEL]`` on the device, this rank's header for each bucket.
         status: this rank's problem so far (a :data:`STATUS` code; 0 for none). Problems found
