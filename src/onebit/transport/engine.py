@@ -157,6 +157,8 @@ class Engine:
 
     def clip_own_gradient(self) -> None:
         """Open a 1-bit gradient step with clipping: :meth:`Clipping.own_gradient`."""
+        if self.clipping.max_norm is None:
+            return
         grads = [p.grad for p in self.layout.params]
         self.clipping.own_gradient(grads, self.shards, self.step, self.backend)
 
