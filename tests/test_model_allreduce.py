@@ -110,7 +110,7 @@ def _sync_run(rank: int, world_size: int, fused: bool) -> tuple[list, int]:
     took = [0]
     _count(triton_model.ModelPasses, "sync_progress", took)
     if not fused:
-        onebit.ZeroOneAdam._sync_passes = lambda self, grads: None
+        onebit.optim.zero_one_adam._Sync.passes = lambda self, grads: None
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((9, 7), (40,), (5, 3))]
     groups = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "lr": 3e-3}]

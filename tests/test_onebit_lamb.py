@@ -223,13 +223,14 @@ def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(300, 100)) for _ in range(4)]
     numel = 4 * 30_000
     opt = onebit.OnebitLamb(params, freeze_step=2, bucket_size=40_000)
-    freeze = opt._freeze
+    compression = opt._stages["compression"]
+    freeze = compression._freeze
 
     def marked_freeze() -> None:
         with torch.profiler.record_function("freeze"):
             freeze()
 
-    opt._freeze = marked_freeze
+    compression._freeze = marked_freeze
     bound = 2 * 4 * lamb.BLOCK + numel // 2  # the messages: a few bits an element
     for t in range(5):
         for p in params:

@@ -17,6 +17,132 @@ from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparame
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
+from .stage import Stage, Taken
+
+
+class _Warmup(Stage):
+    """AdamW on gradients averaged at full precision (an fp32 or quantized allreduce). Its
+    last step, ``freeze_step``, freezes the variance: it keeps ``sqrt(v̂) + eps`` in its place
+    for the compression stage."""
+
+    name = "warmup"
+
+    def shows(self) -> dict[str, Tensor | None]:
+        opt = self.optimizer
+        return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
+
+    def enter(self) -> None:
+        opt = self.optimizer
+        opt.bucketer.grads_as_views = not opt.overlap_backward
+
+    def sends(self) -> str:
+        return self.optimizer.engine.warmup_kind
+
+    def step(self, t: int) -> Taken:
+        opt, hyper = self.optimizer, self.optimizer._hyper
+        m, v = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
+        fused = opt._adam.fused_applies(t, hyper)
+        applied, nbytes = opt.engine.average_gradients()
+        if applied and fused:
+            opt._adam.fused_step_(opt.engine.grads, m, v, t, hyper)
+        elif applied:
+            adam_moments_(m, v, opt.engine.grads, hyper.beta1, hyper.beta2)
+            opt._adam.step_from_moments_(m, v, t, hyper)
+        if applied and t == opt.freeze_step:
+            self._freeze_variance_(t)
+        return Taken(applied, nbytes)
+
+    def _freeze_variance_(self, t: int) -> None:
+        """At the end of the last warmup step: fill the zero variances, then keep
+        ``sqrt(v̂) + eps`` in place of ``v`` for the compression stage."""
+        opt = self.optimizer
+        v = opt._exp_avg_sq
+        fill_zero_variance_(opt.layout.views(v), opt._hyper.zero_variance_floor(t))
+        opt._hyper.denominator(v, t, out=v)
+        opt._set_frozen(True)
+        opt.engine.end_warmup()
+        opt.bucketer.release()  # the .grad views keep it; the fused stage needs no other
+
+
+class _Compression(Stage):
+    """The 1-bit steps: each rank's momentum ``lerp(m, g, 1 - β1)`` goes through the compressed
+    allreduce, and AdamW's update takes it over the frozen denominator. Where the packed
+    momentum applies (:class:`~onebit.wire.momentum.PackedMomentumStage`) its fused passes
+    read ``.grad`` and keep the momentum 1 bit an element."""
+
+    name = "compression"
+    frozen = True
+
+    def shows(self) -> dict[str, Tensor | None]:
+        opt = self.optimizer
+        return {"exp_avg": opt._exp_avg, "frozen_denom": opt._exp_avg_sq}
+
+    def enter(self) -> None:
+        self.optimizer.bucketer.grads_as_views = False
+
+    def sends(self) -> str:
+        """``PACKED`` where the fused passes run it (checked again at its first bucket), else
+        ``COMPRESSED``."""
+        return PACKED if self.optimizer._fused is not None else COMPRESSED
+
+    def prepare(self, k: int, grads: Tensor) -> None:
+        """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
+        ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
+        opt = self.optimizer
+        opt._packed_stage()  # the packed sender's fallback: unpack first
+        start, end = opt.layout.buckets[k]
+        torch.lerp(opt._exp_avg[start:end], grads, 1 - opt._hyper.beta1, out=grads)
+
+    def step(self, t: int) -> Taken:
+        opt = self.optimizer
+        if not opt.overlap_backward:
+            opt.engine.clip_own_gradient()
+        if opt._packed_stage() is not None:
+            return self._packed_step(t)
+        m, hyper = opt._exp_avg[: opt.layout.numel], opt._hyper
+        g = opt.engine.grads
+        clip_result = opt.bucketer.clip  # sent during backward: SPEC 6
+        if opt.engine.at_once():
+            applied, nbytes = self._momentum_at_once(m, g)
+            if applied:
+                m.copy_(g)
+        else:
+            applied, nbytes = opt.engine.communicate(COMPRESSED, out=g if clip_result else m)
+        if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
+            m.mul_(hyper.beta1).lerp_(g, opt.clipping.of_mean())
+        if applied:
+            apply_masks_(m, opt._masks)
+            opt._adam.adamw_update_(m, opt._exp_avg_sq, t, hyper)
+        return Taken(applied, nbytes)
+
+    def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
+        """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
+        at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
+        ``_communicate``, bit for bit, in a number of kernels that does not grow with the
+        buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
+        engine = self.optimizer.engine
+        engine.gather_grads()
+        torch.lerp(m, g, 1 - self.optimizer._hyper.beta1, out=g)
+        return engine.compressed_allreduce()
+
+    def _packed_step(self, t: int) -> Taken:
+        """A compression step by the fused passes of :class:`~onebit.wire.momentum.
+        PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed,
+        and AdamW's update reads it packed."""
+        opt = self.optimizer
+        packed = opt._fused
+        applied, nbytes, calls = opt.engine.packed_allreduce(packed)
+        if not applied:
+            return Taken(applied, nbytes)
+        if calls is not None:
+            packed.finish(calls)
+        opt.flat.expose("exp_avg", None)  # packed now: see state_dict()
+        groups = [(g["lr"], g["weight_decay"]) for g in opt.param_groups for _ in g["params"]]
+        lrs, decays = zip(*groups)
+        step_scale = 1 / opt._hyper.bc1(t)
+        packed.update_(opt._exp_avg_sq, [float(lr) for lr in lrs], decays, step_scale)
+        torch.autograd.graph.increment_version(opt.layout.params)  # written through C
+        return Taken(applied, nbytes)
 
 
 class OnebitAdam(PacksMomentum, CompressedOptimizer):
@@ -124,6 +250,7 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
     """
 
     _rehearsal_options = {"freeze_step": 1, "auto_freeze": None}
+    _stage_types = (_Warmup, _Compression)
 
     def __init__(
         self,
@@ -154,7 +281,7 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             params,
             defaults,
             check=check,
-            prepare=self._momentum_into_bucket_,
+            prepare=lambda k, grads: self._stages["compression"].prepare(k, grads),
             **shared_options(locals()),
         )
 
@@ -170,103 +297,6 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
         self._set_frozen(False)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
         self._pack_momentum(self._exp_avg, clips_result=clips_result)
-
-    def _set_frozen(self, frozen: bool) -> None:
-        """Name the state for its stage: ``exp_avg_sq`` until the freeze, then ``frozen_denom``
-        (``sqrt(v̂) + eps``, kept instead of being recomputed at every step)."""
-        self._frozen = frozen
-        self.bucketer.grads_as_views = not frozen and not self.overlap_backward
-        self.flat.expose("exp_avg", self._exp_avg)
-        self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
-        self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
-
-    def _next_kind(self) -> str:
-        """Every step can start during backward: in the compression stage, ``PACKED`` where
-        the fused passes run it (checked again at its first bucket)."""
-        if self.stage == "warmup":
-            return self.engine.warmup_kind
-        return PACKED if self._fused is not None else COMPRESSED
-
-    def _momentum_into_bucket_(self, k: int, grads: Tensor) -> None:
-        """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
-        ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
-        self._packed_stage()  # the packed sender's fallback: unpack first
-        start, end = self.layout.buckets[k]
-        torch.lerp(self._exp_avg[start:end], grads, 1 - self._hyper.beta1, out=grads)
-
-    def _take_step(self) -> None:
-        stage, t = self.stage, self.num_steps + 1
-        if stage == "compression" and not self.overlap_backward:
-            self.engine.clip_own_gradient()
-        fused = stage == "compression" and self._packed_stage() is not None
-        v = self._exp_avg_sq
-        m = None if fused else self._exp_avg[: self.layout.numel]  # packed: may have no storage
-        hyper = self._hyper
-        fused_adam = stage == "warmup" and self._adam.fused_applies(t, hyper)
-        if stage == "warmup":
-            applied, nbytes = self.engine.average_gradients()
-            if applied and not fused_adam:
-                adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
-        elif fused:
-            applied, nbytes = self._fused_compressed_step()
-        else:
-            g = self.engine.grads
-            clip_result = self.bucketer.clip  # sent during backward: SPEC 6
-            if self.engine.at_once():
-                applied, nbytes = self._momentum_at_once(m, g)
-                if applied:
-                    m.copy_(g)
-            else:
-                applied, nbytes = self.engine.communicate(COMPRESSED, out=g if clip_result else m)
-            if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
-                m.mul_(hyper.beta1).lerp_(g, self.clipping.of_mean())
-            if applied:
-                apply_masks_(m, self._masks)
-        if applied and stage == "warmup":
-            if fused_adam:
-                self._adam.fused_step_(self.engine.grads, m, v, t, hyper)
-            else:
-                self._adam.step_from_moments_(m, v, t, hyper)
-            if t == self.freeze_step:
-                self._freeze_variance_(t)
-        elif applied and fused:
-            groups = [(g["lr"], g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
-            lrs, decays = zip(*groups)
-            step_scale = 1 / hyper.bc1(t)
-            self._fused.update_(v, [float(lr) for lr in lrs], decays, step_scale)
-            torch.autograd.graph.increment_version(self.layout.params)  # written through C
-        elif applied:
-            self._adam.adamw_update_(m, v, t, hyper)
-        self._end_step(stage, nbytes, applied)
-
-    def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
-        """The compressed allreduce of the local momentum ``lerp(m, g, 1 - β1)``, every bucket
-        at once, in place over the gradient buffer ``g`` (the bucketer's ``prepare`` and
-        ``_communicate``, bit for bit, in a number of kernels that does not grow with the
-        buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
-        self.engine.gather_grads()
-        torch.lerp(m, g, 1 - self._hyper.beta1, out=g)
-        return self.engine.compressed_allreduce()
-
-    def _freeze_variance_(self, t: int) -> None:
-        """At the end of the last warmup step: fill the zero variances, then keep
-        ``sqrt(v̂) + eps`` in place of ``v`` for the compression stage."""
-        v = self._exp_avg_sq
-        fill_zero_variance_(self.layout.views(v), self._hyper.zero_variance_floor(t))
-        self._hyper.denominator(v, t, out=v)
-        self._set_frozen(True)
-        self.engine.end_warmup()
-        self.bucketer.release()  # the .grad views keep it; the fused stage needs no other
-
-    def _fused_compressed_step(self) -> tuple[bool, int]:
-        """A compression step by the fused passes of :class:`~onebit.wire.momentum.
-        PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed."""
-        applied, nbytes, calls = self.engine.packed_allreduce(self._fused)
-        if applied:
-            if calls is not None:
-                self._fused.finish(calls)
-            self.flat.expose("exp_avg", None)  # packed now: see state_dict()
-        return applied, nbytes
 
     def _stage_state(self) -> StatePart:
         return _FreezeState(self)

@@ -31,6 +31,7 @@ from . import rehearsal
 from .checkpoint import Checkpointed
 from .options import check_masks, check_options
 from .placement import Placement
+from .stage import Stage
 
 
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,9 +70,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     (run here, so that a problem raises on every rank, not one), and ``prepare`` where a 1-bit
     message is not the gradient itself. It says what its steps read from the param groups
     (:meth:`_step_hyperparameters`, :attr:`_group_keys`), makes its buffers in
-    :meth:`_allocate_state`, names them for each stage in :meth:`_set_frozen`, takes each
-    step's update in :meth:`_take_step` and says in :meth:`_next_kind` what the next step sends
-    if that can start during backward.
+    :meth:`_allocate_state`, declares its stages (:attr:`_stage_types`, each a
+    :class:`~onebit.optim.stage.Stage`: the buffers it shows, what it sends, its step's update)
+    and says which one each step runs (:attr:`stage`).
 
     Under ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``) each step reads
     ``grad_scale`` and unscales while copying the gradients into its own buffer, and every rank
@@ -105,6 +106,11 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     _compiles_ahead = True
     """Whether the first warmup step compiles the kernels of the stage to come (not in the
     rehearsal's own copy)."""
+
+    _stage_types: tuple[type[Stage], ...] = ()
+    """The subclass's stages, the first one before the freeze and the first one after it
+    among them; each is made once, at construction, and :attr:`stage` names the one a step
+    runs."""
 
     _rehearsal_options: dict[str, Any] = {}
     """What :func:`~onebit.optim.rehearsal.rehearse` changes in the keyword arguments of its copy,
@@ -164,6 +170,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._prepare = prepare
         self.bucketer = self._new_bucketer()
         self.engine = self._new_engine()
+        self._stages = {stage.name: stage for stage in (s(self) for s in self._stage_types)}
         self.comm_stats = CommStats()
         self.comm_stats.freeze_step = self.freeze.freeze_step
         self.skipped_steps = 0
@@ -174,7 +181,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._allocate_state()
         self._push_next_sender()
 
-    # What each subclass provides (with _allocate_state, _set_frozen, _take_step, _next_kind).
+    # What each subclass provides (with _allocate_state and _stage_types).
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[Any, bool]:
         """What the subclass's step reads from the param groups ``groups`` when it opens (kept
@@ -197,8 +204,23 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     @property
     def stage(self) -> str:
-        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``."""
+        """``"warmup"`` until ``freeze_step`` steps are done, then ``"compression"``: the name
+        of the stage the next step runs."""
         return "warmup" if self.in_warmup else "compression"
+
+    def _set_frozen(self, frozen: bool) -> None:
+        """Name the state for the stages after the freeze (``frozen``) or before it: the first
+        of them gets the state ready (:meth:`~onebit.optim.stage.Stage.enter`), then ``state``
+        shows its buffers and none of the other stages'."""
+        self._frozen = frozen
+        stage = next(s for s in self._stages.values() if s.frozen == frozen)
+        stage.enter()
+        shown = stage.shows()
+        for other in self._stages.values():
+            for name in other.shows().keys() - shown.keys():
+                self.flat.expose(name, None)
+        for name, flat in shown.items():
+            self.flat.expose(name, flat)
 
     # Each step: the hyperparameters and loss scale it runs with, and what it sends.
 
@@ -253,16 +275,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         if self._step is not None:
             self._step.close()
 
-    def _next_kind(self) -> str | None:
-        """What the next step sends, if it can start during backward (``overlap_backward``),
-        else ``None``: a ``kind`` of :meth:`Engine.sender
-        <onebit.transport.engine.Engine.sender>`."""
-        return None
-
     def _push_next_sender(self) -> None:
-        """Give the bucketer what the next step sends (at construction, after each step and
-        after a load)."""
-        kind = self._next_kind() if self.overlap_backward else None
+        """Give the bucketer what the next step sends, if it can start during backward (at
+        construction, after each step and after a load)."""
+        kind = self._stages[self.stage].sends() if self.overlap_backward else None
         sender = None if kind is None else self.engine.sender(kind, packed=self._fused)
         self.bucketer.sender = sender
 
@@ -301,9 +317,11 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         return loss
 
     def _take_step(self) -> None:
-        """The step's update, by the subclass's stages (after :meth:`_start_step`; each stage
-        ends it with :meth:`_end_step`)."""
-        raise NotImplementedError
+        """Take the step in the stage it runs (:attr:`stage`), and end it with what the stage
+        took (after :meth:`_start_step`)."""
+        stage = self._stages[self.stage]
+        taken = stage.step(self.num_steps + 1)
+        self._end_step(stage.name, taken.nbytes, taken.applied, taken.round_skipped)
 
     def _start_step(self) -> None:
         """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
@@ -323,9 +341,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     def _end_step(
         self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
     ) -> None:
-        """End the step a stage took: count it (applied, or skipped on every rank), book its
-        bytes, release what FSDP2 and the bucketer hold between steps, and push what the next
-        step sends; after the first warmup step, compile the next stage's kernels ahead."""
+        """End the step that stage ``stage`` took: count it (applied, or skipped on every
+        rank), book its bytes, release what FSDP2 and the bucketer hold between steps, and push
+        what the next step sends; after the first warmup step, compile the next stage's kernels
+        ahead."""
         first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
         self._close_step()
         self._calls += 1

@@ -25,6 +25,7 @@ from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparame
 from .base import CompressedOptimizer, closes_step_on_error
 from .checkpoint import NoState, StatePart
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count, shared_options
+from .stage import Stage, Taken
 
 
 class Schedule(NamedTuple):
@@ -72,6 +73,277 @@ def run_schedule(
         clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
     var_update_scaler = max(PAPER_SCHEDULE.var_update_scaler, min(var_freeze_step, 128))
     return Schedule(var_update_scaler, max(1, phase_b // clipper.bit_length()), clipper)
+
+
+class _PhaseA(Stage):
+    """A phase-A step: the gradients averaged (by the subclass's :meth:`_average`), then AdamW's
+    update from the momentum and the variance so far. Once 1-bit steps have made the momentum
+    nonzero where the variance is 0, those entries take their tensor's mean variance."""
+
+    def shows(self) -> dict[str, Tensor | None]:
+        opt = self.optimizer
+        return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
+
+    def step(self, t: int) -> Taken:
+        opt = self.optimizer
+        m, v, hyper = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq, opt._hyper
+        applied, nbytes = self._average(m, v)
+        if applied:
+            if opt.var_interval > 1:  # compressed steps have made m nonzero where v is 0
+                floor = hyper.zero_variance_floor(opt._var_updates)
+                filled = opt.engine.grads
+                fill_zero_variance_(opt.layout.views(v), floor, out=opt.layout.views(filled))
+                v = filled
+            denom = hyper.denominator(v, opt._var_updates, out=opt.engine.grads)
+            opt._adam.adamw_update_(m, denom, t, hyper)
+        return Taken(applied, nbytes)
+
+    def _average(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
+        """Average the gradients and update the moments ``m`` and ``v`` with them; return
+        (applied, bytes sent)."""
+        raise NotImplementedError
+
+
+class _Variance(_PhaseA):
+    """Phase A's steps ``t`` with ``t % var_interval == 0``: an fp32 allreduce, and Adam's
+    momentum and variance from it. ``var_interval`` doubles every ``var_update_scaler`` of
+    them."""
+
+    name = "variance"
+
+    def _average(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
+        opt, hyper = self.optimizer, self.optimizer._hyper
+        applied, nbytes = opt.engine.average_gradients()
+        if applied:
+            adam_moments_(m, v, opt.engine.grads, hyper.beta1, hyper.beta2)
+            opt._var_updates += 1
+            opt._var_counter += 1
+            if opt._var_counter == opt.var_update_scaler:
+                opt._var_counter = 0
+                opt.var_interval *= 2
+        return applied, nbytes
+
+
+class _OnebitGradient(_PhaseA):
+    """Phase A's other steps: the gradients through the 1-bit compressed allreduce (each
+    rank's own clipped first), and only the momentum from them."""
+
+    name = "compression"
+
+    def _average(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
+        opt, hyper = self.optimizer, self.optimizer._hyper
+        opt.engine.clip_own_gradient()
+        g = opt.engine.gather_grads()
+        applied, nbytes = opt.engine.compressed_allreduce()  # in place: g is now the estimate
+        if applied:
+            adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
+            apply_masks_(m, opt._masks)
+        return applied, nbytes
+
+
+class _Local(Stage):
+    """Phase B's local steps: each rank steps with its own gradient and momentum over the
+    frozen denominator and sends nothing (a rank whose gradient is not finite drops it). The
+    first step of phase B freezes the denominator and remembers the parameters."""
+
+    name = "local"
+    frozen = True
+
+    def shows(self) -> dict[str, Tensor | None]:
+        opt = self.optimizer
+        return {
+            "exp_avg": opt._exp_avg,
+            "frozen_denom": opt._exp_avg_sq,
+            "sync_params": opt.engine.grads,
+        }
+
+    def step(self, t: int) -> Taken:
+        opt = self.optimizer
+        if not opt._frozen:
+            self._freeze()
+        hyper = opt._hyper
+        m, denom = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
+        grads = [p.grad for p in opt.layout.params]
+        if opt._step.status:
+            opt._close_step()
+            problem = STATUS[opt._step.status] + opt._step.detail()
+            raise RuntimeError(f"{type(opt).__name__}.step(): {problem}")
+        finite, scale = self._verdict(grads)
+        passes = self.passes(grads)
+        if finite and passes is None:
+            momentum_from_grads_(opt.layout.views(m), grads, hyper.beta1, scale)
+            apply_masks_(m, opt._masks)
+            opt._adam.adamw_update_(m, denom, t, hyper)
+        elif not finite:
+            opt.local_skipped_steps += 1
+        step_scale = 1 / hyper.bc1(t)
+        local = (step_scale, scale) if finite and passes is not None else None
+        for i, group in enumerate(opt.param_groups):
+            opt._lrs[i] += group["lr"] * step_scale
+            opt._decay[i] *= 1 - group["lr"] * group["weight_decay"]
+        synced, nbytes = self.average(passes, local)
+        opt._local_step_counter += 1
+        if opt._local_step_counter == opt.local_step_scaler:
+            opt._local_step_counter = 0
+            opt.local_step_interval = min(opt.local_step_clipper, 2 * opt.local_step_interval)
+        opt.skipped_steps += not synced
+        return Taken(True, nbytes, round_skipped=self.name == "local")
+
+    def passes(self, grads: list[Tensor | None]) -> Any | None:
+        """The passes that take the step and its sync together (none for a local step)."""
+        return None
+
+    def average(
+        self, passes: Any | None = None, local: tuple[float, float | None] | None = None
+    ) -> tuple[bool, int]:
+        """The step's communication: (whether it synced, bytes sent); a local step has none."""
+        return True, 0
+
+    def _verdict(self, grads: list[Tensor | None]) -> tuple[bool, float | None]:
+        """Whether a local step's gradients are finite on every shard, and what multiplies
+        this rank's gradient: the inverse loss scale, times the coefficient that clips the
+        unscaled local gradient to ``max_grad_norm``. One read of the device."""
+        opt = self.optimizer
+        inv = opt._step.inv_scale
+        present = [g for g in grads if g is not None]
+        largest = layer_norms(present, ord=math.inf).to(opt.device)  # each gradient's
+        values = [largest]
+        if torch.is_tensor(inv):  # a GradScaler's, left on the device
+            values.append(inv.reshape(1))
+        if opt.max_grad_norm is not None:
+            values += opt.clipping.own(present, opt.shards, inv)
+        read = host.read_all(values).tolist()
+        # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
+        finite = opt.shards.all_(math.isfinite(sum(read[: len(largest)])))
+        scale = read[len(largest)] if torch.is_tensor(inv) else inv
+        if finite and opt.max_grad_norm is not None:
+            opt.grad_norm = read[-2]
+            scale = (scale or 1.0) * read[-1]
+        return finite, None if scale == 1.0 else scale
+
+    def _freeze(self) -> None:
+        """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
+        opt = self.optimizer
+        v = opt._exp_avg_sq
+        floor = opt._hyper.zero_variance_floor(opt._var_updates)
+        fill_zero_variance_(opt.layout.views(v), floor)
+        opt._hyper.denominator(v, opt._var_updates, out=v)
+        for comm in opt.comms:
+            comm.reset()  # they tracked the gradient; from now on they track the local progress
+        anchor = opt.engine.grads
+        torch._foreach_copy_(opt.layout.views(anchor), opt.layout.params)
+        opt._lrs = [0.0] * len(opt.param_groups)
+        opt._decay = [1.0] * len(opt.param_groups)
+        opt._set_frozen(True)
+
+
+class _Sync(_Local):
+    """Phase B's sync steps: the local step, then SPEC 4's sync, which averages through the
+    compressed allreduce how far each rank moved since the last sync and moves every rank to
+    the same place."""
+
+    name = "sync"
+
+    def __init__(self, optimizer: ZeroOneAdam) -> None:
+        super().__init__(optimizer)
+        self._param_bases = host.Uploaded(torch.int64)
+        self._grad_bases = host.Uploaded(torch.int64)
+
+    def passes(self, grads: list[Tensor | None]) -> Any | None:
+        """The Triton passes that take a sync step in two launches around its allreduce
+        (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
+        parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
+        opt = self.optimizer
+        model = opt.engine.model_allreduce()
+        if model is None or opt._masks or not fused_parameters(opt.layout):
+            return None
+        if any(g is not None and g.is_sparse for g in grads):
+            return None
+        return model.passes()
+
+    def average(
+        self, passes: Any | None = None, local: tuple[float, float | None] | None = None
+    ) -> tuple[bool, int]:
+        """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.
+
+        The progress of a rank is ``p - decay·anchor``: where it is, less where weight decay alone
+        would have taken the last synced parameters ``anchor``. The new parameters are computed
+        from the anchor and the averaged progress only, so they are identical on every rank.
+        With ``passes`` (:meth:`passes`) it runs as :meth:`_fused_sync`, which also takes
+        the local step ``local`` of this step first.
+        """
+        if passes is not None:
+            return self._fused_sync(passes, local)
+        opt = self.optimizer
+        n = opt.layout.numel
+        params = opt.layout.params
+        progress, anchor, denom = opt._exp_avg[:n], opt.engine.grads, opt._exp_avg_sq
+        anchors = opt.layout.views(anchor)
+        torch._foreach_copy_(opt.layout.views(progress), params)
+        for (start, end), decay in zip(opt._ranges, opt._decay):
+            progress[start:end].sub_(anchor[start:end], alpha=decay)
+        synced, nbytes = opt.engine.reduce_compressed(opt._exp_avg, post=denom)
+        if synced:
+            for (start, end), decay in zip(opt._ranges, opt._decay):
+                if decay != 1.0:
+                    anchor[start:end].mul_(decay)
+            anchor.addcdiv_(progress, denom)
+            for (start, end), lrs in zip(opt._ranges, opt._lrs):
+                progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
+            apply_masks_(progress, opt._masks)
+        else:
+            progress.zero_()
+        torch._foreach_copy_(params, anchors)
+        low_precision = [(a, p) for a, p in zip(anchors, params) if p.dtype != torch.float32]
+        if low_precision:
+            torch._foreach_copy_([a for a, _ in low_precision], [p for _, p in low_precision])
+        opt._lrs = [0.0] * len(opt.param_groups)
+        opt._decay = [1.0] * len(opt.param_groups)
+        return synced, nbytes
+
+    def _fused_sync(
+        self, passes: Any, local: tuple[float, float | None] | None
+    ) -> tuple[bool, int]:
+        """:meth:`average` with the local step ``local`` (``(1/bias_correction1, gradient
+        scale)``, ``None``: none) in the Triton passes of ``passes``: the allreduce's worker
+        pass takes the local step, the progress and its preconditioning (reading each
+        ``.grad`` and parameter in place), and one pass after it the anchor, the momentum and
+        the parameters (reading the average as it arrived), with the bits of the torch ops."""
+        opt = self.optimizer
+        params, device = opt.layout.params, opt.device
+        rows: list[list[float]] = [[], [], [], []]
+        step_scale = 1.0 if local is None else local[0]
+        for group, lrs, decay in zip(opt.param_groups, opt._lrs, opt._decay):
+            lr, wd, count = group["lr"], group["weight_decay"], len(group["params"])
+            rows[0] += [1 - lr * wd if wd else 1.0] * count
+            rows[1] += [-lr * step_scale] * count
+            rows[2] += [decay] * count
+            rows[3] += [-1 / lrs if lrs > 0 else 0.0] * count
+        step_decay, value, since, factor = host.upload_rows(rows, device, torch.float32)
+        bases = self._param_bases([p.data_ptr() for p in params], device)
+        step, keep = None, []
+        if local is not None:
+            addresses, keep, _ = gradient_addresses(params, opt.layout.strides)
+            grads = self._grad_bases(addresses, device)
+            step = (grads, local[1], 1 - opt._hyper.beta1, step_decay, value)
+        m, denom, anchor = opt._exp_avg, opt._exp_avg_sq, opt.engine.grads
+        model, scale = opt.engine.model_allreduce(), opt.comms[0].scale
+
+        def progress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
+            return passes.sync_progress(bases, m, denom, anchor, since, step, errors, scale,
+                                        headers, message)  # fmt: skip
+
+        opt._begin_step()
+        synced, call = opt.engine.phase1_at_once(
+            model, lambda headers: model.start_from(m, headers, progress)
+        )
+        del keep
+        result = model.commit(call, decompress=False) if synced else None
+        passes.sync_apply(bases, result, m, denom, anchor, since, factor)
+        nbytes = sum(c.bytes_per_call for c in opt.comms)
+        opt._lrs = [0.0] * len(opt.param_groups)
+        opt._decay = [1.0] * len(opt.param_groups)
+        return synced, nbytes
 
 
 class ZeroOneAdam(CompressedOptimizer):
@@ -177,6 +449,7 @@ class ZeroOneAdam(CompressedOptimizer):
     """
 
     _keeps_gradient_buffer = True  # phase B's sync parameters live there
+    _stage_types = (_Variance, _OnebitGradient, _Local, _Sync)
 
     _rehearsal_options = {
         "var_freeze_step": 3,
@@ -236,8 +509,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
-        self._param_bases = host.Uploaded(torch.int64)
-        self._grad_bases = host.Uploaded(torch.int64)
 
     _group_keys = GROUP_KEYS
 
@@ -272,12 +543,6 @@ class ZeroOneAdam(CompressedOptimizer):
             return "variance" if t % self.var_interval == 0 else "compression"
         return "sync" if t % self.local_step_interval == 0 else "local"
 
-    def _take_step(self) -> None:
-        if self.in_warmup:
-            self._variance_phase_step()
-        else:
-            self._local_phase_step()
-
     @closes_step_on_error
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -288,215 +553,11 @@ class ZeroOneAdam(CompressedOptimizer):
         phase A, or if no step was taken since the last sync.
         """
         if self._frozen and any(lrs > 0 for lrs in self._lrs):
-            synced, nbytes = self._sync(self._sync_passes([]))
+            sync = self._stages["sync"]
+            synced, nbytes = sync.average(sync.passes([]))
             self._close_step()
             self.comm_stats.record("synchronize", nbytes)
             self.skipped_steps += not synced
-
-    def _variance_phase_step(self) -> None:
-        n = self.layout.numel
-        m, v = self._exp_avg[:n], self._exp_avg_sq
-        t, hyper = self.num_steps + 1, self._hyper
-        if t % self.var_interval == 0:
-            stage = "variance"
-            applied, nbytes = self.engine.average_gradients()
-            if applied:
-                adam_moments_(m, v, self.engine.grads, hyper.beta1, hyper.beta2)
-                self._count_variance_update()
-        else:
-            stage = "compression"
-            self.engine.clip_own_gradient()
-            g = self.engine.gather_grads()
-            applied, nbytes = self.engine.compressed_allreduce()  # in place: g is now the estimate
-            if applied:
-                adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
-                apply_masks_(m, self._masks)
-        if applied:
-            if self.var_interval > 1:  # compressed steps have made m nonzero where v is 0
-                floor = hyper.zero_variance_floor(self._var_updates)
-                filled = self.engine.grads
-                fill_zero_variance_(self.layout.views(v), floor, out=self.layout.views(filled))
-                v = filled
-            denom = hyper.denominator(v, self._var_updates, out=self.engine.grads)
-            self._adam.adamw_update_(m, denom, t, hyper)
-        self._end_step(stage, nbytes, applied)
-
-    def _count_variance_update(self) -> None:
-        """Count an applied variance step; double ``var_interval`` every ``var_update_scaler``."""
-        self._var_updates += 1
-        self._var_counter += 1
-        if self._var_counter == self.var_update_scaler:
-            self._var_counter = 0
-            self.var_interval *= 2
-
-    def _local_phase_step(self) -> None:
-        if not self._frozen:
-            self._freeze()
-        hyper = self._hyper
-        n = self.layout.numel
-        m, denom = self._exp_avg[:n], self._exp_avg_sq
-        t = self.num_steps + 1
-        params = self.layout.params
-        grads = [p.grad for p in params]
-        if self._step.status:
-            self._close_step()
-            problem = STATUS[self._step.status] + self._step.detail()
-            raise RuntimeError(f"{type(self).__name__}.step(): {problem}")
-        finite, scale = self._local_verdict(grads)
-        sync = t % self.local_step_interval == 0
-        passes = self._sync_passes(grads) if sync else None
-        if finite and passes is None:
-            momentum_from_grads_(self.layout.views(m), grads, hyper.beta1, scale)
-            apply_masks_(m, self._masks)
-            self._adam.adamw_update_(m, denom, t, hyper)
-        elif not finite:
-            self.local_skipped_steps += 1
-        step_scale = 1 / hyper.bc1(t)
-        local = (step_scale, scale) if finite and passes is not None else None
-        for i, group in enumerate(self.param_groups):
-            self._lrs[i] += group["lr"] * step_scale
-            self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
-        synced, nbytes = self._sync(passes, local) if sync else (True, 0)
-        self._local_step_counter += 1
-        if self._local_step_counter == self.local_step_scaler:
-            self._local_step_counter = 0
-            self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
-        self._end_step("sync" if sync else "local", nbytes, True, round_skipped=not sync)
-        self.skipped_steps += not synced
-
-    def _local_verdict(self, grads: list[Tensor | None]) -> tuple[bool, float | None]:
-        """Whether a local step's gradients are finite on every shard, and what multiplies
-        this rank's gradient: the inverse loss scale, times the coefficient that clips the
-        unscaled local gradient to ``max_grad_norm``. One read of the device."""
-        inv = self._step.inv_scale
-        present = [g for g in grads if g is not None]
-        largest = layer_norms(present, ord=math.inf).to(self.device)  # each gradient's
-        values = [largest]
-        if torch.is_tensor(inv):  # a GradScaler's, left on the device
-            values.append(inv.reshape(1))
-        if self.max_grad_norm is not None:
-            values += self.clipping.own(present, self.shards, inv)
-        read = host.read_all(values).tolist()
-        # Each value is at most 3.4e38, so their sum (in fp64) is finite exactly when they are.
-        finite = self.shards.all_(math.isfinite(sum(read[: len(largest)])))
-        scale = read[len(largest)] if torch.is_tensor(inv) else inv
-        if finite and self.max_grad_norm is not None:
-            self.grad_norm = read[-2]
-            scale = (scale or 1.0) * read[-1]
-        return finite, None if scale == 1.0 else scale
-
-    def _freeze(self) -> None:
-        """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
-        v = self._exp_avg_sq
-        floor = self._hyper.zero_variance_floor(self._var_updates)
-        fill_zero_variance_(self.layout.views(v), floor)
-        self._hyper.denominator(v, self._var_updates, out=v)
-        for comm in self.comms:
-            comm.reset()  # they tracked the gradient; from now on they track the local progress
-        anchor = self.engine.grads
-        torch._foreach_copy_(self.layout.views(anchor), self.layout.params)
-        self._lrs = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        self._set_frozen(True)
-
-    def _set_frozen(self, frozen: bool) -> None:
-        self._frozen = frozen
-        self.flat.expose("exp_avg_sq", None if frozen else self._exp_avg_sq)
-        self.flat.expose("frozen_denom", self._exp_avg_sq if frozen else None)
-        self.flat.expose("sync_params", self.engine.grads if frozen else None)
-
-    def _sync_passes(self, grads: list[Tensor | None]) -> Any | None:
-        """The Triton passes that take a sync step in two launches around its allreduce
-        (:meth:`_fused_sync`), where they apply: every bucket at once, fp32 contiguous
-        parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
-        model = self.engine.model_allreduce()
-        if model is None or self._masks or not fused_parameters(self.layout):
-            return None
-        if any(g is not None and g.is_sparse for g in grads):
-            return None
-        return model.passes()
-
-    def _sync(
-        self, passes: Any | None = None, local: tuple[float, float | None] | None = None
-    ) -> tuple[bool, int]:
-        """SPEC 4's sync: average the preconditioned local progress, apply it on every rank.
-
-        The progress of a rank is ``p - decay·anchor``: where it is, less where weight decay alone
-        would have taken the last synced parameters ``anchor``. The new parameters are computed
-        from the anchor and the averaged progress only, so they are identical on every rank.
-        With ``passes`` (:meth:`_sync_passes`) it runs as :meth:`_fused_sync`, which also takes
-        the local step ``local`` of this step first.
-        """
-        if passes is not None:
-            return self._fused_sync(passes, local)
-        n = self.layout.numel
-        params = self.layout.params
-        progress, anchor, denom = self._exp_avg[:n], self.engine.grads, self._exp_avg_sq
-        anchors = self.layout.views(anchor)
-        torch._foreach_copy_(self.layout.views(progress), params)
-        for (start, end), decay in zip(self._ranges, self._decay):
-            progress[start:end].sub_(anchor[start:end], alpha=decay)
-        synced, nbytes = self.engine.reduce_compressed(self._exp_avg, post=denom)
-        if synced:
-            for (start, end), decay in zip(self._ranges, self._decay):
-                if decay != 1.0:
-                    anchor[start:end].mul_(decay)
-            anchor.addcdiv_(progress, denom)
-            for (start, end), lrs in zip(self._ranges, self._lrs):
-                progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
-            apply_masks_(progress, self._masks)
-        else:
-            progress.zero_()
-        torch._foreach_copy_(params, anchors)
-        low_precision = [(a, p) for a, p in zip(anchors, params) if p.dtype != torch.float32]
-        if low_precision:
-            torch._foreach_copy_([a for a, _ in low_precision], [p for _, p in low_precision])
-        self._lrs = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        return synced, nbytes
-
-    def _fused_sync(
-        self, passes: Any, local: tuple[float, float | None] | None
-    ) -> tuple[bool, int]:
-        """:meth:`_sync` with the local step ``local`` (``(1/bias_correction1, gradient
-        scale)``, ``None``: none) in the Triton passes of ``passes``: the allreduce's worker
-        pass takes the local step, the progress and its preconditioning (reading each
-        ``.grad`` and parameter in place), and one pass after it the anchor, the momentum and
-        the parameters (reading the average as it arrived), with the bits of the torch ops."""
-        params, device = self.layout.params, self.device
-        rows: list[list[float]] = [[], [], [], []]
-        step_scale = 1.0 if local is None else local[0]
-        for group, lrs, decay in zip(self.param_groups, self._lrs, self._decay):
-            lr, wd, count = group["lr"], group["weight_decay"], len(group["params"])
-            rows[0] += [1 - lr * wd if wd else 1.0] * count
-            rows[1] += [-lr * step_scale] * count
-            rows[2] += [decay] * count
-            rows[3] += [-1 / lrs if lrs > 0 else 0.0] * count
-        step_decay, value, since, factor = host.upload_rows(rows, device, torch.float32)
-        bases = self._param_bases([p.data_ptr() for p in params], device)
-        step, keep = None, []
-        if local is not None:
-            addresses, keep, _ = gradient_addresses(params, self.layout.strides)
-            grads = self._grad_bases(addresses, device)
-            step = (grads, local[1], 1 - self._hyper.beta1, step_decay, value)
-        m, denom, anchor = self._exp_avg, self._exp_avg_sq, self.engine.grads
-        model, scale = self.engine.model_allreduce(), self.comms[0].scale
-
-        def progress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
-            return passes.sync_progress(bases, m, denom, anchor, since, step, errors, scale,
-                                        headers, message)  # fmt: skip
-
-        self._begin_step()
-        synced, call = self.engine.phase1_at_once(
-            model, lambda headers: model.start_from(m, headers, progress)
-        )
-        del keep
-        result = model.commit(call, decompress=False) if synced else None
-        passes.sync_apply(bases, result, m, denom, anchor, since, factor)
-        nbytes = sum(c.bytes_per_call for c in self.comms)
-        self._lrs = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        return synced, nbytes
 
     def _stage_state(self) -> StatePart:
         return _ScheduleState(self)
