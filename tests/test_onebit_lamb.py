@@ -12,7 +12,7 @@ from reference import RefBucketedAllreduce
 
 import onebit
 from onebit import _native
-from onebit.optim import lamb
+from onebit.optim import lamb_compression
 
 CASE = CASES["lamb"]
 PROBLEM = CASE.problem
@@ -214,11 +214,11 @@ def test_memory_in_the_compression_stage_is_three_model_sizes_and_the_errors():
 @pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
 def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
     """Where the backend has no pass over every bucket (the C kernels), a compression step
-    walks each bucket after its allreduce in blocks (``lamb.BLOCK``): its temporaries are two
-    blocks and the packed messages, whatever the bucket size. The first one, which freezes,
-    commits the worker errors into the fp32 momentum's storage once it has read it, so it
-    holds no second buffer of the model either."""
-    monkeypatch.setattr(lamb, "BLOCK", 1024)
+    walks each bucket after its allreduce in blocks (``lamb_compression.BLOCK``): its
+    temporaries are two blocks and the packed messages, whatever the bucket size. The first
+    one, which freezes, commits the worker errors into the fp32 momentum's storage once it has
+    read it, so it holds no second buffer of the model either."""
+    monkeypatch.setattr(lamb_compression, "BLOCK", 1024)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(300, 100)) for _ in range(4)]
     numel = 4 * 30_000
@@ -231,7 +231,7 @@ def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
             freeze()
 
     compression._freeze = marked_freeze
-    bound = 2 * 4 * lamb.BLOCK + numel // 2  # the messages: a few bits an element
+    bound = 2 * 4 * lamb_compression.BLOCK + numel // 2  # the messages: a few bits an element
     for t in range(5):
         for p in params:
             p.grad = torch.randn_like(p)

@@ -12,7 +12,7 @@ from distributed import run_ranks
 
 import onebit
 from onebit import _native
-from onebit.optim import lamb
+from onebit.optim import lamb_compression
 from onebit.wire import momentum
 
 pytestmark = pytest.mark.skipif(_native.load() is None, reason="needs the C kernels")
@@ -308,10 +308,10 @@ def test_a_state_frozen_before_this_optimizers_freeze_step_is_refused():
 
 def test_lamb_walks_its_buckets_in_blocks_with_the_unfused_bits(monkeypatch):
     """After its allreduce, 1-bit LAMB's compression step on the C kernels walks each bucket in
-    blocks of ``lamb.BLOCK``: with blocks that cut buckets and layers mid-way (weight decay's
-    norms take whole layers), through AMP, a missing gradient and a skipped step, the bits
-    stay the unfused path's."""
-    monkeypatch.setattr(lamb, "BLOCK", 24)
+    blocks of ``lamb_compression.BLOCK``: with blocks that cut buckets and layers mid-way
+    (weight decay's norms take whole layers), through AMP, a missing gradient and a skipped
+    step, the bits stay the unfused path's."""
+    monkeypatch.setattr(lamb_compression, "BLOCK", 24)
     runs = []
     for fused in (True, False):
         model = _model()

@@ -277,13 +277,7 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            check=check,
-            prepare=lambda k, grads: self._stages["compression"].prepare(k, grads),
-            **shared_options(locals()),
-        )
+        super().__init__(params, defaults, check=check, **shared_options(locals()))
 
     _group_keys = GROUP_KEYS
 

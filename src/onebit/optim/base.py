@@ -22,7 +22,6 @@ from torch import Tensor
 from ..freeze import FreezeSchedule
 from ..stats import CommStats
 from ..transport.clipping import Clipping
-from ..transport.engine import Prepare
 from ..transport.header import OpenStep
 from ..transport.sharding import Replicated, has_dtensors
 from ..wire.momentum import PackedMomentumStage
@@ -31,7 +30,7 @@ from . import rehearsal
 from .checkpoint import Checkpointed
 from .options import check_masks, check_options
 from .placement import Placement
-from .stage import Stage
+from .stage import Stage, show_side
 
 
 def closes_step_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,8 +66,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     A subclass passes this constructor its argument checks, ``check``, which raises
     ``ValueError`` or returns the :class:`~onebit.freeze.FreezeSchedule` that ends its warmup
-    (run here, so that a problem raises on every rank, not one), and ``prepare`` where a 1-bit
-    message is not the gradient itself. It says what its steps read from the param groups
+    (run here, so that a problem raises on every rank, not one). It says what its steps read
+    from the param groups
     (:meth:`_step_hyperparameters`, :attr:`_group_keys`), makes its buffers in
     :meth:`_allocate_state`, declares its stages (:attr:`_stage_types`, each a
     :class:`~onebit.optim.stage.Stage`: the buffers it shows, what it sends, its step's update)
@@ -108,9 +107,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     rehearsal's own copy)."""
 
     _stage_types: tuple[type[Stage], ...] = ()
-    """The subclass's stages, the first one before the freeze and the first one after it
-    among them; each is made once, at construction, and :attr:`stage` names the one a step
-    runs."""
+    """The subclass's stages, each made once at construction; :attr:`stage` names a step's."""
 
     _rehearsal_options: dict[str, Any] = {}
     """What :func:`~onebit.optim.rehearsal.rehearse` changes in the keyword arguments of its copy,
@@ -137,7 +134,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         scale_per: str = "tensor",
         warmup_compression: str = "fp32",
         error_dtype: torch.dtype = torch.float32,
-        prepare: Prepare | None = None,
     ) -> None:
         super().__init__(params, defaults)
         self.bias_correction = bias_correction
@@ -167,7 +163,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._build_on_device()
         self._step: OpenStep | None = None
         self._replace_problem: str | None = None
-        self._prepare = prepare
         self.bucketer = self._new_bucketer()
         self.engine = self._new_engine()
         self._stages = {stage.name: stage for stage in (s(self) for s in self._stage_types)}
@@ -209,18 +204,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         return "warmup" if self.in_warmup else "compression"
 
     def _set_frozen(self, frozen: bool) -> None:
-        """Name the state for the stages after the freeze (``frozen``) or before it: the first
-        of them gets the state ready (:meth:`~onebit.optim.stage.Stage.enter`), then ``state``
-        shows its buffers and none of the other stages'."""
+        """Name the state for the stages after the freeze (``frozen``) or before it."""
         self._frozen = frozen
-        stage = next(s for s in self._stages.values() if s.frozen == frozen)
-        stage.enter()
-        shown = stage.shows()
-        for other in self._stages.values():
-            for name in other.shows().keys() - shown.keys():
-                self.flat.expose(name, None)
-        for name, flat in shown.items():
-            self.flat.expose(name, flat)
+        show_side(self._stages.values(), frozen, self.flat)
 
     # Each step: the hyperparameters and loss scale it runs with, and what it sends.
 
@@ -275,6 +261,11 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         if self._step is not None:
             self._step.close()
 
+    def _prepare(self, k: int, grads: Tensor) -> None:
+        """Turn bucket ``k``'s gathered gradients ``grads`` into what the step's stage sends of
+        them (:meth:`~onebit.optim.stage.Stage.prepare`): the engine's ``prepare``."""
+        self._stages[self.stage].prepare(k, grads)
+
     def _push_next_sender(self) -> None:
         """Give the bucketer what the next step sends, if it can start during backward (at
         construction, after each step and after a load)."""
@@ -316,13 +307,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._take_step()
         return loss
 
-    def _take_step(self) -> None:
-        """Take the step in the stage it runs (:attr:`stage`), and end it with what the stage
-        took (after :meth:`_start_step`)."""
-        stage = self._stages[self.stage]
-        taken = stage.step(self.num_steps + 1)
-        self._end_step(stage.name, taken.nbytes, taken.applied, taken.round_skipped)
-
     def _start_step(self) -> None:
         """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
         no gradient sent during backward was changed since."""
@@ -338,13 +322,13 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         with self.bucketer.no_sync():
             yield
 
-    def _end_step(
-        self, stage: str, nbytes: int, applied: bool, round_skipped: bool = False
-    ) -> None:
-        """End the step that stage ``stage`` took: count it (applied, or skipped on every
-        rank), book its bytes, release what FSDP2 and the bucketer hold between steps, and push
-        what the next step sends; after the first warmup step, compile the next stage's kernels
-        ahead."""
+    def _take_step(self) -> None:
+        """Take the step in the stage it runs (:attr:`stage`), then end it: count it (applied,
+        or skipped on every rank), book its bytes, release what FSDP2 and the bucketer hold
+        between steps, and push what the next step sends; after the first warmup step, compile
+        the next stage's kernels ahead."""
+        running = self._stages[self.stage]
+        applied, nbytes, round_skipped = running.step(self.num_steps + 1)
         first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
         self._close_step()
         self._calls += 1
@@ -352,7 +336,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         if self.shards.sharded and not self._keeps_gradient_buffer:
             self.bucketer.release()
         self.bucketer.armed = True
-        self.comm_stats.record(stage, nbytes, round_skipped)
+        self.comm_stats.record(running.name, nbytes, round_skipped)
         if applied:
             self.num_steps += 1
         else:

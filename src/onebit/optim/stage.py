@@ -11,9 +11,12 @@ buffers as ``optimizer.state`` shows them there (:meth:`Stage.shows`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from torch import Tensor
+
+from ..state.flat_state import FlatState
 
 
 class Taken(NamedTuple):
@@ -64,7 +67,27 @@ class Stage:
         <onebit.transport.engine.Engine.sender>`; ``None`` if it cannot."""
         return None
 
+    def prepare(self, k: int, grads: Tensor) -> None:
+        """Turn bucket ``k``'s gathered gradients ``grads``, in place, into what a 1-bit step of
+        this stage sends of them (1-bit Adam: its momentum); by default, the gradients
+        themselves."""
+
     def step(self, t: int) -> Taken:
         """Take step ``t`` (1-based) of the optimizer, whose step is open: exchange what the
         stage sends through the engine and apply its update where every rank may."""
         raise NotImplementedError
+
+
+def show_side(stages: Iterable[Stage], frozen: bool, flat: FlatState) -> None:
+    """Name an optimizer's state for its stages after the freeze (``frozen``) or before it: the
+    first of ``stages`` on that side gets the state ready (:meth:`Stage.enter`), then ``flat``
+    shows its buffers (:meth:`Stage.shows`) and none of the other stages'."""
+    stages = list(stages)
+    first = next(s for s in stages if s.frozen == frozen)
+    first.enter()
+    shown = first.shows()
+    for other in stages:
+        for name in other.shows().keys() - shown.keys():
+            flat.expose(name, None)
+    for name, buffer in shown.items():
+        flat.expose(name, buffer)
