@@ -7,10 +7,15 @@ and through ``onebit.fsdp.save`` on a 2x2 FSDP2 mesh. A change to the library mu
 loading, bit for bit; that they were written by older code is the point, so they are never
 rewritten. ``python tests/test_saved_checkpoints.py`` writes those that are missing (a new case
 added below), and nothing else.
+
+Bits are compared where this machine's float arithmetic is the saver's
+(:func:`rounds_as_the_saver`). Another CPU's matrix kernels round the model's gradients apart,
+by about 1e-8, so there the continuations are compared within :data:`ROUNDING`, with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import warnings
@@ -54,6 +59,44 @@ ONE_PROCESS = {
 NAMES = ["adam", "lamb", "zero_one"]
 SAVE_AT = 7  # on ranks: after the freeze; ZeroOneAdam's replicas differ after its local step 7
 
+ROUNDING = 1e-6
+"""How far the parameters may be from the saved continuation's where this machine does not
+round as the saver did: three steps apart by a few float32 roundings of the gradients (3e-8 at
+most on an AVX-512 Xeon against fixtures saved on an AMD EPYC). A load that loses any part of
+the state moves them by 3e-3 or more (measured on every case: error buffers reset, or the step
+count one off), and one that loads nothing by 4e-2 or more."""
+
+
+@functools.cache
+def rounds_as_the_saver() -> bool:
+    """Whether this machine's arithmetic is that of the machine that saved the fixtures.
+
+    torch's own ``AdamW``, which 1-bit Adam's warmup is bit for bit, replays the two steps that
+    made ``adam_warmup``'s model; on the saver's machine it reaches that model exactly. No
+    change to onebit can change the answer.
+    """
+    model = make_model()
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    _steps(model, reference, 0, 1, ONE_PROCESS["adam_warmup"][2])
+    saved = torch.load(HERE / "adam_warmup.pt", weights_only=True)["model"]
+    same = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    if not same:
+        warnings.warn(
+            f"this machine rounds apart from the one that saved tests/checkpoints: the saved "
+            f"checkpoints' continuations are compared within {ROUNDING}, not bit for bit",
+            stacklevel=2,
+        )
+    return same
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor], exact: bool) -> bool:
+    """Whether the parameters ``got`` are the saved ones, ``want``: bit for bit if ``exact``,
+    else within :data:`ROUNDING`."""
+    if exact:
+        return all_equal(got, want)
+    close = (torch.allclose(a, b, rtol=0.0, atol=ROUNDING) for a, b in zip(got, want))
+    return len(got) == len(want) and all(close)
+
 
 def _steps(model, opt, rank: int, start: int, stop: int) -> None:
     for step in range(start, stop + 1):
@@ -92,7 +135,7 @@ def test_a_saved_state_loads_and_steps_to_the_same_bits(case, monkeypatch):
     _load(opt, saved["optimizer"])
     assert opt.num_steps == save_at
     _steps(model, opt, 0, save_at + 1, save_at + AFTER)
-    assert all_equal(params_of(model), saved["after"])
+    assert _same(params_of(model), saved["after"], rounds_as_the_saver())
     assert opt.stage == saved["stage"]
 
 
@@ -118,7 +161,9 @@ def _ranks_write(rank: int, world_size: int) -> dict:
     return out
 
 
-def _ranks_check(rank: int, world_size: int, files: dict[str, str]) -> dict[str, list[bool]]:
+def _ranks_check(
+    rank: int, world_size: int, files: dict[str, str], exact: bool
+) -> dict[str, list[bool]]:
     use_backend(BACKEND)
     results = {}
     for name, path in files.items():
@@ -131,7 +176,7 @@ def _ranks_check(rank: int, world_size: int, files: dict[str, str]) -> dict[str,
             opt = make_optimizer(name, model.parameters())
             _load(opt, state)
             _steps(model, opt, rank, SAVE_AT + 1, SAVE_AT + AFTER)
-            same.append(all_equal(params_of(model), mine["after"]))
+            same.append(_same(params_of(model), mine["after"], exact))
         results[name] = same
     return results
 
@@ -139,7 +184,7 @@ def _ranks_check(rank: int, world_size: int, files: dict[str, str]) -> dict[str,
 def test_states_saved_on_two_ranks_load_and_step_to_the_same_bits(monkeypatch):
     use_backend(BACKEND, monkeypatch)
     files = {name: str(HERE / f"ranks2_{name}.pt") for name in NAMES}
-    for result in run_ranks(_ranks_check, 2, files):
+    for result in run_ranks(_ranks_check, 2, files, rounds_as_the_saver()):
         assert result == {name: [True, True] for name in NAMES}, result
 
 
@@ -177,7 +222,7 @@ def _fsdp2_write(rank: int, world_size: int, directory: str) -> dict:
     return out
 
 
-def _fsdp2_check(rank: int, world_size: int, directory: str) -> dict[str, bool]:
+def _fsdp2_check(rank: int, world_size: int, directory: str, exact: bool) -> dict[str, bool]:
     use_backend(BACKEND)
     after = torch.load(os.path.join(directory, "fsdp2_after.pt"), weights_only=True)["ranks"]
     results = {}
@@ -187,14 +232,14 @@ def _fsdp2_check(rank: int, world_size: int, directory: str) -> dict[str, bool]:
             warnings.simplefilter("error")
             onebit.fsdp.load(model, opt, os.path.join(directory, f"fsdp2_{name}"))
         _steps(model, opt, rank, SAVE_AT + 1, SAVE_AT + AFTER)
-        results[name] = all_equal(_local(model), after[rank][name])
+        results[name] = _same(_local(model), after[rank][name], exact)
     return results
 
 
 @pytest.mark.slow
 def test_fsdp2_checkpoints_load_and_step_to_the_same_bits(monkeypatch):
     use_backend(BACKEND, monkeypatch)
-    for result in run_ranks(_fsdp2_check, 4, str(HERE)):
+    for result in run_ranks(_fsdp2_check, 4, str(HERE), rounds_as_the_saver()):
         assert result == {name: True for name in NAMES}, result
 
 
