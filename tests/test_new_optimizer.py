@@ -45,6 +45,7 @@ class _Warmup(Stage):
     """SGD with momentum on gradients averaged by an fp32 allreduce, as SGD + DDP."""
 
     name = "warmup"
+    names = ("momentum_buffer",)
 
     def shows(self) -> dict[str, Tensor | None]:
         return {"momentum_buffer": self.optimizer._momentum}
@@ -69,6 +70,7 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
+    names = ("momentum_buffer",)
 
     def shows(self) -> dict[str, Tensor | None]:
         return {"momentum_buffer": self.optimizer._momentum}

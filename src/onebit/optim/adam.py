@@ -26,6 +26,7 @@ class _Warmup(Stage):
     for the compression stage."""
 
     name = "warmup"
+    names = ("exp_avg", "exp_avg_sq")
 
     def shows(self) -> dict[str, Tensor | None]:
         opt = self.optimizer
@@ -72,6 +73,7 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
+    names = ("exp_avg", "frozen_denom")
 
     def shows(self) -> dict[str, Tensor | None]:
         opt = self.optimizer

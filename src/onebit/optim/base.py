@@ -67,9 +67,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     A subclass passes this constructor its argument checks, ``check``, which raises
     ``ValueError`` or returns the :class:`~onebit.freeze.FreezeSchedule` that ends its warmup
     (run here, so that a problem raises on every rank, not one). It says what its steps read
-    from the param groups
-    (:meth:`_step_hyperparameters`, :attr:`_group_keys`), makes its buffers in
-    :meth:`_allocate_state`, declares its stages (:attr:`_stage_types`, each a
+    from the param groups (:meth:`_step_hyperparameters`, :attr:`_group_keys`), makes its
+    buffers in :meth:`_allocate_state`, declares its stages (:attr:`_stage_types`, each a
     :class:`~onebit.optim.stage.Stage`: the buffers it shows, what it sends, its step's update)
     and says which one each step runs (:attr:`stage`).
 

@@ -26,6 +26,7 @@ class _Warmup(Stage):
     trust ratio for the freeze."""
 
     name = "warmup"
+    names = ("exp_avg", "exp_avg_sq")
 
     def shows(self) -> dict[str, Tensor | None]:
         opt = self.optimizer

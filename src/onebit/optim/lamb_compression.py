@@ -46,6 +46,7 @@ class LambCompression(Stage):
 
     name = "compression"
     frozen = True
+    names = ("exp_avg", "frozen_denom", "exp_avg_sq_fresh")
 
     def __init__(self, optimizer: OnebitLamb) -> None:
         super().__init__(optimizer)

@@ -43,17 +43,19 @@ class Stage:
             bytes under.
         frozen: whether it runs after the freeze. The stages on one side of it show the same
             buffers; a checkpoint saves which side the state is on.
+        names: the names under which ``optimizer.state`` shows its buffers (:meth:`shows`).
     """
 
     name: str = ""
     frozen: bool = False
+    names: tuple[str, ...] = ()
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
 
     def shows(self) -> dict[str, Tensor | None]:
         """The flat buffers ``optimizer.state`` shows per parameter while this stage runs, by
-        name (in the order they are shown)."""
+        its :attr:`names` (in that order; ``None``: not shown)."""
         return {}
 
     def enter(self) -> None:
@@ -81,13 +83,15 @@ class Stage:
 def show_side(stages: Iterable[Stage], frozen: bool, flat: FlatState) -> None:
     """Name an optimizer's state for its stages after the freeze (``frozen``) or before it: the
     first of ``stages`` on that side gets the state ready (:meth:`Stage.enter`), then ``flat``
-    shows its buffers (:meth:`Stage.shows`) and none of the other stages'."""
+    shows its buffers (:meth:`Stage.shows`) and none of the others of any stage's
+    :attr:`~Stage.names`."""
     stages = list(stages)
     first = next(s for s in stages if s.frozen == frozen)
     first.enter()
     shown = first.shows()
-    for other in stages:
-        for name in other.shows().keys() - shown.keys():
-            flat.expose(name, None)
+    if tuple(shown) != first.names:
+        raise TypeError(f"{type(first).__name__} shows {tuple(shown)}, not its names {first.names}")
+    for name in {name for other in stages for name in other.names} - shown.keys():
+        flat.expose(name, None)
     for name, buffer in shown.items():
         flat.expose(name, buffer)

@@ -34,6 +34,8 @@ class _PhaseA(Stage):
     update from the momentum and the variance so far. Once 1-bit steps have made the momentum
     nonzero where the variance is 0, those entries take their tensor's mean variance."""
 
+    names = ("exp_avg", "exp_avg_sq")
+
     def shows(self) -> dict[str, Tensor | None]:
         opt = self.optimizer
         return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
@@ -102,6 +104,7 @@ class _Local(Stage):
 
     name = "local"
     frozen = True
+    names = ("exp_avg", "frozen_denom", "sync_params")
 
     def shows(self) -> dict[str, Tensor | None]:
         opt = self.optimizer
