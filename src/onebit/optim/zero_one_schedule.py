@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 
 class Schedule(NamedTuple):
-    """0/1 Adam's schedule knobs (:class:`ZeroOneAdam` documents each)."""
+    """0/1 Adam's schedule knobs (:class:`~onebit.ZeroOneAdam` documents each)."""
 
     var_update_scaler: int
     local_step_scaler: int
@@ -23,7 +23,7 @@ def run_schedule(
     total_steps: int, var_freeze_step: int, local_step_clipper: int | None = None
 ) -> Schedule:
     """0/1 Adam's schedule sized for a run of ``total_steps`` that freezes at
-    ``var_freeze_step``, the defaults of :class:`ZeroOneAdam` told ``total_steps``.
+    ``var_freeze_step``, the defaults of :class:`~onebit.ZeroOneAdam` told ``total_steps``.
 
     The rules:
 
