@@ -52,9 +52,11 @@ NON_DEFAULT = {
 @pytest.mark.parametrize("entry", registry.OPTIMIZERS, ids=lambda e: e.name)
 def test_every_shared_setting_an_optimizer_takes_reaches_it(entry):
     """Each setting of ``options.SHARED_OPTIONS`` that an optimizer's signature lists gets to
-    the base (``shared_options(locals())``), so a non-default value changes the optimizer."""
+    the base (``shared_options(locals())``), so a non-default value changes the optimizer; so
+    does ``bias_correction``, which each of the Adam family keeps itself."""
     takes = set(inspect.signature(entry.cls).parameters)
-    shared = [name for name in SHARED_OPTIONS if name in takes and name != "process_group"]
+    settings = [*SHARED_OPTIONS, "bias_correction"]
+    shared = [name for name in settings if name in takes and name != "process_group"]
     assert set(shared) <= set(NON_DEFAULT) and "bucket_size" in shared
     required = {"freeze_step": 3} if "freeze_step" in takes else {"var_freeze_step": 3}
     for name in shared:

@@ -278,10 +278,12 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
             return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
 
+        self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
 
     _group_keys = GROUP_KEYS
+    _agreed = ("bias_correction",)
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
         return AdamHyper.of(groups, self.bias_correction)

@@ -126,7 +126,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None,
         bucket_size: int,
         check: Callable[[], FreezeSchedule],
-        bias_correction: bool = True,
         max_grad_norm: float | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         overlap_backward: bool = False,
@@ -135,7 +134,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(params, defaults)
-        self.bias_correction = bias_correction
         self.scale_per = scale_per
         self.warmup_compression = warmup_compression
         self.error_dtype = error_dtype

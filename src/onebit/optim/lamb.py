@@ -196,7 +196,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
 
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
-        self.factor_threshold = factor_threshold
+        self.factor_threshold, self.bias_correction = factor_threshold, bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
         layers = len(self.layout.params)
@@ -208,6 +208,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
         self._coeffs = torch.ones(layers)
 
     _group_keys = GROUP_KEYS
+    _agreed = ("bias_correction",)
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
         return AdamHyper.of(groups, self.bias_correction)

@@ -32,7 +32,6 @@ that no tensor's magnitude sets another's step; ``"bucket"``, one scale per buck
 SHARED_OPTIONS = (
     "process_group",
     "bucket_size",
-    "bias_correction",
     "scale_per",
     "exp_avg_mask",
     "max_grad_norm",

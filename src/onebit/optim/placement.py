@@ -135,8 +135,11 @@ class Placement:
         """Each param group's :attr:`_group_keys`, as plain values."""
         return [tuple(_plain(g[key]) for key in self._group_keys) for g in self.param_groups]
 
+    _agreed: tuple[str, ...] = ()
+    """The subclass's own attributes that every rank must agree on (as :meth:`_settings`)."""
+
     def _settings(self) -> dict[str, Any]:
-        """What every rank must agree on; subclasses add their own knobs."""
+        """What every rank must agree on; subclasses add their own knobs (:attr:`_agreed`)."""
         return {
             "optimizer": type(self).__name__,
             "shapes": [tuple(p.shape) for p in self.layout.params],
@@ -148,12 +151,12 @@ class Placement:
             "error_dtype": str(self.error_dtype),
             "param groups": self._group_hyperparameters(),
             "max_grad_norm": self.max_grad_norm,
-            "bias_correction": self.bias_correction,
             "freeze_step": self.freeze.freeze_step,
             "auto_freeze": self.freeze.auto_freeze,
             "overlap_backward": self.overlap_backward,
             "exp_avg_mask": [offset for offset, _ in self._masks],
             **self.shards.settings(),
+            **{name: getattr(self, name) for name in self._agreed},
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

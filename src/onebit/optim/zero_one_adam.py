@@ -455,6 +455,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 setattr(self, name, default if value is None else value)
             return FreezeSchedule(self.var_freeze_step)
 
+        self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
         self._ranges = _group_ranges(self.param_groups)
@@ -468,6 +469,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_skipped_steps = 0
 
     _group_keys = GROUP_KEYS
+    _agreed = ("bias_correction",)
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
         return AdamHyper.of(groups, self.bias_correction)
