@@ -57,7 +57,11 @@ def make(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 def _train(rank, world_size, name, rule):
     if not rule:  # the rule switched off, to show what it prevents
-        for module in (onebit.optim.adam, onebit.optim.zero_one_adam, onebit.optim.lamb):
+        for module in (
+            onebit.optim.adam,
+            onebit.optim.zero_one_adam,
+            onebit.optim.lamb_compression,
+        ):
             module.fill_zero_variance_ = lambda variances, floor=0.0, out=None: (
                 out is not None and [o.copy_(v) for o, v in zip(out, variances)]
             )
