@@ -209,8 +209,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     def _begin_step(self, follow: bool = True) -> OpenStep:
         """Open the step: read its hyperparameters, make its headers (an
-        :class:`~onebit.transport.header.OpenStep`), and return it; idempotent until
-        :meth:`_end_step`.
+        :class:`~onebit.transport.header.OpenStep`), and return it; idempotent until the step
+        ends (:meth:`_take_step`).
 
         Runs at the first bucket launched (during backward with ``overlap_backward``, without
         ``follow``) or at the start of ``step()``, where it first follows ``param_groups`` to

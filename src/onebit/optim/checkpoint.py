@@ -379,8 +379,8 @@ class Checkpointed:
     it."""
 
     def _set_frozen(self, frozen: bool) -> None:
-        """Name the subclass's state in ``state`` for the warmup or, ``frozen``, the stage after
-        it."""
+        """Name the state in ``state`` for the stages before the freeze or, ``frozen``, after it
+        (the base's, through its stages)."""
         raise NotImplementedError
 
     def _stage_state(self) -> StatePart:
