@@ -45,10 +45,7 @@ class _Warmup(Stage):
     """SGD with momentum on gradients averaged by an fp32 allreduce, as SGD + DDP."""
 
     name = "warmup"
-    names = ("momentum_buffer",)
-
-    def shows(self) -> dict[str, Tensor | None]:
-        return {"momentum_buffer": self.optimizer._momentum}
+    shows = {"momentum_buffer": "_momentum"}
 
     def sends(self) -> str:
         return self.optimizer.engine.warmup_kind
@@ -70,10 +67,7 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
-    names = ("momentum_buffer",)
-
-    def shows(self) -> dict[str, Tensor | None]:
-        return {"momentum_buffer": self.optimizer._momentum}
+    shows = {"momentum_buffer": "_momentum"}
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer

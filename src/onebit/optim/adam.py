@@ -13,7 +13,7 @@ from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 from ..transport.engine import COMPRESSED, PACKED
 from ..wire.momentum import PacksMomentum
-from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
@@ -26,11 +26,7 @@ class _Warmup(Stage):
     for the compression stage."""
 
     name = "warmup"
-    names = ("exp_avg", "exp_avg_sq")
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
+    shows = MOMENTS
 
     def enter(self) -> None:
         opt = self.optimizer
@@ -73,11 +69,7 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
-    names = ("exp_avg", "frozen_denom")
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        return {"exp_avg": opt._exp_avg, "frozen_denom": opt._exp_avg_sq}
+    shows = {"exp_avg": "_exp_avg", "frozen_denom": "_exp_avg_sq"}
 
     def enter(self) -> None:
         self.optimizer.bucketer.grads_as_views = False

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_moments_, scaled_sub_, trust_ratio
 from ..wire.momentum import PacksMomentum
-from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .lamb_compression import LambCompression
@@ -26,11 +26,7 @@ class _Warmup(Stage):
     trust ratio for the freeze."""
 
     name = "warmup"
-    names = ("exp_avg", "exp_avg_sq")
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
+    shows = MOMENTS
 
     def enter(self) -> None:
         opt = self.optimizer

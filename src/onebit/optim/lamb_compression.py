@@ -46,7 +46,11 @@ class LambCompression(Stage):
 
     name = "compression"
     frozen = True
-    names = ("exp_avg", "frozen_denom", "exp_avg_sq_fresh")
+    shows = {
+        "exp_avg": "_exp_avg",
+        "frozen_denom": "_exp_avg_sq",
+        "exp_avg_sq_fresh": "_exp_avg_sq_fresh",
+    }
 
     def __init__(self, optimizer: OnebitLamb) -> None:
         super().__init__(optimizer)
@@ -54,11 +58,6 @@ class LambCompression(Stage):
         self._addresses = host.Uploaded(torch.int64)
         self._uploaded_decays = host.Uploaded(torch.float32)
         self._scratches: dict[int, Tensor] = {}  # see _scratch
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        fresh = opt._exp_avg_sq_fresh
-        return {"exp_avg": opt._exp_avg, "frozen_denom": opt._exp_avg_sq, "exp_avg_sq_fresh": fresh}
 
     def enter(self) -> None:
         opt = self.optimizer

@@ -6,7 +6,7 @@ Each is a :class:`Stage`. The optimizer declares its stages (``_stage_types``) a
 one each step runs (``stage``); the step template of
 :class:`~onebit.optim.base.CompressedOptimizer` runs that stage's :meth:`Stage.step` and ends
 the step with what it returns. The stages on either side of the freeze name the optimizer's
-buffers as ``optimizer.state`` shows them there (:meth:`Stage.shows`).
+buffers as ``optimizer.state`` shows them there (:attr:`Stage.shows`).
 """
 
 from __future__ import annotations
@@ -43,24 +43,21 @@ class Stage:
             bytes under.
         frozen: whether it runs after the freeze. The stages on one side of it show the same
             buffers; a checkpoint saves which side the state is on.
-        names: the names under which ``optimizer.state`` shows its buffers (:meth:`shows`).
+        shows: what ``optimizer.state`` shows per parameter while it runs: each name, and
+            the optimizer's attribute that holds its flat buffer (``None`` there: not shown),
+            in the order shown.
     """
 
     name: str = ""
     frozen: bool = False
-    names: tuple[str, ...] = ()
+    shows: dict[str, str] = {}
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
 
-    def shows(self) -> dict[str, Tensor | None]:
-        """The flat buffers ``optimizer.state`` shows per parameter while this stage runs, by
-        its :attr:`names` (in that order; ``None``: not shown)."""
-        return {}
-
     def enter(self) -> None:
         """Get the optimizer's state ready for the stages on this side of the freeze, before
-        :meth:`shows` is read (at construction, at the freeze, and when a checkpoint is
+        what it :attr:`shows` is read (at construction, at the freeze, and when a checkpoint is
         loaded)."""
 
     def sends(self) -> str | None:
@@ -83,15 +80,11 @@ class Stage:
 def show_side(stages: Iterable[Stage], frozen: bool, flat: FlatState) -> None:
     """Name an optimizer's state for its stages after the freeze (``frozen``) or before it: the
     first of ``stages`` on that side gets the state ready (:meth:`Stage.enter`), then ``flat``
-    shows its buffers (:meth:`Stage.shows`) and none of the others of any stage's
-    :attr:`~Stage.names`."""
+    shows what it :attr:`~Stage.shows`, and none of what the others show."""
     stages = list(stages)
     first = next(s for s in stages if s.frozen == frozen)
     first.enter()
-    shown = first.shows()
-    if tuple(shown) != first.names:
-        raise TypeError(f"{type(first).__name__} shows {tuple(shown)}, not its names {first.names}")
-    for name in {name for other in stages for name in other.names} - shown.keys():
+    for name in {name for other in stages for name in other.shows} - first.shows.keys():
         flat.expose(name, None)
-    for name, buffer in shown.items():
-        flat.expose(name, buffer)
+    for name, attribute in first.shows.items():
+        flat.expose(name, getattr(first.optimizer, attribute))

@@ -21,7 +21,7 @@ from ..functional import (
 from ..kernels.fused import gradient_addresses
 from ..transport.header import STATUS
 from ..wire.momentum import fused_parameters
-from .adam_step import GROUP_KEYS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer, closes_step_on_error
 from .checkpoint import NoState, StatePart
 from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count, shared_options
@@ -34,11 +34,7 @@ class _PhaseA(Stage):
     update from the momentum and the variance so far. Once 1-bit steps have made the momentum
     nonzero where the variance is 0, those entries take their tensor's mean variance."""
 
-    names = ("exp_avg", "exp_avg_sq")
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        return {"exp_avg": opt._exp_avg, "exp_avg_sq": opt._exp_avg_sq}
+    shows = MOMENTS
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
@@ -104,15 +100,7 @@ class _Local(Stage):
 
     name = "local"
     frozen = True
-    names = ("exp_avg", "frozen_denom", "sync_params")
-
-    def shows(self) -> dict[str, Tensor | None]:
-        opt = self.optimizer
-        return {
-            "exp_avg": opt._exp_avg,
-            "frozen_denom": opt._exp_avg_sq,
-            "sync_params": opt.engine.grads,
-        }
+    shows = {"exp_avg": "_exp_avg", "frozen_denom": "_exp_avg_sq", "sync_params": "_sync_params"}
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
@@ -481,6 +469,11 @@ class ZeroOneAdam(CompressedOptimizer):
         self.flat.expose("exp_avg", self._exp_avg)
         self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
         self._set_frozen(False)
+
+    @property
+    def _sync_params(self) -> Tensor:
+        """The parameters of the last sync, phase B's: kept in the gradient buffer."""
+        return self.engine.grads
 
     def _settings(self) -> dict[str, Any]:
         return {
