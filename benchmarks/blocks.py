@@ -25,10 +25,10 @@ from onebit.kernels import triton_common, triton_kernels, triton_model, triton_q
 
 MODULES = (triton_common, triton_kernels, triton_model, triton_quantized)  # each reads BLOCK
 PER_ELEMENT = {
-    "_y_pass", "_momentum_pass", "_momentum_update", "_decompress", "_solo_pass", "_worker_pass",
-    "_input_pass", "_serve_pass", "_update_pass", "_lamb_pass", "_decompress_pass",
-    "_worker_quantize", "_worker_errors", "_server_quantize", "_sync_progress_pass",
-    "_sync_apply_pass",
+    "y_pass", "momentum_pass", "momentum_update_kernel", "decompress_kernel", "solo_pass",
+    "worker_pass", "input_pass", "serve_pass", "update_pass", "lamb_pass", "decompress_pass",
+    "_worker_quantize", "_worker_errors", "_server_quantize", "sync_progress_pass",
+    "sync_apply_pass",
 }  # fmt: skip
 STEPS = "OnebitAdam warmup, int8;OnebitAdam compression step;OnebitLamb compression step"
 CONFIGS = "4096:16,2048:8,1024:4,1024:8,default"

@@ -127,7 +127,7 @@ def test_triton_on_cuda_follows_the_torch_reference(name, monkeypatch):
     monkeypatch.setenv(kernels.ENV, "torch")
     want_stages, want, _ = _trajectory_on(cuda, case)
     assert stages == want_stages
-    assert (getattr(opt, "_fused", None) is not None) == (name != "zero_one")
+    assert (getattr(opt, "packed_momentum", None) is not None) == (name != "zero_one")
     for t, (p, q) in enumerate(zip(got, want), start=1):
         assert float((p - q).abs().max()) <= ATOL, (name, t)
 

@@ -313,8 +313,8 @@ def test_triton_allreduce_one_passes_over_the_buffer_twice(monkeypatch, scale):
                                                           (numel, 3)])  # fmt: skip
     launched = _triton_launches(monkeypatch)
     assert allreduce_one_(x, error, server_error, torch.empty(numel), scale)
-    passes = ["_solo_pass"] * (2 if scale == "rms" else 3)
-    assert [name for name in launched if name != "_solo_scales"] == passes
+    passes = ["solo_pass"] * (2 if scale == "rms" else 3)
+    assert [name for name in launched if name != "solo_scales"] == passes
     assert len(launched) == 2 * len(passes) - 1
 
 

@@ -71,7 +71,8 @@ def _pair(rank: int, world_size: int, name: str, loop: str, backend: str):
         assert comm_bf16.worker_error.dtype == comm_bf16.server_error.dtype == torch.bfloat16
         errors.append(torch.equal(comm.worker_error.bfloat16(), comm_bf16.worker_error))
         errors.append(torch.equal(comm.server_error.bfloat16(), comm_bf16.server_error))
-    packed = getattr(opt_bf16, "_fused", None) is not None and opt_bf16._fused.packed is not None
+    stage = getattr(opt_bf16, "packed_momentum", None)
+    packed = stage is not None and stage.packed is not None
     skipped = opt_bf16.skipped_steps + getattr(opt_bf16, "local_skipped_steps", 0)
     return same, errors, skipped, packed
 
@@ -151,9 +152,9 @@ def test_bf16_errors_take_half_the_memory(name):
         assert opt.stage in ("compression", "local")
         held[dtype] = storage_bytes(opt)
         padded = sum(c.padded_numel for c in opt.comms)  # the server's chunk is all of it
-        if opt._fused is not None:
-            assert opt._fused.packed is not None
-            assert opt._exp_avg.untyped_storage().nbytes() == (0 if dtype != torch.float32 else
+        if opt.packed_momentum is not None:
+            assert opt.packed_momentum.packed is not None
+            assert opt.exp_avg.untyped_storage().nbytes() == (0 if dtype != torch.float32 else
                                                                4 * padded)  # fmt: skip
     assert held[torch.float32] - held[torch.bfloat16] == 2 * padded + 2 * padded
 
@@ -218,13 +219,13 @@ def test_the_packed_momentum_comes_back_when_the_parameters_stop_suiting_the_ker
         opt = make_optimizer("adam", model.parameters(), error_dtype=dtype)
         for t in range(STEPS):
             if t == 6:
-                assert opt._fused.packed is not None
+                assert opt.packed_momentum.packed is not None
                 weight = model[0].weight
                 weight.data = weight.data.t().contiguous().t()  # same values, not contiguous
             _step(model, opt, t, 1)
             if dtype == torch.float32:
                 _rounded(opt)
-        assert opt._fused is None  # unpacked
+        assert opt.packed_momentum is None  # unpacked
         assert "exp_avg" in opt.state[model[0].weight]
         runs.append(params_of(model))
     assert all_equal(*runs)

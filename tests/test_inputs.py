@@ -83,7 +83,7 @@ def test_a_skipped_step_leaves_the_masked_momentum_untouched(name):
     loss_of(model, before_bad + 1, 0).backward()
     weight.grad[0, 0] = float("nan")
     # A mask that would change the momentum if it were applied on the skipped step.
-    opt._masks[0][1].zero_()
+    opt.masks[0][1].zero_()
     before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     opt.step()
     if name == "zero_one":  # phase B drops the bad gradient on this rank only

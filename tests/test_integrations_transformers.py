@@ -68,7 +68,7 @@ def _train_then_replay(rank, world_size, out, name):
     trainer.train()
     assert trainer.args.max_grad_norm == 1.0  # handed to the optimizer for the run, then back
     if name != "zero_one":  # clipping at Trainer's default kept the momentum packed, 1 bit
-        assert optimizer._fused is not None
+        assert optimizer.packed_momentum is not None
         assert "exp_avg" not in optimizer.state[next(model.parameters())]
     every = [None] * world_size
     dist.all_gather_object(every, batches)

@@ -45,7 +45,7 @@ class _Warmup(Stage):
     """SGD with momentum on gradients averaged by an fp32 allreduce, as SGD + DDP."""
 
     name = "warmup"
-    shows = {"momentum_buffer": "_momentum"}
+    shows = {"momentum_buffer": "momentum_buffer"}
 
     def sends(self) -> str:
         return self.optimizer.engine.warmup_kind
@@ -54,9 +54,9 @@ class _Warmup(Stage):
         opt = self.optimizer
         applied, nbytes = opt.engine.average_gradients()
         if applied:
-            sgd_update_(opt, opt.engine.grads, opt._momentum)
+            sgd_update_(opt, opt.engine.grads, opt.momentum_buffer)
         if applied and t == opt.freeze_step:
-            opt._set_frozen(True)
+            opt.set_frozen(True)
             opt.engine.end_warmup()
         return Taken(applied, nbytes)
 
@@ -67,16 +67,16 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
-    shows = {"momentum_buffer": "_momentum"}
+    shows = {"momentum_buffer": "momentum_buffer"}
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
         opt.engine.clip_own_gradient()
-        g, m = opt.engine.gather_grads(), opt._momentum
+        g, m = opt.engine.gather_grads(), opt.momentum_buffer
         for group, params, gs in opt.flat.per_group(g):
             if group["weight_decay"]:
                 torch._foreach_add_(gs, params, alpha=group["weight_decay"])
-        g.add_(m, alpha=opt._hyper)
+        g.add_(m, alpha=opt.hyper)
         applied, nbytes = opt.engine.compressed_allreduce()  # in place: the averaged momentum
         if applied:
             m.copy_(g)
@@ -118,8 +118,8 @@ class OnebitSGD(CompressedOptimizer):
         return momentum, all(g["momentum"] == momentum for g in groups)
 
     def _allocate_state(self) -> None:
-        self._momentum = self.flat.zeros()
-        self._set_frozen(False)
+        self.momentum_buffer = self.flat.zeros()
+        self.set_frozen(False)
 
 
 def _run(rank: int, world_size: int, steps: int) -> dict[str, Any]:

@@ -280,4 +280,4 @@ def test_backend_names_the_kernels_its_steps_run(monkeypatch):
     assert onebit.OnebitAdam(PROBLEM.params(), freeze_step=1).backend == cpu
     monkeypatch.setenv(onebit.kernels.ENV, "torch")
     opt = onebit.OnebitAdam(PROBLEM.params(), freeze_step=1)
-    assert opt.backend == "torch" and opt._packed_stage() is None  # the reference packs nothing
+    assert opt.backend == "torch" and opt.check_packed() is None  # the reference packs nothing

@@ -202,7 +202,7 @@ def test_memory_in_the_compression_stage_is_three_model_sizes_and_the_errors():
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-        packed = sum(b.numel() + 4 * s.numel() for b, s in opt._fused.packed or [])
+        packed = sum(b.numel() + 4 * s.numel() for b, s in opt.packed_momentum.packed or [])
         assert opt.bucketer._buffer is None or t < 2  # the warmup's .grad live there
         # warmup: momentum and variance; compression: frozen denominator, fresh variance and
         # worker error, the packed momentum (1/32 and the scales); + the server error (world
@@ -239,8 +239,8 @@ def test_a_compression_step_takes_two_blocks_of_temporaries(monkeypatch):
             opt.step()
             continue
         assert temporaries(opt.step, "freeze" if t == 2 else None) <= bound, t
-    assert opt._fused.packed is not None
-    assert all(c.worker_error.data_ptr() >= opt._exp_avg.data_ptr() for c in opt.comms)
+    assert opt.packed_momentum.packed is not None
+    assert all(c.worker_error.data_ptr() >= opt.exp_avg.data_ptr() for c in opt.comms)
 
 
 def test_none_gradient_and_lr_scheduler():

@@ -44,7 +44,8 @@ def _train(rank, world_size, overlap, accumulate, backend="auto", strided=False)
         sending = opt.bucketer.sending
         launched_early.append((len(opt.bucketer.inflight), sending and sending.kind))
         opt.step()
-    assert opt._fused is not None and opt._fused.packed is not None  # 1 bit between steps
+    stage = opt.packed_momentum
+    assert stage is not None and stage.packed is not None  # 1 bit between steps
     return [p.detach() for p in model.parameters()], launched_early, len(opt.comms)
 
 

@@ -62,7 +62,7 @@ def _optimizer(
         opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64, **options)
     finally:
         momentum.unpacked_because = saved
-    assert (opt._fused is not None) == fused
+    assert (opt.packed_momentum is not None) == fused
     return opt
 
 
@@ -112,7 +112,7 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
         assert opt.stage == "compression" and opt.grad_norm > 2 * options["max_grad_norm"]
     if fused:
         assert "exp_avg" not in opt.state[model[0].weight]  # packed
-        assert opt.comms[0].worker_error.data_ptr() == opt._exp_avg.data_ptr()
+        assert opt.comms[0].worker_error.data_ptr() == opt.exp_avg.data_ptr()
     saved = io.BytesIO()
     states = {"model": model, "opt": opt, "scaler": scaler}
     torch.save({name: obj.state_dict() for name, obj in states.items()}, saved)
@@ -128,7 +128,7 @@ def _run(rank, world_size, name, fused, resume_fused, options=None):
     scaler2 = _scaler()
     opt2.load_state_dict(checkpoint["opt"])
     if fused and resume_fused:  # packed again from the saved fp32 momentum, masks and all
-        assert opt2._fused.packed is not None
+        assert opt2.packed_momentum.packed is not None
     scaler2.load_state_dict(checkpoint["scaler"])
     resumed = _steps(model2, opt2, scaler2, rank, 5, STEPS)
     return history, state, resumed
@@ -189,7 +189,7 @@ def test_state_holds_the_frozen_denominator_and_a_packed_momentum(name):
     _steps(model, opt, _scaler(), 0, FREEZE, FREEZE + 1)
     assert set(opt.state[p]) == STATE[name]
     assert opt.bucketer._buffer is None
-    assert all(c.worker_error.data_ptr() == opt._exp_avg[c_start].data_ptr()
+    assert all(c.worker_error.data_ptr() == opt.exp_avg[c_start].data_ptr()
                for c, (c_start, _) in zip(opt.comms, opt.layout.buckets))  # fmt: skip
     assert set(opt.state_dict()["state"][0]) == {"exp_avg", *STATE[name]}
     assert set(opt.state[p]) == STATE[name]
@@ -212,7 +212,8 @@ def _two_runs(name, change=None, reload_at=None, packed=None, why=None) -> list[
         _steps(model, opt, scaler, 0, FREEZE + 2, STEPS)
         runs.append([p.detach().clone() for p in model.parameters()])
         if fused and packed is not None:
-            assert (opt._fused is not None and opt._fused.packed is not None) == packed
+            stage = opt.packed_momentum
+            assert (stage is not None and stage.packed is not None) == packed
         if fused and why is not None:
             assert re.search(why, opt._unpacked), opt._unpacked
     return runs
@@ -283,9 +284,9 @@ def test_an_optimizer_without_a_packed_momentum_says_why(monkeypatch, name, opti
         knobs = {k: v for k, v in given.items() if k not in ("mixed", "backend")}
         opt = getattr(onebit, name)(model.parameters(), freeze_step=FREEZE, **knobs)
         if given:
-            assert opt._fused is None and re.search(why, opt._unpacked), opt._unpacked
+            assert opt.packed_momentum is None and re.search(why, opt._unpacked), opt._unpacked
         else:
-            assert opt._fused is not None and opt._unpacked is None
+            assert opt.packed_momentum is not None and opt._unpacked is None
 
 
 @pytest.mark.parametrize("name", STATE)

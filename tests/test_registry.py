@@ -41,7 +41,7 @@ NON_DEFAULT = {
     "bucket_size": (64, lambda opt: opt.layout.bucket_size == 64),
     "bias_correction": (False, lambda opt: opt.bias_correction is False),
     "scale_per": ("bucket", lambda opt: opt.scale_per == "bucket"),
-    "exp_avg_mask": (None, lambda opt: len(opt._masks) == 1),  # made per model below
+    "exp_avg_mask": (None, lambda opt: len(opt.masks) == 1),  # made per model below
     "max_grad_norm": (0.5, lambda opt: opt.max_grad_norm == 0.5),
     "overlap_backward": (True, lambda opt: opt.overlap_backward is True),
     "warmup_compression": ("int8", lambda opt: opt.warmup_compression == "int8"),

@@ -44,12 +44,12 @@ from .triton_common import (
 )
 from .triton_model import ModelPasses
 from .triton_passes import (
-    _decompress,
-    _momentum_pass,
-    _momentum_update,
-    _solo_pass,
-    _solo_scales,
-    _y_pass,
+    decompress_kernel,
+    momentum_pass,
+    momentum_update_kernel,
+    solo_pass,
+    solo_scales,
+    y_pass,
 )
 from .triton_quantized import BlockQuantizer
 
@@ -138,14 +138,14 @@ class TritonKernels(TorchKernels):
         scales: Tensor | None = None,
         out: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Launch :func:`_y_pass` (see it) and, for ``sums``, :func:`segments_to_scales`; return the
+        """Launch :func:`y_pass` (see it) and, for ``sums``, :func:`segments_to_scales`; return the
         packed signs and the intervals' scales, as asked."""
         device = (x if x is not None else error if error is not None else rows).device
         any_ = x if x is not None else error if error is not None else out
         packed = torch.empty(n // 8, dtype=torch.uint8, device=device) if signs else None
         partials = torch.empty(len(tiling.starts), dtype=torch.float32, device=device)
         k = 1 if rows is None else rows.shape[0]
-        _y_pass[(tiling.blocks,)](
+        y_pass[(tiling.blocks,)](
             any_ if x is None else x, 0 if x is None else x.numel(),
             any_ if error is None else error, any_ if y_out is None else y_out,
             any_ if rows is None else rows, 0 if rows is None else rows.stride(0), k,
@@ -241,10 +241,10 @@ class TritonKernels(TorchKernels):
         scales = torch.empty(2, dtype=torch.float32, device=device)
 
         def run(pass_: int) -> None:
-            _solo_pass[(blocks,)](x, x.numel(), error, server_error, partials, sums, scales, out,
+            solo_pass[(blocks,)](x, x.numel(), error, server_error, partials, sums, scales, out,
                                   n, BLOCK=BLOCK, PASS=pass_, MEAN_ABS=mean_abs)  # fmt: skip
             if pass_ < 2:
-                _solo_scales[(1,)](partials, sums, tiling.segment_first, tiling.lengths, scales, n,
+                solo_scales[(1,)](partials, sums, tiling.segment_first, tiling.lengths, scales, n,
                                    CHUNK=1024, MEAN_ABS=mean_abs, SERVER=pass_ == 1)  # fmt: skip
 
         run(0)
@@ -348,7 +348,7 @@ class TritonKernels(TorchKernels):
         row_scales = self._row_scales(scales, out.device)
         offset = row_scales.storage_offset()  # the storage's start is aligned
         whole = row_scales.as_strided((offset + row_scales.numel(),), (1,), 0)
-        _decompress[(tiling.blocks,)](
+        decompress_kernel[(tiling.blocks,)](
             packed, packed.stride(0), 8 * m, whole, offset, row_scales.stride(0),
             *tiling.table(), out, n, BLOCK=BLOCK,
         )  # fmt: skip
@@ -387,7 +387,7 @@ class TritonKernels(TorchKernels):
         device = denominator.device
         tables = self._runs(runs, device)
         masks = momentum.masks
-        _momentum_update[(tables.tiling.blocks,)](
+        momentum_update_kernel[(tables.tiling.blocks,)](
             params.to(device), momentum.bits, momentum.bits.stride(0), momentum.chunk,
             momentum.scales, momentum.bits if masks is None else masks, denominator,
             decay.to(device), value.to(device), tables.starts, tables.columns, tables.params,
@@ -416,7 +416,7 @@ class TritonKernels(TorchKernels):
         masks = None if dense else momentum.masks
         coeff, small = lerp_coefficient(weight)
         any_ = bits
-        _momentum_pass[(tables.tiling.blocks,)](
+        momentum_pass[(tables.tiling.blocks,)](
             grads.to(device), 1.0 if inv_scale is None else inv_scale, momentum if dense else any_,
             bits, 0 if dense else bits.stride(0), 1 if dense else momentum.chunk,
             any_ if dense else momentum.scales, any_ if masks is None else masks, coeff,

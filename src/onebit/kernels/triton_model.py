@@ -38,15 +38,15 @@ from .triton_common import (
     segments_to_scales,
 )
 from .triton_model_passes import (
-    _decompress_pass,
-    _input_pass,
-    _lamb_pass,
-    _placed_scales,
-    _serve_pass,
-    _sync_apply_pass,
-    _sync_progress_pass,
-    _update_pass,
-    _worker_pass,
+    decompress_pass,
+    input_pass,
+    lamb_pass,
+    placed_scales,
+    serve_pass,
+    sync_apply_pass,
+    sync_progress_pass,
+    update_pass,
+    worker_pass,
 )
 
 
@@ -215,7 +215,7 @@ class ModelPasses:
         coeff, small = lerp_coefficient(weight)
         any_ = bits
         blocks = self.worker
-        _worker_pass[(blocks.blocks,)](
+        worker_pass[(blocks.blocks,)](
             grads, 1.0 if inv_scale is None else inv_scale, momentum if dense else any_, bits,
             0 if dense else bits.stride(0), any_ if dense else momentum.scales,
             any_ if masks is None else masks, coeff,
@@ -284,7 +284,7 @@ class ModelPasses:
         sums: str | None = None, scales: Tensor | None = None, out: Tensor | None = None,
     ) -> None:  # fmt: skip
         blocks = self._inputs()
-        _input_pass[(blocks.blocks,)](
+        input_pass[(blocks.blocks,)](
             x, nx, x if post is None else post, x if error is None else error,
             *blocks.table()[:4], blocks.block_starts, blocks.block_buckets, *self.worker_bounds,
             self.chunks, self.parts1, x if message is None else message,
@@ -317,7 +317,7 @@ class ModelPasses:
         """The result of every bucket into the flat ``out`` (its padding left as it is), from
         the phase-2 message as received (``bits``) and its scales (:meth:`momentum`)."""
         blocks = self.worker
-        _decompress_pass[(blocks.blocks,)](
+        decompress_pass[(blocks.blocks,)](
             bits, bits.stride(0), scales, self.run_tables[1], blocks.starts, blocks.ends,
             blocks.columns, blocks.first, blocks.block_starts, blocks.block_buckets,
             *self.worker_bounds, self.chunks, self.parts2, out, BLOCK=BLOCK,
@@ -339,7 +339,7 @@ class ModelPasses:
         blocks = self.server
         partials = torch.empty(blocks.pieces, dtype=torch.float32, device=self.device)
         n = self.geometry.world_size
-        _serve_pass[(blocks.blocks,)](
+        serve_pass[(blocks.blocks,)](
             received, received.stride(0), n, scales, scales.stride(0),
             store if last is None else last, store, self.piece_segments, blocks.starts,
             blocks.ends, blocks.columns, blocks.first, blocks.block_starts, blocks.block_buckets,
@@ -363,7 +363,7 @@ class ModelPasses:
         from the last phase-2 message (``momentum.bits``, as received) and its scales
         (:meth:`momentum`)."""
         blocks, masks = self.worker, momentum.masks
-        _update_pass[(blocks.blocks,)](
+        update_pass[(blocks.blocks,)](
             bases, momentum.bits, momentum.bits.stride(0), momentum.scales,
             momentum.bits if masks is None else masks, denominator, decay, value,
             self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
@@ -391,7 +391,7 @@ class ModelPasses:
         coeff, small = lerp_coefficient(weight)
         blocks, pieces = self.worker, self._inputs()  # the same blocks, cut two ways
         partials = torch.empty(pieces.pieces, dtype=torch.float32, device=self.device)
-        _sync_progress_pass[(blocks.blocks,)](
+        sync_progress_pass[(blocks.blocks,)](
             grads, 1.0 if inv is None else inv, coeff, bases, momentum, denominator, anchor,
             decay, value, since, error, self.run_tables[0], self.run_tables[1],
             self.run_tables[3], self.run_tables[4], blocks.starts, blocks.ends, blocks.columns,
@@ -415,7 +415,7 @@ class ModelPasses:
         ``anchor``, the momentum to zero."""
         blocks = self.worker
         bits, scales = (anchor.view(torch.uint8).view(1, -1), anchor) if result is None else result
-        _sync_apply_pass[(blocks.blocks,)](
+        sync_apply_pass[(blocks.blocks,)](
             bases, bits, bits.stride(0), scales, momentum, denominator, anchor, since, factor,
             self.run_tables[0], self.run_tables[1], self.run_tables[3], self.run_tables[4],
             blocks.starts, blocks.ends, blocks.columns, blocks.first, blocks.block_starts,
@@ -435,7 +435,7 @@ class ModelPasses:
         blocks, dense = self.worker, not isinstance(last, PackedMomentum)
         last_bits = frozen if last is None else last if dense else last.bits
         any_ = frozen
-        _lamb_pass[(blocks.blocks,)](
+        lamb_pass[(blocks.blocks,)](
             bases, new.bits, new.bits.stride(0), new.scales, last_bits,
             0 if dense else last_bits.stride(0), any_ if dense else last.scales,
             any_ if new.masks is None else new.masks, any_ if fresh is None else fresh, frozen,
@@ -453,7 +453,7 @@ class ModelPasses:
         bias_corrections: tuple[float, float], eps: float, norms: bool,
         dtype: torch.dtype = torch.float32,
     ) -> Tensor:  # fmt: skip
-        """1-bit LAMB's pass after its allreduce (:func:`_lamb_pass`): ``last`` and ``new``
+        """1-bit LAMB's pass after its allreduce (:func:`lamb_pass`): ``last`` and ``new``
         momentum (over their scaling) imply the averaged gradient, which goes into the fresh
         variance ``fresh`` (flat fp32, in place). Returns, fp32 on the device, each layer's
         largest ratio of the ``frozen`` denominator to the fresh one; with ``norms``, the last
@@ -513,7 +513,7 @@ class ModelPasses:
         header_numel]`` fp32, contiguous) at :attr:`header_at`, if given."""
         out = torch.empty(blocks.segments, dtype=torch.float32, device=self.device)
         size = 0 if headers is None else 4 * headers.shape[-1]
-        _placed_scales[(blocks.segments + (headers is not None),)](
+        placed_scales[(blocks.segments + (headers is not None),)](
             partials, blocks.segment_first, blocks.lengths, out, message, message.shape[0],
             message.stride(0), places, message if headers is None else headers.view(torch.uint8),
             0 if headers is None else headers.numel() * 4 - size, self.header_at, CHUNK=1024,

@@ -74,7 +74,7 @@ def _store_signs(y, message, row_stride, part, chunk, start, origin, end, BLOCK:
 
 @launched(4)
 @triton.jit(do_not_specialize=["row_stride", "bits_stride"])
-def _worker_pass(
+def worker_pass(
     grads, inv, dense, bits, bits_stride, momentum_scales, masks, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     block_starts, block_buckets, bucket_starts, bucket_ends, chunks, parts1, parts2,
@@ -84,7 +84,7 @@ def _worker_pass(
     SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
     ELEMENT: tl.constexpr,
 ):  # fmt: skip
-    """``_momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
+    """``momentum_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``y = lerp(m, g·inv, w)·post + e``, then its signs into the phase-1 ``message``, its sums
     per piece, or ``out = y - ±scales``. The packed momentum ``m`` is read from the last
     phase-2 message (``bits``, each bucket's part at ``parts2``), times ``masks`` where
@@ -123,13 +123,13 @@ def _worker_pass(
 
 @launched(4)
 @triton.jit(do_not_specialize=["nx", "row_stride"])
-def _input_pass(
+def input_pass(
     x, nx, post, error, starts, ends, columns, first, block_starts, block_buckets, bucket_starts,
     bucket_ends, chunks, parts1, message, row_stride, partials, scales, out,
     BLOCK: tl.constexpr, HAS_POST: tl.constexpr, HAS_ERROR: tl.constexpr, STORE_Y: tl.constexpr,
     SIGNS: tl.constexpr, SUMS: tl.constexpr, MEAN_ABS: tl.constexpr, COMMIT: tl.constexpr,
 ):  # fmt: skip
-    """``_y_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket of a flat
+    """``y_pass`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket of a flat
     buffer ``x`` (zeros from ``nx`` on: the padding): ``y = x·post + e`` (``post``: a flat
     buffer of ``nx``), stored over ``x``, its signs into the phase-1 ``message`` and its sums
     per piece; or ``out = y - ±scales`` (a piece's column is its segment)."""
@@ -156,7 +156,7 @@ def _input_pass(
 
 @launched(4)
 @triton.jit(do_not_specialize=["row_stride", "k", "scale_stride"])
-def _serve_pass(
+def serve_pass(
     rows, row_stride, k, row_scales, scale_stride, last, error, piece_segments,
     starts, ends, columns, first, block_starts, block_buckets, bucket_starts, bucket_ends,
     chunks, parts1, parts2, message, partials,
@@ -199,15 +199,15 @@ def _serve_pass(
 
 @launched(8)
 @triton.jit(do_not_specialize=["bits_stride"])
-def _update_pass(
+def update_pass(
     bases, bits, bits_stride, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2, BLOCK: tl.constexpr,
     MASKED: tl.constexpr, ELEMENT: tl.constexpr,
 ):  # fmt: skip
-    """``_momentum_update`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
+    """``momentum_update_kernel`` of :mod:`~onebit.kernels.triton_kernels` on a block of any bucket:
     ``p = p·decay + (value·m) / denominator`` per parameter of ``ELEMENT``, ``m`` read from the
-    phase-2 message as in :func:`_worker_pass`."""
+    phase-2 message as in :func:`worker_pass`."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
@@ -229,7 +229,7 @@ def _update_pass(
 
 @launched(8)
 @triton.jit(do_not_specialize=["row_stride"])
-def _sync_progress_pass(
+def sync_progress_pass(
     grads, inv, coeff, bases, momentum, denominator, anchor, decay, value, since, error,
     run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, piece_starts, piece_ends, piece_first, chunks,
@@ -242,9 +242,9 @@ def _sync_progress_pass(
     stored: the sync replaces ``p``); then the preconditioned progress the allreduce sends,
     ``(p' - since·anchor)·denominator``, plus the worker ``error``: ``y``, over ``momentum``,
     its signs into the phase-1 ``message`` and its sums per piece of the buckets cut by their
-    segments (``piece_*``, as :func:`_input_pass` sums them). Each op rounds as the torch ops
+    segments (``piece_*``, as :func:`input_pass` sums them). Each op rounds as the torch ops
     it replaces (``lerp_``, ``mul_``, ``addcdiv_``, ``sub_(alpha=)``: an FMA, the allreduce's
-    ``post``, and :func:`_input_pass`)."""
+    ``post``, and :func:`input_pass`)."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
         block_starts, block_buckets, bucket_starts, bucket_ends, starts, ends, columns, first,
         run_columns, run_params, BLOCK,
@@ -276,14 +276,14 @@ def _sync_progress_pass(
 
 @launched(8)
 @triton.jit(do_not_specialize=["bits_stride"])
-def _sync_apply_pass(
+def sync_apply_pass(
     bases, bits, bits_stride, momentum_scales, momentum, denominator, anchor, since, factor,
     run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2,
     BLOCK: tl.constexpr, APPLIED: tl.constexpr,
 ):  # fmt: skip
     """0/1 Adam's sync step after its allreduce, on a block of any bucket: where ``APPLIED``,
-    with ``u`` the average read from the phase-2 message as :func:`_update_pass` reads the
+    with ``u`` the average read from the phase-2 message as :func:`update_pass` reads the
     momentum, ``anchor = anchor·since + u / denominator`` and ``momentum = u·factor``, else
     ``momentum = 0``; then ``p = anchor``."""
     bucket, start, origin, local, valid, _, _, run, column, present, param = _block_runs(
@@ -310,7 +310,7 @@ def _sync_apply_pass(
 
 @launched(8)
 @triton.jit(do_not_specialize=["new_stride", "last_stride", "pieces"])
-def _lamb_pass(
+def lamb_pass(
     bases, new_bits, new_stride, new_scales, last_bits, last_stride, last_scales, masks, fresh,
     frozen, decay, sizes, maxima, partials, pieces, neg_beta1, keep1, beta2, keep2, root_bc2, eps,
     bc1, run_starts, run_columns, run_params, run_offsets, starts, ends, columns, first,
@@ -320,10 +320,10 @@ def _lamb_pass(
 ):  # fmt: skip
     """1-bit LAMB's step after its allreduce, on a block of any bucket, each op rounded as the
     torch formulation rounds it (parameters of ``ELEMENT``: :func:`element_pointers`). ``m``
-    is the new momentum (``new``, packed as in :func:`_update_pass`), ``last`` the one before
+    is the new momentum (``new``, packed as in :func:`update_pass`), ``last`` the one before
     (packed, or the fp32 buffer ``last_bits`` where ``DENSE``), ``frozen`` the frozen
     denominator and ``u = m / frozen / bc1`` Adam's update. Where ``MASKED`` both momenta are
-    times their ``exp_avg_mask`` (``masks``, as :func:`_worker_pass` reads them) but in the
+    times their ``exp_avg_mask`` (``masks``, as :func:`worker_pass` reads them) but in the
     gradient they imply, which takes the new one as the allreduce returned it.
 
     Without ``UPDATE``: the gradient the two momenta imply goes into the fresh variance
@@ -384,13 +384,13 @@ def _lamb_pass(
 
 @launched(4)
 @triton.jit(do_not_specialize=["bits_stride"])
-def _decompress_pass(
+def decompress_pass(
     bits, bits_stride, momentum_scales, run_columns, starts, ends, columns, first, block_starts,
     block_buckets, bucket_starts, bucket_ends, chunks, parts2, out, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The result of every bucket from the phase-2 message as received (``bits``, each
     bucket's part at ``parts2``) and its scales, into the flat ``out``: ``±σ`` of each
-    element's run, as :func:`_update_pass` reads the momentum (the padding is left as it is)."""
+    element's run, as :func:`update_pass` reads the momentum (the padding is left as it is)."""
     bucket, start, origin, local, valid = _bucket_block(
         block_starts, block_buckets, bucket_starts, bucket_ends, BLOCK
     )
@@ -408,7 +408,7 @@ def _decompress_pass(
 
 @launched()
 @triton.jit(do_not_specialize=["rows", "row_stride", "header_from", "header_at"])
-def _placed_scales(
+def placed_scales(
     partials, first, lengths, scales, message, rows, row_stride, places, header, header_from,
     header_at,
     CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr, HEADER_BYTES: tl.constexpr,

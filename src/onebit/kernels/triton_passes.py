@@ -37,7 +37,7 @@ def _row_term(row, row_scales, start, local, column, valid):
 
 @launched(4)
 @triton.jit(do_not_specialize=["nx", "row_stride", "k", "scale_stride", "n"])
-def _y_pass(
+def y_pass(
     x, nx, error, y_out, rows, row_stride, k, row_scales, scale_stride, last,
     starts, ends, columns, first, signs, partials, scales, out, n,
     BLOCK: tl.constexpr, HAS_X: tl.constexpr, HAS_ERROR: tl.constexpr, AVERAGE: tl.constexpr,
@@ -76,7 +76,7 @@ def _y_pass(
 
 @launched(4)
 @triton.jit(do_not_specialize=["stride", "chunk", "n"])
-def _momentum_pass(
+def momentum_pass(
     grads, inv, dense, bits, stride, chunk, momentum_scales, masks, coeff, post, error,
     run_starts, run_columns, run_segments, run_params, run_offsets, starts, ends, columns, first,
     signs, partials, scales, out, n,
@@ -119,7 +119,7 @@ def _momentum_pass(
 
 @launched(8)
 @triton.jit(do_not_specialize=["stride", "chunk", "n"])
-def _momentum_update(
+def momentum_update_kernel(
     bases, bits, stride, chunk, momentum_scales, masks, denominator, decay, value, run_starts,
     run_columns, run_params, run_offsets, starts, ends, columns, first, n, BLOCK: tl.constexpr,
     MASKED: tl.constexpr, ELEMENT: tl.constexpr,
@@ -147,7 +147,7 @@ def _momentum_update(
 
 @launched(4)
 @triton.jit(do_not_specialize=["row_stride", "row_numel", "scales_from", "scale_stride", "n"])
-def _decompress(
+def decompress_kernel(
     rows, row_stride, row_numel, row_scales, scales_from, scale_stride, starts, ends, columns,
     first, out, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -166,7 +166,7 @@ def _decompress(
 
 @launched(4)
 @triton.jit(do_not_specialize=["nx", "n"])
-def _solo_pass(
+def solo_pass(
     x, nx, error, server_error, partials, sums, scales, out, n,
     BLOCK: tl.constexpr, PASS: tl.constexpr, MEAN_ABS: tl.constexpr,
 ):  # fmt: skip
@@ -174,7 +174,7 @@ def _solo_pass(
     ``nx``), the worker's scale ``s``, ``z = ±s + e_s`` (``e_s``: the server error), the server's
     scale ``σ``. ``PASS`` 0: the block's sum of ``y²`` (``|y|``) as :func:`emit` sums it, and for
     the rms scale the fp64 sums of ``±e_s`` (``y``'s sign) and of ``e_s²``, from which
-    ``sum(z²) = n·s² + 2s·sum(±e_s) + sum(e_s²)`` (:func:`_solo_scales`). 1: the block's sum of
+    ``sum(z²) = n·s² + 2s·sum(±e_s) + sum(e_s²)`` (:func:`solo_scales`). 1: the block's sum of
     ``|z|`` (``scales``: ``[s]``). 2: the worker error ``y - ±s``, the server error
     ``z - ±σ`` and ``out = ±σ`` (``scales``: ``[s, σ]``)."""
     start, local, valid = program_block(n, BLOCK)
@@ -204,11 +204,11 @@ def _solo_pass(
 
 @launched()
 @triton.jit(do_not_specialize=["n"])
-def _solo_scales(
+def solo_scales(
     partials, sums, first, lengths, scales, n, CHUNK: tl.constexpr, MEAN_ABS: tl.constexpr,
     SERVER: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_solo_pass`'s scales from its blocks' sums: without ``SERVER`` the worker's
+    """:func:`solo_pass`'s scales from its blocks' sums: without ``SERVER`` the worker's
     ``scales[0]`` (and for the rms scale the server's ``scales[1]``, from the identity there);
     with it the server's mean absolute value, ``scales[1]``."""
     scale = segment_scale(partials, first, lengths, 0, CHUNK, MEAN_ABS)

@@ -36,8 +36,8 @@ class _Warmup(Stage):
         return self.optimizer.engine.warmup_kind
 
     def step(self, t: int) -> Taken:
-        opt, hyper = self.optimizer, self.optimizer._hyper
-        m, v = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
+        opt, hyper = self.optimizer, self.optimizer.hyper
+        m, v = opt.exp_avg[: opt.layout.numel], opt.exp_avg_sq
         fused = opt._adam.fused_applies(t, hyper)
         applied, nbytes = opt.engine.average_gradients()
         if applied and fused:
@@ -53,10 +53,10 @@ class _Warmup(Stage):
         """At the end of the last warmup step: fill the zero variances, then keep
         ``sqrt(v̂) + eps`` in place of ``v`` for the compression stage."""
         opt = self.optimizer
-        v = opt._exp_avg_sq
-        fill_zero_variance_(opt.layout.views(v), opt._hyper.zero_variance_floor(t))
-        opt._hyper.denominator(v, t, out=v)
-        opt._set_frozen(True)
+        v = opt.exp_avg_sq
+        fill_zero_variance_(opt.layout.views(v), opt.hyper.zero_variance_floor(t))
+        opt.hyper.denominator(v, t, out=v)
+        opt.set_frozen(True)
         opt.engine.end_warmup()
         opt.bucketer.release()  # the .grad views keep it; the fused stage needs no other
 
@@ -69,7 +69,7 @@ class _Compression(Stage):
 
     name = "compression"
     frozen = True
-    shows = {"exp_avg": "_exp_avg", "frozen_denom": "_exp_avg_sq"}
+    shows = {"exp_avg": "exp_avg", "frozen_denom": "exp_avg_sq"}
 
     def enter(self) -> None:
         self.optimizer.bucketer.grads_as_views = False
@@ -77,23 +77,23 @@ class _Compression(Stage):
     def sends(self) -> str:
         """``PACKED`` where the fused passes run it (checked again at its first bucket), else
         ``COMPRESSED``."""
-        return PACKED if self.optimizer._fused is not None else COMPRESSED
+        return PACKED if self.optimizer.packed_momentum is not None else COMPRESSED
 
     def prepare(self, k: int, grads: Tensor) -> None:
         """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
         ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
         opt = self.optimizer
-        opt._packed_stage()  # the packed sender's fallback: unpack first
+        opt.check_packed()  # the packed sender's fallback: unpack first
         start, end = opt.layout.buckets[k]
-        torch.lerp(opt._exp_avg[start:end], grads, 1 - opt._hyper.beta1, out=grads)
+        torch.lerp(opt.exp_avg[start:end], grads, 1 - opt.hyper.beta1, out=grads)
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
         if not opt.overlap_backward:
             opt.engine.clip_own_gradient()
-        if opt._packed_stage() is not None:
+        if opt.check_packed() is not None:
             return self._packed_step(t)
-        m, hyper = opt._exp_avg[: opt.layout.numel], opt._hyper
+        m, hyper = opt.exp_avg[: opt.layout.numel], opt.hyper
         g = opt.engine.grads
         clip_result = opt.bucketer.clip  # sent during backward: SPEC 6
         if opt.engine.at_once():
@@ -105,8 +105,8 @@ class _Compression(Stage):
         if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
             m.mul_(hyper.beta1).lerp_(g, opt.clipping.of_mean())
         if applied:
-            apply_masks_(m, opt._masks)
-            opt._adam.adamw_update_(m, opt._exp_avg_sq, t, hyper)
+            apply_masks_(m, opt.masks)
+            opt._adam.adamw_update_(m, opt.exp_avg_sq, t, hyper)
         return Taken(applied, nbytes)
 
     def _momentum_at_once(self, m: Tensor, g: Tensor) -> tuple[bool, int]:
@@ -116,7 +116,7 @@ class _Compression(Stage):
         buckets). Without the packed momentum: ``exp_avg_mask`` or one scale per bucket."""
         engine = self.optimizer.engine
         engine.gather_grads()
-        torch.lerp(m, g, 1 - self.optimizer._hyper.beta1, out=g)
+        torch.lerp(m, g, 1 - self.optimizer.hyper.beta1, out=g)
         return engine.compressed_allreduce()
 
     def _packed_step(self, t: int) -> Taken:
@@ -124,7 +124,7 @@ class _Compression(Stage):
         PackedMomentumStage`: the gradients are read from ``.grad``, the momentum stays packed,
         and AdamW's update reads it packed."""
         opt = self.optimizer
-        packed = opt._fused
+        packed = opt.packed_momentum
         applied, nbytes, calls = opt.engine.packed_allreduce(packed)
         if not applied:
             return Taken(applied, nbytes)
@@ -133,8 +133,8 @@ class _Compression(Stage):
         opt.flat.expose("exp_avg", None)  # packed now: see state_dict()
         groups = [(g["lr"], g["weight_decay"]) for g in opt.param_groups for _ in g["params"]]
         lrs, decays = zip(*groups)
-        step_scale = 1 / opt._hyper.bc1(t)
-        packed.update_(opt._exp_avg_sq, [float(lr) for lr in lrs], decays, step_scale)
+        step_scale = 1 / opt.hyper.bc1(t)
+        packed.update_(opt.exp_avg_sq, [float(lr) for lr in lrs], decays, step_scale)
         torch.autograd.graph.increment_version(opt.layout.params)  # written through C
         return Taken(applied, nbytes)
 
@@ -282,11 +282,11 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
 
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)
-        self._exp_avg = self.flat.zeros(padded=True)
-        self._exp_avg_sq = self.flat.zeros()
-        self._set_frozen(False)
+        self.exp_avg = self.flat.zeros(padded=True)
+        self.exp_avg_sq = self.flat.zeros()
+        self.set_frozen(False)
         clips_result = self.overlap_backward and self.max_grad_norm is not None  # SPEC 6
-        self._pack_momentum(self._exp_avg, clips_result=clips_result)
+        self._pack_momentum(self.exp_avg, clips_result=clips_result)
 
     def _stage_state(self) -> StatePart:
         return _FreezeState(self)
@@ -312,9 +312,9 @@ class _FreezeState(NoState):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         opt = self.optimizer
-        t, v = opt.num_steps, opt._exp_avg_sq
-        if not opt._frozen and opt.freeze_step is not None and t >= opt.freeze_step:
+        t, v = opt.num_steps, opt.exp_avg_sq
+        if not opt.frozen and opt.freeze_step is not None and t >= opt.freeze_step:
             (_, beta2), eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
             bc2 = bias_correction(beta2, opt.freeze_step, opt.bias_correction)
             adam_denominator(v, bc2, eps, out=v)  # saved by onebit <= 0.1: v past the freeze
-            opt._set_frozen(True)
+            opt.set_frozen(True)

@@ -26,7 +26,7 @@ GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")
 """What every rank must agree on in each param group; ``betas`` and ``eps`` act on whole
 buckets, so they must also be the same in every group."""
 
-MOMENTS = {"exp_avg": "_exp_avg", "exp_avg_sq": "_exp_avg_sq"}
+MOMENTS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 """What a stage before the freeze shows: Adam's moments, by the attributes that hold them (see
 :attr:`~onebit.optim.stage.Stage.shows`)."""
 

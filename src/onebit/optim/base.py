@@ -92,6 +92,11 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
             without clipping): the averaged gradient's in full-precision steps, the rank's own
             in 1-bit and local steps, the mean of the ranks' under ``overlap_backward``.
+
+    What its stages use, beyond ``engine``, ``bucketer``, ``flat`` and ``layout``: ``hyper``, the
+    hyperparameters of the open (or last) step; ``masks``, ``exp_avg_mask`` as ``(offset,
+    mask)`` on the flat layout; ``frozen`` and :meth:`set_frozen`, the side of the freeze the
+    state is named for; and the subclass's flat buffers.
     """
 
     _step_supports_amp_scaling = True
@@ -100,10 +105,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
     """Whether the subclass keeps data in the bucketer's gradient buffer from one step to the
     next (0/1 Adam its sync parameters). If not, a sharded optimizer frees the buffer after each
     step: FSDP2 owns the gradients, and between steps the buffer would be one more copy."""
-
-    _compiles_ahead = True
-    """Whether the first warmup step compiles the kernels of the stage to come (not in the
-    rehearsal's own copy)."""
 
     _stage_types: tuple[type[Stage], ...] = ()
     """The subclass's stages, each made once at construction; :attr:`stage` names a step's."""
@@ -151,7 +152,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             )
             self.clipping = Clipping(max_grad_norm)
             self._adopt(*self._laid_out(params, bucket_size, masked=bool(exp_avg_mask)))
-            self._masks = check_masks(exp_avg_mask or {}, self.layout)
+            self.masks = check_masks(exp_avg_mask or {}, self.layout)
         except ValueError as err:
             if self.world_size == 1 and not sharded:
                 raise
@@ -169,7 +170,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self.num_steps = 0
         self._calls = 0
         self._gathered: tuple[int, dict[int, Any]] | None = None  # consolidate_state_dict()
-        self._hyper = self._step_hyperparameters(self.param_groups)[0]  # each step reads anew
+        self.hyper = self._step_hyperparameters(self.param_groups)[0]  # each step reads anew
         self._allocate_state()
         self._push_next_sender()
 
@@ -177,7 +178,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[Any, bool]:
         """What the subclass's step reads from the param groups ``groups`` when it opens (kept
-        as ``_hyper``), and whether the groups agree on what acts on whole buckets (if not,
+        as ``hyper``), and whether the groups agree on what acts on whole buckets (if not,
         every rank raises)."""
         raise NotImplementedError
 
@@ -200,9 +201,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         of the stage the next step runs."""
         return "warmup" if self.in_warmup else "compression"
 
-    def _set_frozen(self, frozen: bool) -> None:
+    def set_frozen(self, frozen: bool) -> None:
         """Name the state for the stages after the freeze (``frozen``) or before it."""
-        self._frozen = frozen
+        self.frozen = frozen
         show_side(self._stages.values(), frozen, self.flat)
 
     # Each step: the hyperparameters and loss scale it runs with, and what it sends.
@@ -226,7 +227,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         else:
             replaced = not self._on_param_groups()
         one_device = self._follow_parameters()
-        self._hyper, uniform = self._step_hyperparameters(self.param_groups)
+        self.hyper, uniform = self._step_hyperparameters(self.param_groups)
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
         status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         if not status and not self.shards.syncing():
@@ -238,7 +239,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             rank=self.rank,
             shards=self.shards,
             hyperparameters=self._group_hyperparameters(),
-            hyper=self._hyper,
+            hyper=self.hyper,
             status=status,
             call=self._calls + 1,
             backward_passes=self.bucketer.backward_passes,
@@ -267,7 +268,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         """Give the bucketer what the next step sends, if it can start during backward (at
         construction, after each step and after a load)."""
         kind = self._stages[self.stage].sends() if self.overlap_backward else None
-        sender = None if kind is None else self.engine.sender(kind, packed=self._fused)
+        sender = None if kind is None else self.engine.sender(kind, packed=self.packed_momentum)
         self.bucketer.sender = sender
 
     @property
@@ -326,7 +327,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         the next stage's kernels ahead."""
         running = self._stages[self.stage]
         applied, nbytes, round_skipped = running.step(self.num_steps + 1)
-        first_warmup = self._compiles_ahead and self._calls == 0 and self.in_warmup
+        first_warmup = self._calls == 0 and self.in_warmup
+        scaled = self._step is not None and self._step.inv_scale is not None
         self._close_step()
         self._calls += 1
         self.shards.release(self.layout.params)
@@ -340,9 +342,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             self.skipped_steps += 1
         self._push_next_sender()
         if first_warmup:
-            rehearsal.compile_ahead(self)
+            options = {**self._constructor_options, **self._rehearsal_options}
+            rehearsal.compile_ahead(self, options, scaled=scaled, any_rank=self._any_rank)
 
-    _fused: PackedMomentumStage | None = None
+    packed_momentum: PackedMomentumStage | None = None
     """The packed momentum stage, where the subclass has one
     (:class:`~onebit.wire.momentum.PacksMomentum`)."""
 

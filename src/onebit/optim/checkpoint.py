@@ -374,11 +374,11 @@ class Checkpointed:
     :class:`StatePart` s (its error buffers, its stages' own part from :meth:`_stage_state`,
     which stage the buffers are named for, and the packed momentum)."""
 
-    _frozen = False
-    """Whether the state is the frozen stage's (past the warmup), as :meth:`_set_frozen` named
+    frozen = False
+    """Whether the state is the frozen stage's (past the warmup), as :meth:`set_frozen` named
     it."""
 
-    def _set_frozen(self, frozen: bool) -> None:
+    def set_frozen(self, frozen: bool) -> None:
         """Name the state in ``state`` for the stages before the freeze or, ``frozen``, after it
         (the base's, through its stages)."""
         raise NotImplementedError
@@ -393,9 +393,9 @@ class Checkpointed:
         error buffers, the subclass's stages, which stage the buffers are named for, and the
         packed momentum."""
         errors = ErrorBuffers(self.comms, self.warmup_comms, self.error_dtype, type(self).__name__)
-        parts = [errors, self._stage_state(), Frozen(self._frozen, self._set_frozen)]
-        if self._fused is not None:
-            parts.append(PackedMomentum(self._fused, self.flat))
+        parts = [errors, self._stage_state(), Frozen(self.frozen, self.set_frozen)]
+        if self.packed_momentum is not None:
+            parts.append(PackedMomentum(self.packed_momentum, self.flat))
         return parts
 
     def _layout_digest(self) -> str:
@@ -523,6 +523,6 @@ class Checkpointed:
             extra.pop(key, None)
         for part in parts:
             part.load_extra_state(extra)
-        if self._fused is not None and self._frozen:
+        if self.packed_momentum is not None and self.frozen:
             self.bucketer.release()  # the .grad views keep theirs; the packed stage needs none
         self._push_next_sender()

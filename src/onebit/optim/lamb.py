@@ -16,7 +16,7 @@ from ..wire.momentum import PacksMomentum
 from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
-from .lamb_compression import LambCompression
+from .lamb_compression import LambCompression, TrustRatios
 from .options import DEFAULT_BUCKET_SIZE, shared_options
 from .stage import Stage, Taken
 
@@ -31,14 +31,14 @@ class _Warmup(Stage):
     def enter(self) -> None:
         opt = self.optimizer
         opt.bucketer.grads_as_views = True
-        opt._exp_avg_sq_fresh = None
+        opt.exp_avg_sq_fresh = None
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
-        m, v = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
+        m, v = opt.exp_avg[: opt.layout.numel], opt.exp_avg_sq
         applied, nbytes = opt.engine.average_gradients()
         if applied:
-            hyper = opt._hyper
+            hyper = opt.hyper
             adam_moments_(m, v, opt.engine.grads, hyper.beta1, hyper.beta2)
             bc1 = hyper.bc1(t)
             params, ms = opt.layout.params, opt.layout.views(m)
@@ -57,10 +57,11 @@ class _Warmup(Stage):
             weight_norms, update_norms, coeffs = (torch.cat(x) for x in zip(*norms))
             # Only defined ratios (no zero norm) enter the average that will be frozen.
             defined = (weight_norms > 0) & (update_norms > 0)
-            ema = opt._coeff_ema * opt.coeff_beta + coeffs * (1 - opt.coeff_beta)
-            opt._coeff_ema = torch.where(defined, ema, opt._coeff_ema)
-            opt._coeff_updates += defined
-            opt._coeffs = coeffs
+            ratios = opt.trust_ratios
+            ema = ratios.ema * opt.coeff_beta + coeffs * (1 - opt.coeff_beta)
+            ratios.ema = torch.where(defined, ema, ratios.ema)
+            ratios.updates += defined
+            ratios.last = coeffs
         return Taken(applied, nbytes)
 
 
@@ -195,13 +196,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
         self.factor_threshold, self.bias_correction = factor_threshold, bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
-        layers = len(self.layout.params)
-        self._coeff_ema = torch.zeros(layers)
-        self._coeff_updates = torch.zeros(layers)
-        self._frozen_coeffs = torch.ones(layers)
-        self._scaling = torch.ones(layers)
-        self._last_factors = torch.ones(layers)
-        self._coeffs = torch.ones(layers)
+        self.trust_ratios = TrustRatios(len(self.layout.params))
 
     _group_keys = GROUP_KEYS
     _agreed = ("bias_correction",)
@@ -211,12 +206,12 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
 
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)
-        self._exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
-        self.flat.expose("exp_avg", self._exp_avg)
-        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
-        self._exp_avg_sq_fresh: Tensor | None = None  # the compression stage's
-        self._set_frozen(False)
-        self._pack_momentum(self._exp_avg, keeps_last=True)
+        self.exp_avg = self.flat.zeros(padded=True)  # padded: it can hold the worker errors
+        self.flat.expose("exp_avg", self.exp_avg)
+        self.exp_avg_sq = self.flat.zeros("exp_avg_sq")
+        self.exp_avg_sq_fresh: Tensor | None = None  # the compression stage's
+        self.set_frozen(False)
+        self._pack_momentum(self.exp_avg, keeps_last=True)
 
     def _settings(self) -> dict[str, Any]:
         knobs = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min")
@@ -227,7 +222,7 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
 
     def get_lamb_coeffs(self) -> list[float]:
         """Each parameter's trust ratio in the last step, in parameter order (a copy)."""
-        return self._coeffs.tolist()
+        return self.trust_ratios.last.tolist()
 
     def _stage_state(self) -> StatePart:
         return _TrustRatioState(self)
@@ -241,30 +236,16 @@ class _TrustRatioState(NoState):
         self.optimizer = optimizer
 
     def extra_state(self) -> dict[str, Any]:
-        opt = self.optimizer
-        return {
-            "coeff_ema": opt._coeff_ema.clone(),
-            "coeff_updates": opt._coeff_updates.clone(),
-            "frozen_coeffs": opt._frozen_coeffs.clone(),
-            "scaling_coeffs": opt._scaling.clone(),
-            "last_factors": opt._last_factors.clone(),
-            "coeffs": opt._coeffs.clone(),
-        }
+        return self.optimizer.trust_ratios.state_dict()
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        opt = self.optimizer
-        opt._coeff_ema = state["coeff_ema"].clone()
-        opt._coeff_updates = state["coeff_updates"].clone()
-        opt._frozen_coeffs = state["frozen_coeffs"].clone()
-        opt._scaling = state["scaling_coeffs"].clone()
-        opt._last_factors = state["last_factors"].clone()
-        opt._coeffs = state["coeffs"].clone()
+        self.optimizer.trust_ratios.load_state_dict(state)
 
     def before_load(self, saved: dict[str, Any]) -> Callable[[], None]:
-        fresh = self.optimizer._exp_avg_sq_fresh
+        fresh = self.optimizer.exp_avg_sq_fresh
 
         def undo() -> None:
-            self.optimizer._exp_avg_sq_fresh = fresh  # what the stages' enter() keeps
+            self.optimizer.exp_avg_sq_fresh = fresh  # what the stages' enter() keeps
 
         return undo
 

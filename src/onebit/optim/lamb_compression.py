@@ -38,6 +38,38 @@ has no pass over every bucket (the C kernels): it walks each bucket in blocks th
 buffers of 4 MiB whatever the bucket size."""
 
 
+class TrustRatios:
+    """1-bit LAMB's per-layer scalars, on the host, in parameter order: what its warmup
+    averages, what its freeze fixes and what each compression step last used.
+
+    Attributes:
+        ema, updates: the moving average of each layer's trust ratio over the warmup, and how
+            many defined ratios (no zero norm) entered it.
+        frozen: the trust ratios frozen at the freeze (the bias-corrected average; 1 for a
+            layer that had none).
+        scaling: the momentum scaling ``mean(s) / s_l`` frozen at the freeze.
+        factors: the fresh-variance factors of the last compression step.
+        last: the trust ratios of the last step (``OnebitLamb.get_lamb_coeffs``).
+    """
+
+    _SAVED = {"ema": "coeff_ema", "updates": "coeff_updates", "frozen": "frozen_coeffs",
+              "scaling": "scaling_coeffs", "factors": "last_factors", "last": "coeffs"}  # fmt: skip
+
+    def __init__(self, layers: int) -> None:
+        self.ema, self.updates = torch.zeros(layers), torch.zeros(layers)
+        self.frozen, self.scaling = torch.ones(layers), torch.ones(layers)
+        self.factors, self.last = torch.ones(layers), torch.ones(layers)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """A copy of every scalar, under the names a checkpoint keeps them by."""
+        return {key: getattr(self, name).clone() for name, key in self._SAVED.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Take the scalars of :meth:`state_dict` (copied)."""
+        for name, key in self._SAVED.items():
+            setattr(self, name, state[key].clone())
+
+
 class LambCompression(Stage):
     """The 1-bit steps: each layer's momentum, scaled to a common size, goes through the
     compressed allreduce; the change of momentum gives the averaged gradient and the fresh
@@ -47,9 +79,9 @@ class LambCompression(Stage):
     name = "compression"
     frozen = True
     shows = {
-        "exp_avg": "_exp_avg",
-        "frozen_denom": "_exp_avg_sq",
-        "exp_avg_sq_fresh": "_exp_avg_sq_fresh",
+        "exp_avg": "exp_avg",
+        "frozen_denom": "exp_avg_sq",
+        "exp_avg_sq_fresh": "exp_avg_sq_fresh",
     }
 
     def __init__(self, optimizer: OnebitLamb) -> None:
@@ -62,15 +94,15 @@ class LambCompression(Stage):
     def enter(self) -> None:
         opt = self.optimizer
         opt.bucketer.grads_as_views = False
-        if opt._exp_avg_sq_fresh is None:
-            opt._exp_avg_sq_fresh = opt.flat.zeros()
+        if opt.exp_avg_sq_fresh is None:
+            opt.exp_avg_sq_fresh = opt.flat.zeros()
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
-        if not opt._frozen:
+        if not opt.frozen:
             self._freeze()
         opt.engine.clip_own_gradient()
-        if opt._packed_stage() is not None:
+        if opt.check_packed() is not None:
             return self._packed_step(t)
         return self._unpacked_step(t)
 
@@ -78,10 +110,10 @@ class LambCompression(Stage):
         """The momentum scaling (a host vector, fixed from the freeze on) on the optimizer's
         device: uploaded once per value, so that no bucket's pass uploads it again."""
         opt = self.optimizer
-        cached = self._uploaded_scaling
-        if cached is None or cached[0] is not opt._scaling or cached[1].device != opt.device:
-            uploaded = host.upload(opt._scaling, opt.device, torch.float32)
-            self._uploaded_scaling = cached = (opt._scaling, uploaded)
+        cached, scaling = self._uploaded_scaling, opt.trust_ratios.scaling
+        if cached is None or cached[0] is not scaling or cached[1].device != opt.device:
+            uploaded = host.upload(scaling, opt.device, torch.float32)
+            self._uploaded_scaling = cached = (scaling, uploaded)
         return cached[1]
 
     def _unpacked_step(self, t: int) -> Taken:
@@ -89,13 +121,13 @@ class LambCompression(Stage):
         gradient it implies, the fresh variance, the factors and the update all pass through
         the gradient buffer."""
         opt = self.optimizer
-        beta1, beta2 = opt._hyper.beta1, opt._hyper.beta2
-        m, frozen_denom = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
-        v_fresh = opt._exp_avg_sq_fresh
+        beta1, beta2 = opt.hyper.beta1, opt.hyper.beta2
+        m, frozen_denom = opt.exp_avg[: opt.layout.numel], opt.exp_avg_sq
+        v_fresh = opt.exp_avg_sq_fresh
         assert v_fresh is not None
         g = opt.engine.gather_grads()
         views = opt.layout.views(g)
-        scaling = opt._scaling.tolist()
+        scaling = opt.trust_ratios.scaling.tolist()
         torch.lerp(m, g, 1 - beta1, out=g)
         torch._foreach_mul_(views, scaling)
         applied, nbytes = opt.engine.compressed_allreduce()  # in place: g is the averaged momentum
@@ -104,8 +136,8 @@ class LambCompression(Stage):
             m.mul_(-beta1).add_(g).div_(1 - beta1)  # the averaged gradient the momentum implies
             v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
             m.copy_(g)
-            apply_masks_(m, opt._masks)
-            fresh = opt._hyper.denominator(v_fresh, t, out=opt.engine.grads)
+            apply_masks_(m, opt.masks)
+            fresh = opt.hyper.denominator(v_fresh, t, out=opt.engine.grads)
             torch.div(frozen_denom, fresh, out=g)
             raw = opt.shards.layer_norms(views, math.inf)  # each layer's largest ratio
             raw = torch.where(torch.tensor(opt.shards.numels()) > 0, raw, 1.0)
@@ -118,14 +150,14 @@ class LambCompression(Stage):
                 update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
             factors = lamb_factor(
                 raw,
-                opt._last_factors,
+                opt.trust_ratios.factors,
                 opt.factor_min,
                 opt.factor_max,
                 opt.factor_threshold,
                 update_ratio,
             )
-            opt._last_factors = factors
-            self._apply(update, opt._frozen_coeffs * factors)
+            opt.trust_ratios.factors = factors
+            self._apply(update, opt.trust_ratios.frozen * factors)
         return Taken(applied, nbytes)
 
     def _packed_step(self, t: int) -> Taken:
@@ -137,10 +169,10 @@ class LambCompression(Stage):
         for the norms that weight decay needs)."""
         opt = self.optimizer
         scaling = self._device_scaling()
-        applied, nbytes, calls = opt.engine.packed_allreduce(opt._fused, scaling)
+        applied, nbytes, calls = opt.engine.packed_allreduce(opt.packed_momentum, scaling)
         if not applied:
             return Taken(applied, nbytes)
-        stage = opt._fused
+        stage = opt.packed_momentum
         new = stage.results(calls, scaling)  # the averaged momentum over the scaling
         decays = [group["weight_decay"] for group in self._groups()]
         passes = stage.model.passes()  # also where the allreduce went a bucket at a time
@@ -160,17 +192,17 @@ class LambCompression(Stage):
         if any(decays):
             adaptive, total = (opt.shards.combine(n) for n in norms.view(2, -1))
             update_ratio = torch.where(total > 0, adaptive / total, 1.0).clamp_(max=1.0)
+        ratios = opt.trust_ratios
         factors = lamb_factor(
-            self._layer_ratios(maxima), opt._last_factors, opt.factor_min, opt.factor_max,
+            self._layer_ratios(maxima), ratios.factors, opt.factor_min, opt.factor_max,
             opt.factor_threshold, update_ratio,
         )  # fmt: skip
-        opt._last_factors = factors
-        opt._coeffs = opt._frozen_coeffs * factors
-        sizes = [group["lr"] * c for group, c in zip(self._groups(), opt._coeffs.tolist())]
+        ratios.factors, ratios.last = factors, ratios.frozen * factors
+        sizes = [group["lr"] * c for group, c in zip(self._groups(), ratios.last.tolist())]
         if passes is not None:
-            bc1 = opt._hyper.bc1(t)
+            bc1 = opt.hyper.bc1(t)
             step_sizes = host.upload(sizes, opt.device, torch.float32)
-            passes.lamb_update(self._param_addresses(), stage.whole(new), opt._exp_avg_sq,
+            passes.lamb_update(self._param_addresses(), stage.whole(new), opt.exp_avg_sq,
                                self._decays(decays), step_sizes, bc1, stage.dtype)  # fmt: skip
         else:
             for indices, params, updates in self._packed_updates(new, t):
@@ -188,11 +220,11 @@ class LambCompression(Stage):
         on the device each layer's largest ratio of the frozen to the fresh denominator, then
         with weight decay each layer's ``||m̂ / denom||`` and ``||update||``."""
         opt = self.optimizer
-        stage, hyper = opt._fused, opt._hyper
+        stage, hyper = opt.packed_momentum, opt.hyper
         last = stage.whole(stage.packed)  # first: new's, made from its buckets, may evict it
         return passes.lamb_ratios(
-            self._param_addresses(), stage.whole(new), last, opt._exp_avg_sq_fresh,
-            opt._exp_avg_sq, self._decays(decays), (hyper.beta1, hyper.beta2),
+            self._param_addresses(), stage.whole(new), last, opt.exp_avg_sq_fresh,
+            opt.exp_avg_sq, self._decays(decays), (hyper.beta1, hyper.beta2),
             (hyper.bc1(t), hyper.bc2(t)), hyper.eps, any(decays),
             stage.dtype,
         )  # fmt: skip
@@ -213,18 +245,18 @@ class LambCompression(Stage):
         the frozen to the fresh denominator in each block's part of each layer (on the device)
         and the layer of each, for :meth:`_part_maxima`."""
         opt = self.optimizer
-        (beta1, beta2, eps, _), stage = opt._hyper, opt._fused
-        bc2 = opt._hyper.bc2(t)
+        (beta1, beta2, eps, _), stage = opt.hyper, opt.packed_momentum
+        bc2 = opt.hyper.bc2(t)
         ratios, layers = [], []
         for k, lo, hi in self._blocks():
             origin = opt.layout.buckets[k][0]
             g, last = self._scratch(hi - lo), self._scratch(hi - lo, 1)
             stage.momentum_(k, g, new, lo, masked=False)  # the allreduce's result
             stage.momentum_(k, last, start=lo).mul_(-beta1).add_(g).div_(1 - beta1)
-            v_fresh = opt._exp_avg_sq_fresh[origin + lo : origin + hi]
+            v_fresh = opt.exp_avg_sq_fresh[origin + lo : origin + hi]
             v_fresh.mul_(beta2).addcmul_(last, last, value=1 - beta2)
             ratio = adam_denominator(v_fresh, bc2, eps, out=last)
-            torch.div(opt._exp_avg_sq[origin + lo : origin + hi], ratio, out=ratio)
+            torch.div(opt.exp_avg_sq[origin + lo : origin + hi], ratio, out=ratio)
             indices, _, parts = self._block_parts(k, lo, ratio)
             ratios += torch._foreach_norm(parts, math.inf)  # a block's parts are fp32
             layers += indices
@@ -251,12 +283,12 @@ class LambCompression(Stage):
         gives them, with Adam's update ``m̂ / denom`` from the ``new`` packed momentum, plus
         weight decay if ``decay``, in a temporary of the block."""
         opt = self.optimizer
-        bc1 = opt._hyper.bc1(t)
+        bc1 = opt.hyper.bc1(t)
         groups = self._groups()
         for k, lo, hi in self._blocks():
             origin = opt.layout.buckets[k][0]
-            update = opt._fused.momentum_(k, self._scratch(hi - lo), new, lo)
-            torch.div(update, opt._exp_avg_sq[origin + lo : origin + hi], out=update).div_(bc1)
+            update = opt.packed_momentum.momentum_(k, self._scratch(hi - lo), new, lo)
+            torch.div(update, opt.exp_avg_sq[origin + lo : origin + hi], out=update).div_(bc1)
             indices, params, updates = self._block_parts(k, lo, update)
             for i, p, u in zip(indices, params, updates):
                 if decay and groups[i]["weight_decay"]:
@@ -307,7 +339,7 @@ class LambCompression(Stage):
         compression step without passes over every bucket takes after its allreduce."""
         opt = self.optimizer
         for k in range(len(opt.layout.buckets)):
-            for lo, hi in opt._fused.blocks(k, BLOCK):
+            for lo, hi in opt.packed_momentum.blocks(k, BLOCK):
                 yield k, lo, hi
 
     def _groups(self) -> list[dict[str, Any]]:
@@ -337,7 +369,7 @@ class LambCompression(Stage):
         """Adam's update ``m̂ / denom``, ``m`` bias-corrected for ``step``, into the gradient
         buffer."""
         opt = self.optimizer
-        return torch.div(m, denom, out=opt.engine.grads).div_(opt._hyper.bc1(step))
+        return torch.div(m, denom, out=opt.engine.grads).div_(opt.hyper.bc1(step))
 
     def _add_weight_decay(self, update: Tensor) -> None:
         opt = self.optimizer
@@ -348,7 +380,7 @@ class LambCompression(Stage):
     def _apply(self, update: Tensor, coeffs: Tensor) -> None:
         """``p = p - lr·coeff·update`` per layer; ``update`` is used as scratch."""
         opt = self.optimizer
-        opt._coeffs = coeffs.clone()
+        opt.trust_ratios.last = coeffs.clone()
         per_layer = coeffs.tolist()
         start = 0
         for group, params, updates in opt.flat.per_group(update):
@@ -359,16 +391,17 @@ class LambCompression(Stage):
     def _freeze(self) -> None:
         """Enter the compression stage: freeze v, the trust ratios and the momentum scaling."""
         opt = self.optimizer
-        v, frozen_t = opt._exp_avg_sq, opt.freeze.variance_step(opt.num_steps)
-        fill_zero_variance_(opt.layout.views(v), opt._hyper.zero_variance_floor(frozen_t))
-        opt._exp_avg_sq_fresh = v.clone()
-        opt._hyper.denominator(v, frozen_t, out=v)
-        momentum = opt.layout.views(opt._exp_avg[: opt.layout.numel])
-        opt._scaling = momentum_scaling(opt.shards.layer_norms(momentum), opt.shards.numels())
-        ema = opt._coeff_ema
+        v, frozen_t = opt.exp_avg_sq, opt.freeze.variance_step(opt.num_steps)
+        fill_zero_variance_(opt.layout.views(v), opt.hyper.zero_variance_floor(frozen_t))
+        opt.exp_avg_sq_fresh = v.clone()
+        opt.hyper.denominator(v, frozen_t, out=v)
+        momentum = opt.layout.views(opt.exp_avg[: opt.layout.numel])
+        ratios = opt.trust_ratios
+        ratios.scaling = momentum_scaling(opt.shards.layer_norms(momentum), opt.shards.numels())
+        ema = ratios.ema
         if opt.bias_correction:
-            ema = ema / (1 - opt.coeff_beta**opt._coeff_updates)
-        opt._frozen_coeffs = torch.where(opt._coeff_updates > 0, ema, 1.0)
+            ema = ema / (1 - opt.coeff_beta**ratios.updates)
+        ratios.frozen = torch.where(ratios.updates > 0, ema, 1.0)
         opt.engine.end_warmup()
-        opt._set_frozen(True)
+        opt.set_frozen(True)
         opt.bucketer.release()  # the .grad views keep it; the compression stage gets its own

@@ -55,7 +55,7 @@ class Placement:
             error_dtype=self.error_dtype,
         )
         self.flat = FlatState(self.layout, self.state, self.param_groups, device)
-        self._masks = [(offset, mask.to(device)) for offset, mask in self._masks]
+        self.masks = [(offset, mask.to(device)) for offset, mask in self.masks]
 
     def _allocate_state(self) -> None:
         """Make the subclass's flat buffers on :attr:`device`, as a new optimizer has them (run
@@ -154,7 +154,7 @@ class Placement:
             "freeze_step": self.freeze.freeze_step,
             "auto_freeze": self.freeze.auto_freeze,
             "overlap_backward": self.overlap_backward,
-            "exp_avg_mask": [offset for offset, _ in self._masks],
+            "exp_avg_mask": [offset for offset, _ in self.masks],
             **self.shards.settings(),
             **{name: getattr(self, name) for name in self._agreed},
         }
@@ -192,7 +192,7 @@ class Placement:
         saved = self.state_dict()
         self.device = device
         self.state.clear()
-        self._fused = None
+        self.packed_momentum = None
         self._build_on_device()
         self.bucketer.place(device)
         self.engine = self._new_engine()
@@ -281,7 +281,7 @@ class Placement:
                 "parameters by memory address, which empty local shards share: use "
                 "onebit.integrations.accelerate.prepare)"
             )
-        shards, layout = self._laid_out(params, old_layout.bucket_size, bool(self._masks))
+        shards, layout = self._laid_out(params, old_layout.bucket_size, bool(self.masks))
         same = shards.settings() == old_shards.settings() and [p.shape for p in layout.params] == [
             p.shape for p in old_layout.params
         ]
@@ -292,7 +292,7 @@ class Placement:
                 "optimizer's state cannot follow them. Shard the model before the first step, "
                 "or build the optimizer on the sharded model and load a checkpoint"
             )
-        if not same and self._masks:
+        if not same and self.masks:
             raise ValueError("exp_avg_mask belongs to parameters of other shapes")
         return shards, layout, same
 
@@ -340,7 +340,7 @@ class Placement:
         state of the parameters it replaces) if given."""
         self._adopt(shards, layout)
         self.state.clear()
-        self._fused = None
+        self.packed_momentum = None
         self._gathered = None
         self._build_on_device()
         self.bucketer.close()

@@ -22,6 +22,7 @@ freeze.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 
 LR = 1e-3
 """The copy's learning rate in every group (0/1 Adam's ``synchronize()`` does nothing at 0)."""
+
+_rehearsing = False
+"""Whether a copy is taking its steps (:func:`rehearse`), which compile nothing ahead."""
 
 STEPS = 6
 """The copy's steps: its warmup (one step; 0/1 Adam's phase A: two variance steps and a
@@ -49,32 +53,40 @@ def applies(optimizer: CompressedOptimizer) -> bool:
     )
 
 
-def compile_ahead(optimizer: CompressedOptimizer) -> None:
+def compile_ahead(
+    optimizer: CompressedOptimizer,
+    options: dict[str, Any],
+    *,
+    scaled: bool,
+    any_rank: Callable[[bool], bool],
+) -> None:
     """After ``optimizer``'s first warmup step: compile the kernels of the stage to come now,
-    where they compile at their first launch, if every rank can (a collective on CUDA)."""
+    where they compile at their first launch, if every rank can (``any_rank``: whether a flag
+    holds on any rank, a collective on CUDA). ``options`` are the keyword arguments of the copy
+    (:func:`tiny_copy`); ``scaled``: whether the step ran under a ``GradScaler``. Does nothing
+    in a copy's own steps (:func:`rehearse`)."""
+    if _rehearsing:
+        return
     can = applies(optimizer)
     if optimizer.device.type == "cuda" and optimizer.world_size > 1:
-        can = not optimizer._any_rank(not can)
+        can = not any_rank(not can)
     if can:
-        rehearse(tiny_copy(optimizer), scaled=optimizer._step.inv_scale is not None)
+        rehearse(tiny_copy(optimizer, options), scaled=scaled)
 
 
-def tiny_copy(optimizer: CompressedOptimizer) -> CompressedOptimizer:
-    """A copy of ``optimizer`` on :func:`tiny_groups`, with the options of its class's
-    ``_rehearsal_options``, for :func:`rehearse`. It compiles nothing ahead itself. A
-    collective, as the construction of any onebit optimizer."""
+def tiny_copy(optimizer: CompressedOptimizer, options: dict[str, Any]) -> CompressedOptimizer:
+    """A copy of ``optimizer`` on :func:`tiny_groups`, built with the keyword arguments
+    ``options`` (the constructor's, with those its class changes for a rehearsal), for
+    :func:`rehearse`. A collective, as the construction of any onebit optimizer."""
     groups = tiny_groups(optimizer.param_groups, optimizer.device)
     options = {
-        **{k: v for k, v in optimizer._constructor_options.items() if k != "params"},
-        **optimizer._rehearsal_options,
+        **{k: v for k, v in options.items() if k != "params"},
         "process_group": optimizer.process_group,
     }
-    if optimizer._masks:
+    if optimizer.masks:
         first = groups[0]["params"][0]
         options["exp_avg_mask"] = {first: torch.ones_like(first)}
-    copy = type(optimizer)(groups, **options)
-    copy._compiles_ahead = False
-    return copy
+    return type(optimizer)(groups, **options)
 
 
 def tiny_groups(param_groups: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
@@ -92,19 +104,24 @@ def rehearse(copy: torch.optim.Optimizer, scaled: bool) -> None:
     """Take :data:`STEPS` steps of ``copy``, a copy of an optimizer on :func:`tiny_groups`
     (see the module), so that the kernels of its stage compile now; ``scaled``: as under a
     ``GradScaler``. A collective: every rank of its group calls it."""
+    global _rehearsing
     params = [p for g in copy.param_groups for p in g["params"]]
     device = params[0].device
-    for step in range(STEPS):
-        with torch.enable_grad():
-            sum(((p * (step + 1)).square()).sum() for p in params).backward()
-        if scaled:
-            copy.grad_scale = torch.full((), 2.0, device=device)
-            copy.found_inf = torch.zeros((), device=device)
-        copy.step()
-        copy.zero_grad()
-    synchronize = getattr(copy, "synchronize", None)  # 0/1 Adam's launches a variant of its own
-    if synchronize is not None:
-        synchronize()
+    _rehearsing = True
+    try:
+        for step in range(STEPS):
+            with torch.enable_grad():
+                sum(((p * (step + 1)).square()).sum() for p in params).backward()
+            if scaled:
+                copy.grad_scale = torch.full((), 2.0, device=device)
+                copy.found_inf = torch.zeros((), device=device)
+            copy.step()
+            copy.zero_grad()
+        synchronize = getattr(copy, "synchronize", None)  # 0/1 Adam's: a variant of its own
+        if synchronize is not None:
+            synchronize()
+    finally:
+        _rehearsing = False
 
 
 def _tiny_params(params: list[Tensor], device: torch.device) -> list[torch.nn.Parameter]:

@@ -38,7 +38,7 @@ class _PhaseA(Stage):
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
-        m, v, hyper = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq, opt._hyper
+        m, v, hyper = opt.exp_avg[: opt.layout.numel], opt.exp_avg_sq, opt.hyper
         applied, nbytes = self._average(m, v)
         if applied:
             if opt.var_interval > 1:  # compressed steps have made m nonzero where v is 0
@@ -64,7 +64,7 @@ class _Variance(_PhaseA):
     name = "variance"
 
     def _average(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
-        opt, hyper = self.optimizer, self.optimizer._hyper
+        opt, hyper = self.optimizer, self.optimizer.hyper
         applied, nbytes = opt.engine.average_gradients()
         if applied:
             adam_moments_(m, v, opt.engine.grads, hyper.beta1, hyper.beta2)
@@ -83,13 +83,13 @@ class _OnebitGradient(_PhaseA):
     name = "compression"
 
     def _average(self, m: Tensor, v: Tensor) -> tuple[bool, int]:
-        opt, hyper = self.optimizer, self.optimizer._hyper
+        opt, hyper = self.optimizer, self.optimizer.hyper
         opt.engine.clip_own_gradient()
         g = opt.engine.gather_grads()
         applied, nbytes = opt.engine.compressed_allreduce()  # in place: g is now the estimate
         if applied:
             adam_moments_(m, None, g, hyper.beta1, hyper.beta2)
-            apply_masks_(m, opt._masks)
+            apply_masks_(m, opt.masks)
         return applied, nbytes
 
 
@@ -100,24 +100,25 @@ class _Local(Stage):
 
     name = "local"
     frozen = True
-    shows = {"exp_avg": "_exp_avg", "frozen_denom": "_exp_avg_sq", "sync_params": "_sync_params"}
+    shows = {"exp_avg": "exp_avg", "frozen_denom": "exp_avg_sq", "sync_params": "sync_params"}
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer
-        if not opt._frozen:
+        if not opt.frozen:
             self._freeze()
-        hyper = opt._hyper
-        m, denom = opt._exp_avg[: opt.layout.numel], opt._exp_avg_sq
+        hyper = opt.hyper
+        m, denom = opt.exp_avg[: opt.layout.numel], opt.exp_avg_sq
         grads = [p.grad for p in opt.layout.params]
-        if opt._step.status:
-            opt._close_step()
-            problem = STATUS[opt._step.status] + opt._step.detail()
+        step = opt.engine.step
+        if step.status:
+            step.close()
+            problem = STATUS[step.status] + step.detail()
             raise RuntimeError(f"{type(opt).__name__}.step(): {problem}")
         finite, scale = self._verdict(grads)
         passes = self.passes(grads)
         if finite and passes is None:
             momentum_from_grads_(opt.layout.views(m), grads, hyper.beta1, scale)
-            apply_masks_(m, opt._masks)
+            apply_masks_(m, opt.masks)
             opt._adam.adamw_update_(m, denom, t, hyper)
         elif not finite:
             opt.local_skipped_steps += 1
@@ -149,7 +150,7 @@ class _Local(Stage):
         this rank's gradient: the inverse loss scale, times the coefficient that clips the
         unscaled local gradient to ``max_grad_norm``. One read of the device."""
         opt = self.optimizer
-        inv = opt._step.inv_scale
+        inv = opt.engine.step.inv_scale
         present = [g for g in grads if g is not None]
         largest = layer_norms(present, ord=math.inf).to(opt.device)  # each gradient's
         values = [largest]
@@ -169,17 +170,17 @@ class _Local(Stage):
     def _freeze(self) -> None:
         """Enter phase B: freeze the denominator, reset the errors, remember the parameters."""
         opt = self.optimizer
-        v = opt._exp_avg_sq
-        floor = opt._hyper.zero_variance_floor(opt._var_updates)
+        v = opt.exp_avg_sq
+        floor = opt.hyper.zero_variance_floor(opt._var_updates)
         fill_zero_variance_(opt.layout.views(v), floor)
-        opt._hyper.denominator(v, opt._var_updates, out=v)
+        opt.hyper.denominator(v, opt._var_updates, out=v)
         for comm in opt.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
         anchor = opt.engine.grads
         torch._foreach_copy_(opt.layout.views(anchor), opt.layout.params)
         opt._lrs = [0.0] * len(opt.param_groups)
         opt._decay = [1.0] * len(opt.param_groups)
-        opt._set_frozen(True)
+        opt.set_frozen(True)
 
 
 class _Sync(_Local):
@@ -200,7 +201,7 @@ class _Sync(_Local):
         parameters, no sparse gradient and no ``exp_avg_mask``; else ``None`` (torch ops)."""
         opt = self.optimizer
         model = opt.engine.model_allreduce()
-        if model is None or opt._masks or not fused_parameters(opt.layout):
+        if model is None or opt.masks or not fused_parameters(opt.layout):
             return None
         if any(g is not None and g.is_sparse for g in grads):
             return None
@@ -222,12 +223,12 @@ class _Sync(_Local):
         opt = self.optimizer
         n = opt.layout.numel
         params = opt.layout.params
-        progress, anchor, denom = opt._exp_avg[:n], opt.engine.grads, opt._exp_avg_sq
+        progress, anchor, denom = opt.exp_avg[:n], opt.engine.grads, opt.exp_avg_sq
         anchors = opt.layout.views(anchor)
         torch._foreach_copy_(opt.layout.views(progress), params)
         for (start, end), decay in zip(opt._ranges, opt._decay):
             progress[start:end].sub_(anchor[start:end], alpha=decay)
-        synced, nbytes = opt.engine.reduce_compressed(opt._exp_avg, post=denom)
+        synced, nbytes = opt.engine.reduce_compressed(opt.exp_avg, post=denom)
         if synced:
             for (start, end), decay in zip(opt._ranges, opt._decay):
                 if decay != 1.0:
@@ -235,7 +236,7 @@ class _Sync(_Local):
             anchor.addcdiv_(progress, denom)
             for (start, end), lrs in zip(opt._ranges, opt._lrs):
                 progress[start:end].mul_(-1 / lrs if lrs > 0 else 0.0)  # m = -average / lrs
-            apply_masks_(progress, opt._masks)
+            apply_masks_(progress, opt.masks)
         else:
             progress.zero_()
         torch._foreach_copy_(params, anchors)
@@ -270,15 +271,14 @@ class _Sync(_Local):
         if local is not None:
             addresses, keep, _ = gradient_addresses(params, opt.layout.strides)
             grads = self._grad_bases(addresses, device)
-            step = (grads, local[1], 1 - opt._hyper.beta1, step_decay, value)
-        m, denom, anchor = opt._exp_avg, opt._exp_avg_sq, opt.engine.grads
+            step = (grads, local[1], 1 - opt.hyper.beta1, step_decay, value)
+        m, denom, anchor = opt.exp_avg, opt.exp_avg_sq, opt.engine.grads
         model, scale = opt.engine.model_allreduce(), opt.comms[0].scale
 
         def progress(errors: Tensor, headers: Tensor, message: Tensor) -> Tensor:
             return passes.sync_progress(bases, m, denom, anchor, since, step, errors, scale,
                                         headers, message)  # fmt: skip
 
-        opt._begin_step()
         synced, call = opt.engine.phase1_at_once(
             model, lambda headers: model.start_from(m, headers, progress)
         )
@@ -465,13 +465,13 @@ class ZeroOneAdam(CompressedOptimizer):
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)
         # Padded: in phase B the momentum buffer is also the compressor's input at a sync.
-        self._exp_avg = self.flat.zeros(padded=True)
-        self.flat.expose("exp_avg", self._exp_avg)
-        self._exp_avg_sq = self.flat.zeros("exp_avg_sq")
-        self._set_frozen(False)
+        self.exp_avg = self.flat.zeros(padded=True)
+        self.flat.expose("exp_avg", self.exp_avg)
+        self.exp_avg_sq = self.flat.zeros("exp_avg_sq")
+        self.set_frozen(False)
 
     @property
-    def _sync_params(self) -> Tensor:
+    def sync_params(self) -> Tensor:
         """The parameters of the last sync, phase B's: kept in the gradient buffer."""
         return self.engine.grads
 
@@ -504,8 +504,9 @@ class ZeroOneAdam(CompressedOptimizer):
         taking a step; ``comm_stats`` books it as stage ``"synchronize"``. Does nothing in
         phase A, or if no step was taken since the last sync.
         """
-        if self._frozen and any(lrs > 0 for lrs in self._lrs):
+        if self.frozen and any(lrs > 0 for lrs in self._lrs):
             sync = self._stages["sync"]
+            self._begin_step()
             synced, nbytes = sync.average(sync.passes([]))
             self._close_step()
             self.comm_stats.record("synchronize", nbytes)
@@ -538,8 +539,8 @@ class _ScheduleState(NoState):
     def rank_state(self) -> dict[str, Any]:
         opt = self.optimizer
         state: dict[str, Any] = {"local_skipped_steps": opt.local_skipped_steps}
-        if opt._frozen:
-            state["exp_avg"] = opt._exp_avg[: opt.layout.numel].clone()
+        if opt.frozen:
+            state["exp_avg"] = opt.exp_avg[: opt.layout.numel].clone()
             params = enumerate(p.detach() for p in opt.layout.params)
             state["params"] = torch.cat([opt.layout.flat(i, p).float() for i, p in params])
         return state
@@ -548,7 +549,7 @@ class _ScheduleState(NoState):
         opt = self.optimizer
         opt.local_skipped_steps = state.get("local_skipped_steps", 0)
         if "exp_avg" in state:
-            opt._exp_avg[: opt.layout.numel].copy_(state["exp_avg"])
+            opt.exp_avg[: opt.layout.numel].copy_(state["exp_avg"])
         if "params" in state:
             flat = state["params"].to(opt.device)
             with torch.no_grad():

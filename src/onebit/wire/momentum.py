@@ -551,30 +551,36 @@ class PackedMomentumStage:
 
 class PacksMomentum:
     """What 1-bit Adam and 1-bit LAMB add to :class:`~onebit.optim.base.CompressedOptimizer`: their
-    momentum kept packed in the compression stage (``_fused``), where it applies."""
+    momentum kept packed in the compression stage, where it applies.
 
-    _fused: PackedMomentumStage | None = None
-    _unpacked: str | None = None  # why _fused is None (unpacked_because)
+    Attributes:
+        packed_momentum: the :class:`PackedMomentumStage`, or ``None`` where the momentum is not
+            packed (:meth:`check_packed` says whether it still is).
+    """
+
+    packed_momentum: PackedMomentumStage | None = None
+    _unpacked: str | None = None  # why packed_momentum is None (unpacked_because)
 
     def _pack_momentum(
         self, momentum: Tensor, keeps_last: bool = False, clips_result: bool = False
     ) -> None:
         """Make the packed momentum stage on the flat momentum ``momentum`` where it applies,
         else say why not in ``_unpacked``."""
-        masked = bool(self._masks)
+        masked = bool(self.masks)
         self._unpacked = unpacked_because(self.layout, self.scale_per, masked, clips_result)
         if self._unpacked is None:
-            self._fused = PackedMomentumStage(self.layout, self.comms, momentum,
-                                              keeps_last=keeps_last, masks=self._masks)  # fmt: skip
+            self.packed_momentum = PackedMomentumStage(
+                self.layout, self.comms, momentum, keeps_last=keeps_last, masks=self.masks
+            )
 
-    def _packed_stage(self) -> PackedMomentumStage | None:
+    def check_packed(self) -> PackedMomentumStage | None:
         """The packed momentum stage, if the parameters still suit its kernels; once they do not
         (one layer cast to another dtype, or given other strides) it is unpacked, and the
         unfused path runs from then on."""
-        stage = self._fused
+        stage = self.packed_momentum
         if stage is not None and not fused_parameters(self.layout, fused.DTYPES):
             stage.unpack_()
-            self._fused = None
+            self.packed_momentum = None
             self._unpacked = unpacked_because(self.layout, self.scale_per)
             self.flat.expose("exp_avg", stage.momentum)
-        return self._fused
+        return self.packed_momentum
