@@ -1,6 +1,7 @@
 """The one list of optimizers feeds ``onebit train``, the DeepSpeed translation and the package."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 import onebit
 from onebit.integrations import deepspeed
 from onebit.optim import registry
-from onebit.optim.options import SHARED_OPTIONS
+from onebit.optim.options import SHARED_DOCS, SHARED_OPTIONS
 from onebit.train import optim
 
 
@@ -66,3 +67,19 @@ def test_every_shared_setting_an_optimizer_takes_reaches_it(entry):
             value = {model[0].weight: torch.ones_like(model[0].weight)}
         opt = entry.cls(model.parameters(), **required, **{name: value})
         assert holds(opt), name
+
+
+@pytest.mark.parametrize("entry", registry.OPTIMIZERS, ids=lambda e: e.name)
+def test_every_argument_is_documented(entry):
+    """Each argument of an optimizer's signature has an entry in its docstring's argument list
+    (alone or in a group, ``lr, betas, eps, weight_decay:``), the shared ones written out from
+    ``options.SHARED_DOCS``, and no placeholder is left."""
+    doc = entry.cls.__doc__
+    assert not re.search(r"^ *\{\w+\}$", doc, flags=re.M)
+    entries = re.findall(r"^        ([\w, ]+):", doc, flags=re.M)
+    documented = {name.strip() for e in entries for name in e.split(",")}
+    takes = set(inspect.signature(entry.cls).parameters)
+    assert takes <= documented, takes - documented
+    for name, text in SHARED_DOCS.items():
+        if name in takes:
+            assert f"        {name}: {text.splitlines()[0]}" in doc, name

@@ -13,10 +13,10 @@ from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 from ..transport.engine import COMPRESSED, PACKED
 from ..wire.momentum import PacksMomentum
-from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options
+from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options, with_shared_docs
 from .stage import Stage, Taken
 
 
@@ -139,7 +139,8 @@ class _Compression(Stage):
         return Taken(applied, nbytes)
 
 
-class OnebitAdam(PacksMomentum, CompressedOptimizer):
+@with_shared_docs
+class OnebitAdam(AdamShaped, PacksMomentum, CompressedOptimizer):
     """AdamW whose gradient communication drops to 1 bit per element after a warmup.
 
     A drop-in replacement for ``torch.optim.AdamW`` plus ``DistributedDataParallel``: do not
@@ -160,14 +161,9 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
             ``"auto"`` freezes once the variance is stable (:class:`~onebit.freeze.AutoFreeze`
             says how); the step it chose is then ``freeze_step`` and ``comm_stats.freeze_step``.
         bias_correction: Adam's bias correction (the reference implementation had none).
-        process_group: the data-parallel group; ``None`` is the default group, or a single
-            process if ``torch.distributed`` is not initialised.
-        bucket_size: elements per communication bucket, rounded down to a multiple of
-            ``8 * world_size``.
-        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
-            scale, so that a large tensor (an embedding, say) does not set the steps of the small
-            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
-            implementation). Each scale costs 4 bytes per message.
+        {process_group}
+        {bucket_size}
+        {scale_per}
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter.
             1-bit compression cannot send exact zeros; the mask keeps known-zero momentum entries
             (unused embedding rows, say) at zero in the compression stage. Masks other than
@@ -273,12 +269,6 @@ class OnebitAdam(PacksMomentum, CompressedOptimizer):
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
-
-    _group_keys = GROUP_KEYS
-    _agreed = ("bias_correction",)
-
-    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
-        return AdamHyper.of(groups, self.bias_correction)
 
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)

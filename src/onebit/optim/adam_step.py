@@ -100,6 +100,20 @@ class AdamHyper(NamedTuple):
         return self.eps**2 * self.bc2(variance_step)
 
 
+class AdamShaped:
+    """What the three Adam-family optimizers add alike to
+    :class:`~onebit.optim.base.CompressedOptimizer`: what each step reads from the param groups
+    (an :class:`AdamHyper`, which ``bias_correction`` bias-corrects) and what every rank must
+    agree on (:data:`GROUP_KEYS` in each group, and ``bias_correction``)."""
+
+    bias_correction: bool
+    _group_keys = GROUP_KEYS
+    _agreed = ("bias_correction",)
+
+    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
+        return AdamHyper.of(groups, self.bias_correction)
+
+
 class AdamWarmup:
     """AdamW's full-precision step on an optimizer's flat state, from the averaged gradient.
 

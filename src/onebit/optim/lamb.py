@@ -13,11 +13,11 @@ from torch import Tensor
 from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_moments_, scaled_sub_, trust_ratio
 from ..wire.momentum import PacksMomentum
-from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .lamb_compression import LambCompression, TrustRatios
-from .options import DEFAULT_BUCKET_SIZE, shared_options
+from .options import DEFAULT_BUCKET_SIZE, shared_options, with_shared_docs
 from .stage import Stage, Taken
 
 
@@ -65,7 +65,8 @@ class _Warmup(Stage):
         return Taken(applied, nbytes)
 
 
-class OnebitLamb(PacksMomentum, CompressedOptimizer):
+@with_shared_docs
+class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
     """LAMB whose gradient communication drops to 1 bit per element after a warmup.
 
     LAMB (You et al., 2020) is Adam with a per-layer trust ratio: each parameter ("layer")
@@ -102,14 +103,9 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
             step (default 0.1), so that one noisy gradient does not jolt the step size.
         bias_correction: Adam's bias correction of ``m`` and ``v``, and of the trust ratios'
             moving average. ``False`` gives the reference implementation's numbers.
-        process_group: the data-parallel group; ``None`` is the default group, or a single
-            process if ``torch.distributed`` is not initialised.
-        bucket_size: elements per communication bucket, rounded down to a multiple of
-            ``8 * world_size``.
-        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
-            scale, so that a large tensor (an embedding, say) does not set the steps of the small
-            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
-            implementation). Each scale costs 4 bytes per message.
+        {process_group}
+        {bucket_size}
+        {scale_per}
         auto_freeze: knobs of ``freeze_step="auto"``.
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
             applied to the averaged momentum in the compression stage.
@@ -197,12 +193,6 @@ class OnebitLamb(PacksMomentum, CompressedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, check=check, **shared_options(locals()))
         self.trust_ratios = TrustRatios(len(self.layout.params))
-
-    _group_keys = GROUP_KEYS
-    _agreed = ("bias_correction",)
-
-    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
-        return AdamHyper.of(groups, self.bias_correction)
 
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)

@@ -4,6 +4,7 @@ the checks of them and of the parameters it is given."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,36 @@ def shared_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
     ``locals()``: each optimizer lists in its signature the settings it takes, and passes them
     on to the base in one line, ``super().__init__(..., **shared_options(locals()))``."""
     return {name: arguments[name] for name in SHARED_OPTIONS if name in arguments}
+
+
+SHARED_DOCS = {
+    "process_group": """the data-parallel group; ``None`` is the default group, or a single
+    process if ``torch.distributed`` is not initialised.""",
+    "bucket_size": """elements per communication bucket, rounded down to a multiple of
+    ``8 * world_size``.""",
+    "scale_per": """``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
+    scale, so that a large tensor (an embedding, say) does not set the steps of the small
+    ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
+    implementation). Each scale costs 4 bytes per message.""",
+}  # fmt: skip
+"""What the argument list says of the settings that every optimizer documents alike, by name
+(continued lines indented by four): a docstring line ``{name}`` stands for the entry
+(:func:`with_shared_docs`)."""
+
+
+def with_shared_docs(cls: type) -> type:
+    """Write each line of ``cls``'s docstring that is only ``{name}``, a name of
+    :data:`SHARED_DOCS`, as that setting's entry, indented as the line (torch composes its
+    optimizers' shared argument docs the same way)."""
+
+    def entry(match: re.Match) -> str:
+        indent, name = match.groups()
+        lines = f"{name}: {SHARED_DOCS[name]}".splitlines()
+        return "\n".join(indent + line for line in lines)
+
+    if cls.__doc__:  # None under python -OO
+        cls.__doc__ = re.sub(r"^( *)\{(\w+)\}$", entry, cls.__doc__, flags=re.M)
+    return cls
 
 
 def check_step_count(name: str, value: Any, minimum: int = 1) -> int:

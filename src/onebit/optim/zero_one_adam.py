@@ -21,10 +21,16 @@ from ..functional import (
 from ..kernels.fused import gradient_addresses
 from ..transport.header import STATUS
 from ..wire.momentum import fused_parameters
-from .adam_step import GROUP_KEYS, MOMENTS, AdamHyper, AdamWarmup, check_adam_hyperparameters
+from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer, closes_step_on_error
 from .checkpoint import NoState, StatePart
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_, check_step_count, shared_options
+from .options import (
+    DEFAULT_BUCKET_SIZE,
+    apply_masks_,
+    check_step_count,
+    shared_options,
+    with_shared_docs,
+)
 from .stage import Stage, Taken
 from .zero_one_schedule import PAPER_SCHEDULE, Schedule, run_schedule
 
@@ -291,7 +297,8 @@ class _Sync(_Local):
         return synced, nbytes
 
 
-class ZeroOneAdam(CompressedOptimizer):
+@with_shared_docs
+class ZeroOneAdam(AdamShaped, CompressedOptimizer):
     """AdamW that needs no full-precision warmup and skips whole communication rounds.
 
     Like :class:`~onebit.OnebitAdam` it replaces ``torch.optim.AdamW`` plus
@@ -345,14 +352,9 @@ class ZeroOneAdam(CompressedOptimizer):
             given sizes the default ``local_step_scaler`` to reach it.
         bias_correction: Adam's bias correction. The variance's correction counts variance
             updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
-        process_group: the data-parallel group; ``None`` is the default group, or a single
-            process if ``torch.distributed`` is not initialised.
-        bucket_size: elements per communication bucket, rounded down to a multiple of
-            ``8 * world_size``.
-        scale_per: ``"tensor"`` (default) gives each parameter's part of a bucket its own 1-bit
-            scale, so that a large tensor (an embedding, say) does not set the steps of the small
-            ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
-            implementation). Each scale costs 4 bytes per message.
+        {process_group}
+        {bucket_size}
+        {scale_per}
         exp_avg_mask: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter,
             applied to the momentum after every compressed or local update (1-bit compression
             cannot send exact zeros).
@@ -455,12 +457,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._lrs = [0.0] * len(self.param_groups)
         self._decay = [1.0] * len(self.param_groups)
         self.local_skipped_steps = 0
-
-    _group_keys = GROUP_KEYS
-    _agreed = ("bias_correction",)
-
-    def _step_hyperparameters(self, groups: list[dict[str, Any]]) -> tuple[AdamHyper, bool]:
-        return AdamHyper.of(groups, self.bias_correction)
 
     def _allocate_state(self) -> None:
         self._adam = AdamWarmup.of(self)
