@@ -328,7 +328,6 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         running = self._stages[self.stage]
         applied, nbytes, round_skipped = running.step(self.num_steps + 1)
         first_warmup = self._calls == 0 and self.in_warmup
-        scaled = self._step is not None and self._step.inv_scale is not None
         self._close_step()
         self._calls += 1
         self.shards.release(self.layout.params)
@@ -343,6 +342,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._push_next_sender()
         if first_warmup:
             options = {**self._constructor_options, **self._rehearsal_options}
+            scaled = self._step.inv_scale is not None  # closed, not gone
             rehearsal.compile_ahead(self, options, scaled=scaled, any_rank=self._any_rank)
 
     packed_momentum: PackedMomentumStage | None = None
