@@ -10,9 +10,9 @@ from distributed import run_ranks
 
 from onebit.state.layout import FlatLayout
 from onebit.transport.bucketer import Bucketer
-from onebit.transport.engine import _CommSender, _MeanSender
+from onebit.transport.engine import _CommSender, mean_communicators
 from onebit.wire.comm import CompressedAllreduce
-from onebit.wire.mean import MeanAllreduce
+from onebit.wire.mean import MeanAllreduce, MeanCall
 
 HEADER_NUMEL = 5
 
@@ -27,17 +27,19 @@ class Recorder:
             CompressedAllreduce(e - s, segments=self.layout.segments(k), header_numel=HEADER_NUMEL)
             for k, (s, e) in enumerate(self.layout.buckets)
         ]
-        self.process_group = None
+        self.means = mean_communicators(self.layout, HEADER_NUMEL, group=None, device="cpu")
         self.bucketer = Bucketer(self.layout, None, HEADER_NUMEL, clip=clip, overlap=overlap)
+        self.inv_scale = None
         self.opened = self.closed = 0
         self.prepared = []
         self.headers = []
 
-    def sender(self, kind, inv_scale=None):
-        """What a ``kind`` call sends: ``"allreduce"`` or ``"compressed"``."""
+    def sender(self, kind):
+        """What a ``kind`` call sends: ``"allreduce"`` (the fp32 mean) or ``"compressed"`` (1-bit,
+        through ``prepare``, its headers carrying the buckets' norms)."""
         if kind == "allreduce":
-            return _MeanSender(self, True, inv_scale)
-        return _CommSender(self, kind, self.comms, True, inv_scale, self.prepare)
+            return _CommSender(self, self.means, True, None, False)
+        return _CommSender(self, self.comms, True, self.prepare, True)
 
     @property
     def step(self):
@@ -80,7 +82,8 @@ def test_buckets_launch_last_first_each_gathered_unscaled_and_prepared():
     buckets = bucketer.layout.buckets
     assert len(buckets) >= 3
 
-    calls = bucketer.launch_all(recorder.sender("compressed", inv_scale=0.5))
+    recorder.inv_scale = 0.5  # the open step's: a GradScaler's
+    calls = bucketer.launch_all(recorder.sender("compressed"))
 
     assert [k for k, _ in recorder.prepared] == list(reversed(range(len(buckets))))
     want = _flat_grads(model, 0.5)
@@ -132,7 +135,7 @@ def test_overlap_launches_every_bucket_during_backward_once_armed():
     assert bucketer.inflight == {}
     _backward(model, seed=1)
     assert sorted(bucketer.inflight) == list(range(len(bucketer.layout.buckets)))
-    assert all(isinstance(c, MeanAllreduce) for c in bucketer.inflight.values())
+    assert all(isinstance(c, MeanCall) for c in bucketer.inflight.values())
     assert bucketer.backward_passes == 3
     # what was sent is the accumulated gradient of both backward passes
     calls = bucketer.launch_all(recorder.sender("allreduce"))
@@ -203,14 +206,17 @@ def _allreduce_headers(rank, world_size):
     recorder = Recorder(model)
     recorder.header_for = lambda k, sparse, norm2: torch.arange(HEADER_NUMEL) + 10.0 * rank
     bucketer = recorder.bucketer
-    for call in bucketer.launch_all(recorder.sender("allreduce")):
-        call.wait()
+    calls = bucketer.launch_all(recorder.sender("allreduce"))
+    headers, largest = MeanAllreduce.received(recorder.means, calls)
+    assert headers.data_ptr() == bucketer.header_slots().data_ptr()
+    assert largest.data_ptr() == bucketer.verdict_slot().data_ptr()  # read with the headers
     n = bucketer.layout.numel
-    return bucketer.header_slots().clone(), bucketer.grads[:n].clone()
+    return headers.clone(), float(largest), bucketer.grads[:n].clone()
 
 
 def test_the_fp32_allreduce_gives_every_rank_every_ranks_header_and_the_mean():
-    for slots, mean in run_ranks(_allreduce_headers, 2, timeout=60):
+    for slots, largest, mean in run_ranks(_allreduce_headers, 2, timeout=60):
         want = torch.stack([torch.arange(HEADER_NUMEL) + 10.0 * r for r in range(2)])
         assert torch.equal(slots, want)
         assert torch.equal(mean, torch.full_like(mean, 0.5))  # rank, averaged
+        assert largest == 0.5

@@ -26,6 +26,7 @@ from onebit.freeze import FreezeSchedule
 from onebit.optim.base import CompressedOptimizer
 from onebit.optim.options import DEFAULT_BUCKET_SIZE, check_same_in_every_group, shared_options
 from onebit.optim.stage import Stage, Taken
+from onebit.transport.engine import Sender
 
 FREEZE = 3
 
@@ -47,8 +48,9 @@ class _Warmup(Stage):
     name = "warmup"
     shows = {"momentum_buffer": "momentum_buffer"}
 
-    def sends(self) -> str:
-        return self.optimizer.engine.warmup_kind
+    def sends(self) -> Sender:
+        engine = self.optimizer.engine
+        return engine.sender(engine.full_precision)
 
     def step(self, t: int) -> Taken:
         opt = self.optimizer

@@ -42,7 +42,8 @@ def _train(rank, world_size, overlap, accumulate, backend="auto", strided=False)
             else:
                 loss.backward()
         sending = opt.bucketer.sending
-        launched_early.append((len(opt.bucketer.inflight), sending and sending.kind))
+        packed = getattr(sending, "fused", False)  # through the packed momentum's passes
+        launched_early.append((len(opt.bucketer.inflight), packed))
         opt.step()
     stage = opt.packed_momentum
     assert stage is not None and stage.packed is not None  # 1 bit between steps
@@ -61,7 +62,7 @@ def test_overlapped_backward_is_bitwise_identical(accumulate, strided):
         # From the second step on, every bucket was on the wire before step() was called, in
         # both stages (the first step waits to see whether DDP drives the launches).
         assert buckets > 2 and early[0][0] == 0 and {n for n, _ in early[1:]} == {buckets}
-        assert [kind for _, kind in early[3:]] == ["packed"] * 5
+        assert [packed for _, packed in early[3:]] == [True] * 5
 
 
 def test_overlapped_backward_on_triton_gives_the_bits_of_its_passes_over_every_bucket():
@@ -71,7 +72,7 @@ def test_overlapped_backward_on_triton_gives_the_bits_of_its_passes_over_every_b
     overlapped = run_ranks(_train, 2, True, 1, "triton", timeout=600)
     for (want, _, _), (got, early, _) in zip(plain, overlapped):
         assert all(torch.equal(a, b) for a, b in zip(want, got))
-        assert [kind for _, kind in early[3:]] == ["packed"] * 5
+        assert [packed for _, packed in early[3:]] == [True] * 5
 
 
 def test_backward_twice_without_no_sync_is_an_error():

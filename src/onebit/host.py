@@ -58,11 +58,11 @@ def read_all(parts: Sequence[Tensor]) -> Tensor:
     one :func:`read`. Where they already lie end to end in one buffer (a step that laid them
     out so), that span is read as it is, with no copy on the device first."""
     flat = [part.reshape(-1) for part in parts]
-    span = _span(flat)
-    return read(span if span is not None else torch.cat(flat))
+    whole = span(flat)
+    return read(whole if whole is not None else torch.cat(flat))
 
 
-def _span(parts: list[Tensor]) -> Tensor | None:
+def span(parts: list[Tensor]) -> Tensor | None:
     """The one flat view that ``parts`` (flat tensors) make up where each begins where the
     last ends in the same storage; else ``None``."""
     first = parts[0]

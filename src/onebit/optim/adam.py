@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..freeze import AutoFreeze, FreezeSchedule
 from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
-from ..transport.engine import COMPRESSED, PACKED
+from ..transport.engine import Sender
 from ..wire.momentum import PacksMomentum
 from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
@@ -32,8 +32,9 @@ class _Warmup(Stage):
         opt = self.optimizer
         opt.bucketer.grads_as_views = not opt.overlap_backward
 
-    def sends(self) -> str:
-        return self.optimizer.engine.warmup_kind
+    def sends(self) -> Sender:
+        engine = self.optimizer.engine
+        return engine.sender(engine.full_precision)
 
     def step(self, t: int) -> Taken:
         opt, hyper = self.optimizer, self.optimizer.hyper
@@ -74,14 +75,16 @@ class _Compression(Stage):
     def enter(self) -> None:
         self.optimizer.bucketer.grads_as_views = False
 
-    def sends(self) -> str:
-        """``PACKED`` where the fused passes run it (checked again at its first bucket), else
-        ``COMPRESSED``."""
-        return PACKED if self.optimizer.packed_momentum is not None else COMPRESSED
+    def sends(self) -> Sender:
+        """The packed momentum's fused passes where they run (checked again at its first
+        bucket), else the 1-bit sender of the gathered gradients, through :meth:`prepare`."""
+        engine, packed = self.optimizer.engine, self.optimizer.packed_momentum
+        unpacked = engine.sender(engine.comms, prepare=self.prepare, clip_norms=True)
+        return unpacked if packed is None else engine.packed_sender(packed, unpacked)
 
     def prepare(self, k: int, grads: Tensor) -> None:
-        """The 1-bit sender's ``prepare``: a compressed step sends the local momentum
-        ``lerp(m, g, 1 - β1)``, written over bucket ``k``'s gradients."""
+        """A compressed step sends the local momentum ``lerp(m, g, 1 - β1)``, written over
+        bucket ``k``'s gathered gradients ``grads``."""
         opt = self.optimizer
         opt.check_packed()  # the packed sender's fallback: unpack first
         start, end = opt.layout.buckets[k]
@@ -101,7 +104,10 @@ class _Compression(Stage):
             if applied:
                 m.copy_(g)
         else:
-            applied, nbytes = opt.engine.communicate(COMPRESSED, out=g if clip_result else m)
+            out = g if clip_result else m
+            applied, nbytes = opt.engine.communicate(
+                opt.engine.comms, out, prepare=self.prepare, clip_norms=True
+            )
         if applied and clip_result:  # m = β1·m + c·(compressed - β1·m)
             m.mul_(hyper.beta1).lerp_(g, opt.clipping.of_mean())
         if applied:
@@ -125,7 +131,8 @@ class _Compression(Stage):
         and AdamW's update reads it packed."""
         opt = self.optimizer
         packed = opt.packed_momentum
-        applied, nbytes, calls = opt.engine.packed_allreduce(packed)
+        sender = self.sends() if opt.overlap_backward else None
+        applied, nbytes, calls = opt.engine.packed_allreduce(packed, sender=sender)
         if not applied:
             return Taken(applied, nbytes)
         if calls is not None:

@@ -259,16 +259,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         if self._step is not None:
             self._step.close()
 
-    def _prepare(self, k: int, grads: Tensor) -> None:
-        """Turn bucket ``k``'s gathered gradients ``grads`` into what the step's stage sends of
-        them (:meth:`~onebit.optim.stage.Stage.prepare`): the engine's ``prepare``."""
-        self._stages[self.stage].prepare(k, grads)
-
     def _push_next_sender(self) -> None:
         """Give the bucketer what the next step sends, if it can start during backward (at
         construction, after each step and after a load)."""
-        kind = self._stages[self.stage].sends() if self.overlap_backward else None
-        sender = None if kind is None else self.engine.sender(kind, packed=self.packed_momentum)
+        sender = self._stages[self.stage].sends() if self.overlap_backward else None
         self.bucketer.sender = sender
 
     @property

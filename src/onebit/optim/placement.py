@@ -84,7 +84,6 @@ class Placement:
             backend=self.backend,
             overlap=self.overlap_backward,
             clipping=self.clipping,
-            prepare=self._prepare,
             open_step=functools.partial(self._begin_step, follow=False),
         )
 

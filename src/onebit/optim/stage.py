@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from torch import Tensor
-
 from ..state.flat_state import FlatState
+from ..transport.engine import Sender
 
 
 class Taken(NamedTuple):
@@ -60,16 +59,11 @@ class Stage:
         what it :attr:`shows` is read (at construction, at the freeze, and when a checkpoint is
         loaded)."""
 
-    def sends(self) -> str | None:
-        """What a step of this stage sends if it can start during backward
-        (``overlap_backward``): a ``kind`` of :meth:`Engine.sender
-        <onebit.transport.engine.Engine.sender>`; ``None`` if it cannot."""
+    def sends(self) -> Sender | None:
+        """What sends a step of this stage bucket by bucket if it can start during backward
+        (``overlap_backward``): the engine's :meth:`~onebit.transport.engine.Engine.sender` of
+        the wire format it sends in; ``None`` if it cannot."""
         return None
-
-    def prepare(self, k: int, grads: Tensor) -> None:
-        """Turn bucket ``k``'s gathered gradients ``grads``, in place, into what a 1-bit step of
-        this stage sends of them (1-bit Adam: its momentum); by default, the gradients
-        themselves."""
 
     def step(self, t: int) -> Taken:
         """Take step ``t`` (1-based) of the optimizer, whose step is open: exchange what the

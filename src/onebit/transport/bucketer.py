@@ -35,9 +35,9 @@ class Sender(Protocol):
     ready, as DDP's ``Reducer`` calls its comm hook."""
 
     comms: Sequence[Any]
-    """Its communicators, one per bucket, whose messages can go in one collective for every
-    bucket (:func:`~onebit.wire.exchange.phase_exchange`); empty where the calls are collectives of
-    their own (an fp32 allreduce)."""
+    """Its communicators, one per bucket (:class:`~onebit.wire.protocol.Communicator`). Where
+    they batch, their messages can go in one collective for every bucket
+    (:func:`~onebit.wire.exchange.phase_exchange`)."""
 
     def send(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
         """Start bucket ``k``'s call, its gradients being final; its message goes into
@@ -238,13 +238,13 @@ class Bucketer:
         every bucket's call in bucket order, no longer in flight.
 
         Without ``overlap``, the messages of ``sender.comms`` go in one collective for all of
-        them. With it, each bucket keeps a collective of its own: which buckets backward
-        launched before ``step()`` may differ between ranks, but the sequence of buckets does
-        not."""
+        them where they batch. With it, each bucket keeps a collective of its own: which
+        buckets backward launched before ``step()`` may differ between ranks, but the sequence
+        of buckets does not."""
         buckets = len(self.layout.buckets)
         waiting = [k for k in reversed(range(buckets)) if k not in self.inflight]
         exchange = None
-        if waiting and sender.comms and not self.overlap:
+        if waiting and sender.comms[0].batches and not self.overlap:
             exchange = phase_exchange([sender.comms[k] for k in waiting], 1)
         with nullcontext() if exchange is None else exchange.filling():
             for i, k in enumerate(waiting):

@@ -5,8 +5,11 @@ An optimizer's stage asks its :class:`Engine` for one exchange per step: the fp3
 average of the gradients (:meth:`Engine.average_gradients`), the 1-bit allreduce of the
 gradient buffer (:meth:`Engine.compressed_allreduce`) or of a flat buffer of its own
 (:meth:`Engine.reduce_compressed`), or the packed momentum's (:meth:`Engine.packed_allreduce`).
-The engine starts the buckets through the :class:`~onebit.transport.bucketer.Bucketer` (each through
-a sender, the bucketer's one hook), or every bucket at once where the backend's passes can
+A stage names the wire format by its communicators, one per bucket
+(:class:`~onebit.wire.protocol.Communicator`): :attr:`Engine.full_precision` (the fp32 mean's or
+the quantized warmup's) or :attr:`Engine.comms` (the 1-bit ones). The engine starts the buckets
+through the :class:`~onebit.transport.bucketer.Bucketer` (each through a :class:`Sender`, the
+bucketer's one hook), or every bucket at once where the backend's passes can
 (:class:`~onebit.wire.model_allreduce.ModelAllreduce`), reads the ranks' headers and returns the
 verdict (:class:`~onebit.transport.header.OpenStep`), and commits only where every rank may.
 
@@ -16,7 +19,6 @@ It reaches up to its optimizer once: a bucket launched during backward opens the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +35,7 @@ from ..wire.mean import MeanAllreduce
 from ..wire.model_allreduce import ModelAllreduce, ModelCall
 from ..wire.model_quantized import ModelQuantized
 from ..wire.momentum import PackedMomentumStage, fused_parameters
-from ..wire.protocol import commit_compressed_, scales_finite
+from ..wire.protocol import Communicator, commit_compressed_
 from ..wire.quantized import QuantizedAllreduce
 from .bucketer import Bucketer
 from .clipping import Clipping
@@ -41,12 +43,8 @@ from .header import HEADER_NUMEL, OpenStep, gradient_factor
 from .sharding import Replicated
 
 Prepare = Callable[[int, Tensor], None]
-"""``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its 1-bit
-call sends (1-bit Adam sends its momentum)."""
-
-ALLREDUCE, QUANTIZED, COMPRESSED, PACKED = "allreduce", "quantized", "compressed", "packed"
-"""What a step sends (:meth:`Engine.sender`): an fp32 mean, the quantized warmup average, a
-1-bit allreduce of the gathered gradients, or of the packed momentum's fused passes."""
+"""``prepare(k, grads)``: turn bucket ``k``'s gathered gradients, in place, into what its call
+sends (1-bit Adam sends its momentum)."""
 
 
 def bucket_communicators(
@@ -89,6 +87,29 @@ def bucket_communicators(
     return comms, warmup_comms
 
 
+def mean_communicators(
+    layout: FlatLayout,
+    header_numel: int,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[MeanAllreduce]:
+    """Each bucket's fp32 mean. The last bucket's, which leaves first, carries the step's
+    headers (``header_numel`` values a rank) in the gradient buffer's slots after it
+    (:meth:`Bucketer.header_slots`)."""
+    last = len(layout.buckets) - 1
+    return [
+        MeanAllreduce(
+            end - start,
+            padded_numel=layout.padded_numel - start if k == last else None,
+            group=group,
+            device=device,
+            header_numel=header_numel if k == last else 0,
+        )
+        for k, (start, end) in enumerate(layout.buckets)
+    ]
+
+
 class Engine:
     """The exchanges of one optimizer's steps over its buckets.
 
@@ -105,8 +126,10 @@ class Engine:
         backend: the kernels' backend (``"triton"`` takes gradient factors on the device).
         overlap: whether buckets go out during backward (``overlap_backward``).
         clipping: the optimizer's :class:`~onebit.transport.clipping.Clipping`.
-        prepare: what a 1-bit step sends in place of each bucket's gradients, if not them.
         open_step: opens the step if it is not open, and returns it.
+
+    Attributes:
+        means: each bucket's fp32 :class:`~onebit.wire.mean.MeanAllreduce`.
     """
 
     def __init__(
@@ -122,7 +145,6 @@ class Engine:
         backend: str,
         overlap: bool,
         clipping: Clipping,
-        prepare: Prepare | None,
         open_step: Callable[[], OpenStep],
     ) -> None:
         self.layout, self.bucketer = layout, bucketer
@@ -130,7 +152,8 @@ class Engine:
         self.process_group, self.shards = process_group, shards
         self.device, self.backend = device, backend
         self.overlap, self.clipping = overlap, clipping
-        self.prepare, self._open_step = prepare, open_step
+        self._open_step = open_step
+        self.means = mean_communicators(layout, HEADER_NUMEL, group=process_group, device=device)
         self._grad_addresses = host.Uploaded(torch.int64)
         self._bucket_grad_addresses: dict[int, host.Uploaded] = {}  # see _start_packed
         self._model: ModelAllreduce | None | bool = False  # False: not made yet
@@ -186,55 +209,52 @@ class Engine:
     # Full precision: an fp32 or quantized average, bucket by bucket or every bucket at once.
 
     @property
-    def warmup_kind(self) -> str:
-        """What a full-precision step sends: :data:`ALLREDUCE`, or :data:`QUANTIZED` where the
-        buckets have quantized communicators."""
-        return QUANTIZED if self.warmup_comms else ALLREDUCE
+    def full_precision(self) -> Sequence[Communicator]:
+        """The communicators of a full-precision average: the quantized warmup's where the
+        optimizer has them, else the fp32 mean's."""
+        return self.warmup_comms or self.means
 
     def average_gradients(self) -> tuple[bool, int]:
-        """Average the gradients at full precision into the gradient buffer (an fp32 allreduce,
-        or the quantized warmup exchange) and clip the average; return (applied, bytes
-        sent)."""
+        """Average the gradients at full precision into the gradient buffer
+        (:attr:`full_precision`: every bucket at once where the backend quantizes them so) and
+        clip the average; return (applied, bytes sent)."""
         g = self.grads
-        applied, nbytes = self.communicate(self.warmup_kind, out=g)
+        model = None if self.overlap else self._model_quantized()
+        if model is not None:
+            self.gather_grads()
+            applied, nbytes = self._reduce_quantized(model, g)
+        else:
+            applied, nbytes = self.communicate(self.full_precision, g)
         if applied:
             self.clipping.clip_averaged_(g, self.layout, self.shards)
         return applied, nbytes
 
     def communicate(
-        self, kind: str, out: Tensor | None = None, fill: bool = True
+        self,
+        comms: Sequence[Communicator],
+        out: Tensor,
+        *,
+        fill: bool = True,
+        prepare: Prepare | None = None,
+        clip_norms: bool = False,
     ) -> tuple[bool, int]:
-        """Launch every bucket not yet launched, then complete them all.
+        """Launch every bucket not yet launched through ``comms`` (one per bucket, of one wire
+        format), then complete them all into the flat buffer ``out`` (which may be the
+        gradient buffer: in place).
 
-        ``kind`` is :data:`ALLREDUCE` (average the gradient buffer in fp32, in place),
-        :data:`QUANTIZED` (average it through :attr:`warmup_comms` into ``out``) or
-        :data:`COMPRESSED` (1-bit allreduce of the gradient buffer into the flat buffer
-        ``out``). With ``fill`` the gradients are first gathered from ``.grad``: for a
-        full-precision kind without ``overlap`` all at once, else each bucket as it launches,
-        passed through ``prepare``; without it the caller has filled the gradient buffer.
-        Returns (applied, bytes sent); not applied means some rank had a non-finite value and
-        nothing but the gradient buffer changed. Raises on every rank, before anything is
-        committed, if the ranks' headers disagree.
+        With ``fill`` the gradients are first gathered from ``.grad``: without ``overlap`` and
+        ``prepare`` all at once, else each bucket as it launches, passed through ``prepare``;
+        without it the caller has filled the gradient buffer. ``clip_norms``: see
+        :meth:`sender`. Returns (applied, bytes sent); not applied means some rank had a
+        non-finite value and nothing but the gradient buffer changed. Raises on every rank,
+        before anything is committed, if the ranks' headers disagree.
         """
-        step = self.step
-        if fill and kind != COMPRESSED and not self.overlap:
+        if fill and prepare is None and not self.overlap:
             self.gather_grads()  # one multi-tensor copy, not one per bucket
             fill = False
-        if kind == QUANTIZED and not self.overlap:
-            model = self._model_quantized()
-            if model is not None:
-                return self._reduce_quantized(model, out)
-        calls = self.bucketer.launch_all(self.sender(kind, fill, step.inv_scale))
-        if kind == ALLREDUCE:
-            for call in calls:
-                call.wait()
-            # a max-norm, not isfinite(grads).all(): no model-sized temporaries
-            largest = self.bucketer.verdict_slot()
-            torch.linalg.vector_norm(self.grads, math.inf, out=largest)
-            applied, _ = step.verdict(self.bucketer.header_slots(), largest)
-            return applied, sum(c.bytes_sent for c in calls)
-        outputs = self.layout.bucket_views(out)
-        return self._finish(calls, outputs, gradients=True, kind=kind)
+        sender = _CommSender(self, comms, fill, prepare, clip_norms)
+        calls = self.bucketer.launch_all(sender)
+        return self._finish(comms, calls, self.layout.bucket_views(out), clip_norms)
 
     def _model_quantized(self) -> ModelQuantized | None:
         """The quantized warmup allreduce of every bucket at once (made at first use), where
@@ -282,7 +302,7 @@ class Engine:
         if self.at_once():
             flat = self.bucketer.grads[: self.layout.padded_numel]  # y keeps the padding
             return self.reduce_compressed(flat)
-        return self.communicate(COMPRESSED, self.grads, fill=False)
+        return self.communicate(self.comms, self.grads, fill=False)
 
     def reduce_compressed(self, flat: Tensor, post: Tensor | None = None) -> tuple[bool, int]:
         """Compressed allreduce, in place, of the flat buffer ``flat`` (``layout.padded_numel``:
@@ -311,7 +331,7 @@ class Engine:
                 for k, comm in enumerate(self.comms)
             ]
         outputs = self.layout.bucket_views(flat[: self.layout.numel])
-        return self._finish(calls, outputs, gradients=False)
+        return self._finish(self.comms, calls, outputs)
 
     def phase1_at_once(
         self, model: ModelAllreduce, start: Callable[[Tensor], ModelCall]
@@ -324,23 +344,24 @@ class Engine:
         return applied, call
 
     def _finish(
-        self, calls: list[Any], outputs: list[Tensor], gradients: bool, kind: str = COMPRESSED
+        self,
+        comms: Sequence[Communicator],
+        calls: list[Any],
+        outputs: Sequence[Tensor | None],
+        clip_norms: bool = False,
     ) -> tuple[bool, int]:
-        """Complete compressed or quantized calls started with headers: check the headers, then
-        serve and decompress (:func:`~onebit.wire.protocol.commit_compressed_`). For 1-bit
-        ``gradients`` sent during backward, note the mean of the ranks' gradient norms that
-        clipping scales the result by (a quantized average is clipped as an fp32 one, by its
-        own norm)."""
-        comms = self.warmup_comms if kind == QUANTIZED else self.comms
-        finite = scales_finite(comms, calls)
-        headers = torch.stack([c.headers(call) for c, call in zip(comms, calls)])
-        clipped = gradients and kind == COMPRESSED and self.bucketer.clip
-        first = headers[-1].clone()  # the bucket sent first; any bucket's status counts
-        first[:, 2] = headers[:, :, 2].amax(0)
+        """Complete calls started with headers: check the headers and values of every bucket
+        (:meth:`~onebit.wire.protocol.Communicator.received`), then serve and finish them
+        (:func:`~onebit.wire.protocol.commit_compressed_`). With ``clip_norms``, where the
+        bucketer clips, note the mean of the ranks' gradient norms that clipping scales the
+        result by."""
+        headers, finite = comms[0].received(comms, calls)
         norms2 = None
-        if clipped:  # each rank's buckets summed in a row, as reduce_compressed sums its own
-            norms2 = self.shards.sum_(headers[:, :, 3].T.contiguous().sum(1))
-        applied, norms2 = self.step.verdict(first, finite, norms2)
+        if clip_norms and self.bucketer.clip:
+            rows = torch.stack([c.headers(call)[:, 3] for c, call in zip(comms, calls)])
+            # each rank's buckets summed in a row, as reduce_compressed sums its own
+            norms2 = self.shards.sum_(rows.T.contiguous().sum(1))
+        applied, norms2 = self.step.verdict(headers, finite, norms2)
         if applied:
             commit_compressed_(comms, calls, outputs)
         if applied and norms2 is not None:
@@ -350,15 +371,21 @@ class Engine:
     # The packed momentum of 1-bit Adam and 1-bit LAMB (onebit.wire.momentum).
 
     def packed_allreduce(
-        self, stage: PackedMomentumStage, scaling: Tensor | None = None
+        self,
+        stage: PackedMomentumStage,
+        scaling: Tensor | None = None,
+        sender: Sender | None = None,
     ) -> tuple[bool, int, list[Any] | None]:
         """The compressed allreduce of a packed-momentum step: every bucket's fused passes read
         ``.grad`` (see :meth:`PackedMomentumStage.start`, ``scaling`` included); returns
         (applied, bytes sent, the calls to finish, or ``None`` where the backend's passes over
-        every bucket at once made the results the momentum already)."""
+        every bucket at once made the results the momentum already). Under ``overlap``,
+        ``sender`` (:meth:`packed_sender`) sends the buckets that backward did not launch."""
         if self.overlap:  # buckets that backward did not launch go now, one by one
-            calls = self.bucketer.launch_all(self.sender(PACKED, packed=stage))
-            applied, nbytes = self._finish(calls, [None] * len(calls), gradients=True)
+            if sender is None:
+                raise ValueError("overlap_backward: packed_allreduce needs the step's sender")
+            calls = self.bucketer.launch_all(sender)
+            applied, nbytes = self._finish(self.comms, calls, [None] * len(calls), True)
             return applied, nbytes, calls
         step, layout = self.step, self.layout
         addresses, keep, sparse = gradient_addresses(layout.params, layout.strides)
@@ -377,7 +404,7 @@ class Engine:
             for k in reversed(range(len(self.comms))):  # the bucketer's launch order
                 calls[k] = stage.start(k, grads, step.inv_scale, beta1, step.header_for(k),
                                        scaling, (exchange, k), keep)  # fmt: skip
-        applied, nbytes = self._finish(calls, [None] * len(calls), gradients=True)
+        applied, nbytes = self._finish(self.comms, calls, [None] * len(calls), True)
         return applied, nbytes, calls
 
     def _start_packed(
@@ -401,36 +428,34 @@ class Engine:
 
     def sender(
         self,
-        kind: str,
-        fill: bool = True,
-        inv_scale: float | Tensor | None = None,
-        packed: PackedMomentumStage | None = None,
+        comms: Sequence[Communicator],
+        *,
+        prepare: Prepare | None = None,
+        clip_norms: bool = False,
     ) -> Sender:
-        """What a ``kind`` call sends of each bucket (see :meth:`communicate`; :data:`PACKED`:
-        the ``packed`` stage's fused passes read ``.grad``), for the bucketer to call."""
-        if kind == ALLREDUCE:
-            return _MeanSender(self, fill, inv_scale)
-        if kind == QUANTIZED:
-            return _CommSender(self, kind, self.warmup_comms, fill, inv_scale)
-        if kind == COMPRESSED:
-            return _CommSender(self, kind, self.comms, fill, inv_scale, self.prepare)
-        if kind == PACKED and packed is not None:
-            return _PackedSender(self, packed)
-        raise ValueError(f"no sender for {kind!r}")
+        """What the bucketer calls to send each bucket's gradients, gathered from ``.grad``,
+        through ``comms`` (one per bucket), passed first through ``prepare`` if given. With
+        ``clip_norms``, where the bucketer clips, each bucket's header carries its squared
+        norm, by whose mean over the ranks a 1-bit mean of gradients sent during backward is
+        clipped (SPEC 6; a full-precision average is clipped by its own norm)."""
+        return _CommSender(self, comms, True, prepare, clip_norms)
+
+    def packed_sender(self, stage: PackedMomentumStage, unpacked: Sender) -> Sender:
+        """What the bucketer calls to send each bucket of a packed-momentum step: ``stage``'s
+        fused passes, reading ``.grad`` (:meth:`packed_allreduce`), or ``unpacked`` where the
+        parameters stopped suiting the fused kernels."""
+        return _PackedSender(self, stage, unpacked)
 
 
 class Sender:
     """What one step sends of each bucket: the :class:`~onebit.transport.bucketer.Sender` the
-    bucketer
-    calls when a bucket is ready. Its first call opens the step (during backward, with
-    ``overlap_backward``)."""
+    bucketer calls when a bucket is ready. Its first call opens the step (during backward, with
+    ``overlap_backward``), whose loss scale it gathers the gradients by."""
 
-    comms: Sequence[Any] = ()
-    kind = ""
-    """What it sends, by the name :meth:`Engine.sender` takes."""
+    comms: Sequence[Communicator] = ()
 
-    def __init__(self, engine: Engine, fill: bool = True, inv_scale: Any = None) -> None:
-        self.engine, self.fill, self.inv_scale = engine, fill, inv_scale
+    def __init__(self, engine: Engine, fill: bool = True) -> None:
+        self.engine, self.fill = engine, fill
 
     opened: OpenStep | None = None
     """The step its first call opened (or found open), which :meth:`abandon` closes."""
@@ -445,91 +470,55 @@ class Sender:
     def abandon(self, calls: dict[int, Any]) -> None:
         for k, call in calls.items():
             self.comms[k].worker_scales(call)
-        self._close()
-
-    def _close(self) -> None:
         if self.opened is not None:
             self.opened.close()
 
-    def _gathered(self, k: int, norm: bool = False) -> tuple[Tensor, Tensor]:
-        """Bucket ``k`` of the gradient buffer (filled first, with :attr:`fill`) and its
-        header."""
-        bucketer = self.engine.bucketer
-        sparse, norm2 = False, None
-        if self.fill:
-            sparse, norm2 = bucketer.fill(k, self.inv_scale, norm)
-        return bucketer.buckets[k], self.opened.header_for(k, sparse, norm2)
-
-
-class _MeanSender(Sender):
-    """An fp32 mean allreduce, in place in the gradient buffer; the bucket sent first carries
-    every rank's header slots after the padded buffer."""
-
-    kind = ALLREDUCE
-
-    def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> MeanAllreduce:
-        engine = self.engine
-        bucketer, (start, end) = engine.bucketer, engine.layout.buckets[k]
-        grads, header = self._gathered(k)
-        buffer = grads
-        if k == len(engine.layout.buckets) - 1:
-            buffer = bucketer.grads[start:-1]
-            slots = bucketer.header_slots()
-            slots.zero_()
-            slots[bucketer.rank] = header
-        return MeanAllreduce(buffer, engine.process_group, average=grads[: end - start])
-
-    def abandon(self, calls: dict[int, Any]) -> None:
-        for call in calls.values():
-            call.wait()
-        self._close()
-
 
 class _CommSender(Sender):
-    """Through ``comms``, the quantized warmup's or (``kind`` :data:`COMPRESSED`) the 1-bit
-    ones, what ``prepare`` makes of each bucket's gradients if given. A 1-bit message's header
-    carries its squared gradient norm where the bucketer clips."""
+    """Each bucket's gradients through ``comms``, what ``prepare`` makes of them if given; where
+    ``clip_norms`` and the bucketer clips, a header carries its bucket's squared norm."""
 
     def __init__(
         self,
         engine: Engine,
-        kind: str,
-        comms: Sequence[Any],
+        comms: Sequence[Communicator],
         fill: bool,
-        inv_scale: Any,
-        prepare: Prepare | None = None,
+        prepare: Prepare | None,
+        clip_norms: bool,
     ) -> None:
-        super().__init__(engine, fill, inv_scale)
-        self.kind, self.comms, self.prepare = kind, comms, prepare
+        super().__init__(engine, fill)
+        self.comms, self.prepare, self.clip_norms = comms, prepare, clip_norms
 
     def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
-        grads, header = self._gathered(k, norm=self.kind == COMPRESSED)
-        if self.fill and self.prepare is not None:
-            self.prepare(k, grads[: self.comms[k].numel])
-        return self.comms[k].start(grads, header, exchange)
+        bucketer, comm, step = self.engine.bucketer, self.comms[k], self.opened
+        sparse, norm2 = False, None
+        if self.fill:
+            sparse, norm2 = bucketer.fill(k, step.inv_scale, self.clip_norms)
+            if self.prepare is not None:
+                self.prepare(k, bucketer.buckets[k][: comm.numel])
+        buffer = bucketer.buckets[k]
+        if comm.padded_numel != buffer.numel():  # a mean's header slots follow its bucket
+            start = self.engine.layout.buckets[k][0]
+            buffer = bucketer.grads[start : start + comm.padded_numel]
+        return comm.start(buffer, step.header_for(k, sparse, norm2), exchange)
 
 
 class _PackedSender(Sender):
     """The packed momentum's fused pass 1 and phase 1, reading ``.grad``: nothing is gathered.
-    Where the parameters stopped suiting the fused kernels (checked at the first bucket), a
-    1-bit sender of the gathered gradients, whose ``prepare`` unpacks the momentum."""
+    Where the parameters stopped suiting the fused kernels (checked at the first bucket),
+    ``unpacked``, a sender of the gathered gradients whose ``prepare`` unpacks the momentum."""
 
-    kind = PACKED
+    fused: bool | None = None
+    """Whether its buckets go through the fused passes (``None`` until the first is sent)."""
 
-    def __init__(self, engine: Engine, stage: PackedMomentumStage) -> None:
+    def __init__(self, engine: Engine, stage: PackedMomentumStage, unpacked: Sender) -> None:
         super().__init__(engine)
-        self.comms, self.stage = engine.comms, stage
-        self._unfused: Sender | None = None
-        self._checked = False
+        self.comms, self.stage, self.unpacked = engine.comms, stage, unpacked
 
     def _start(self, k: int, exchange: tuple[Exchange, int] | None) -> Any:
         engine = self.engine
-        if not self._checked:
-            self._checked = True
-            if not fused_parameters(engine.layout, DTYPES):
-                self._unfused = engine.sender(COMPRESSED)
-                self.kind = self._unfused.kind
-        if self._unfused is not None:
-            self._unfused.opened = self.opened
-            return self._unfused._start(k, exchange)
+        if self.fused is None:
+            self.fused = fused_parameters(engine.layout, DTYPES)
+        if not self.fused:
+            return self.unpacked.send(k, exchange)
         return engine._start_packed(self.stage, k, exchange)

@@ -28,7 +28,7 @@ from ..compress import (
 )
 from ..kernels.errors import check_error_dtype, fp32
 from .exchange import Exchange
-from .protocol import group_size_and_rank
+from .protocol import TwoPhase, group_size_and_rank
 from .scales import ScaleGeometry, scale_rule
 
 _SCALE_BYTES = 4
@@ -50,7 +50,7 @@ class Call:
     exchange: tuple[Exchange, int] | None = None  # the phase in flight, sent with others
 
 
-class CompressedAllreduce:
+class CompressedAllreduce(TwoPhase):
     """Two-phase 1-bit allreduce with worker and server error feedback (SPEC section 2).
 
     Calling it on a tensor of ``numel`` elements returns an approximation of the mean across

@@ -31,7 +31,7 @@ from .. import kernels
 from ..compress import padded_numel
 from ..kernels.reference import QuantizedBucket
 from .exchange import Exchange
-from .protocol import finish_compressed_, group_size_and_rank
+from .protocol import TwoPhase, finish_compressed_, group_size_and_rank
 from .quantize import (
     FLOAT_BYTES,
     ChunkPlan,
@@ -65,7 +65,7 @@ class _Call:
     exchange: tuple[Exchange, int] | None = None  # the phase in flight, sent with others
 
 
-class QuantizedAllreduce:
+class QuantizedAllreduce(TwoPhase):
     """Two-phase quantized allreduce with worker and server error feedback.
 
     SPEC section 2 with block-wise quantization ``Q`` (bf16, int8 or int4) in place of the 1-bit
