@@ -1,0 +1,117 @@
+"""The README and docs/ stay true: every Python block marked ``runnable`` runs on 2 gloo ranks,
+and every default the README's tables state is the code's."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import onebit
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RANKS = 2
+TIMEOUT_S = 120
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    """``(where, code)`` of every fenced block whose info string is ``python runnable``."""
+    blocks = []
+    for path in DOCS:
+        text = path.read_text()
+        for match in re.finditer(r"^```python runnable\n(.*?)^```", text, re.M | re.S):
+            line = text.count("\n", 0, match.start()) + 1
+            blocks.append((f"{path.relative_to(ROOT)}:{line}", match.group(1)))
+    return blocks
+
+
+BLOCKS = runnable_blocks()
+
+
+def test_the_readme_has_runnable_blocks():
+    readme = [where for where, _ in BLOCKS if where.startswith("README.md")]
+    assert len(readme) >= 3, readme
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
+    """As ``torchrun --nproc-per-node 2`` would start it: each rank its own process, in one
+    working directory, with the environment torchrun sets."""
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    port = _free_port()
+    procs = []
+    for rank in range(RANKS):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(RANKS),
+            "LOCAL_WORLD_SIZE": str(RANKS),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], cwd=tmp_path, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"{where}, rank {rank}:\n{out}"
+
+
+def markdown_table(text: str, header: str) -> list[list[str]]:
+    """The rows of the table whose header line starts with ``header``, as stripped cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+OPTIMIZERS = {c.__name__: c for c in (onebit.OnebitAdam, onebit.OnebitLamb, onebit.ZeroOneAdam)}
+
+
+def test_the_readme_argument_defaults_are_the_signatures():
+    rows = markdown_table((ROOT / "README.md").read_text(), "| argument | default |")
+    assert len(rows) >= 8
+    for name, default, which, _ in rows:
+        name = name.strip("`")
+        classes = OPTIMIZERS.values() if which == "all" else [OPTIMIZERS[w] for w in which.split(", ")]
+        for cls in classes:
+            parameter = inspect.signature(cls).parameters[name]
+            if default == "required":
+                assert parameter.default is inspect.Parameter.empty, (cls.__name__, name)
+            else:
+                stated = eval(default.strip("`"), {"torch": torch})
+                assert stated == parameter.default, (cls.__name__, name, stated)
+        others = set(OPTIMIZERS.values()) - set(classes)
+        for cls in others:  # "OnebitAdam" means only OnebitAdam takes it
+            assert name not in inspect.signature(cls).parameters, (cls.__name__, name)
