@@ -5,7 +5,8 @@ On a GPU, reading a device value on the host (``.item()``, ``bool(t)``, ``.tolis
 queue drains. A step therefore reads the device once for its verdict (the ranks' headers,
 whether their values were finite, the gradient norm it clips with), whatever the number of
 buckets; 0/1 Adam's sync step (its local step's verdict) and 1-bit LAMB (its layers' ratios)
-read once more, and so does a ``GradScaler`` step (its scale). Values the host computes
+read once more. A ``GradScaler``'s inverse scale stays on the device for Triton's passes,
+which load it (:func:`~onebit.transport.header.gradient_factor`). Values the host computes
 (headers, addresses, learning rates) go up with :func:`upload`, from pinned memory without
 waiting.
 
