@@ -11,6 +11,16 @@ class CommStats:
 
     Stages are named by the optimizer (``"warmup"``, ``"compression"``, ``"local"``...).
     ``rounds_skipped`` counts steps that needed no communication at all (0/1 Adam's local steps).
+
+    Attributes:
+        last_step_bytes: bytes the last step sent.
+        last_step_stage: the stage of the last step.
+        total_bytes: bytes sent so far, by stage.
+        steps: steps so far, by stage, skipped ones included (and 0/1 Adam's
+            ``synchronize()`` calls, as stage ``"synchronize"``).
+        rounds_skipped: steps that sent nothing where a synchronous optimizer would have.
+        freeze_step: the optimizer's ``freeze_step`` (0/1 Adam's ``var_freeze_step``); with
+            ``freeze_step="auto"``, ``None`` until it chose one.
     """
 
     last_step_bytes: int = 0
@@ -31,6 +41,7 @@ class CommStats:
 
     @property
     def bytes_total(self) -> int:
+        """Bytes sent so far, all stages together."""
         return sum(self.total_bytes.values())
 
     def mean_bytes_per_step(self, stage: str) -> float:

@@ -27,12 +27,17 @@ The translations, established from DeepSpeed's optimizer code (``deepspeed/runti
   equivalent and raise.
 
 Differences no argument removes (documented, not warned): DeepSpeed compresses each parameter
-tensor of 1-bit Adam and 0/1 Adam with its own scale where onebit compresses buckets that span
-parameters; it pads a buffer to a multiple of ``n·lcm(n, 8)`` where onebit pads to ``8n`` (the
-same when the world size n divides 8); at world size 1 it does not compress at all (and its 0/1
-Adam then skips the momentum update of its 1-bit steps) where onebit does; and after the freeze
-its engine clips each rank's local gradient, where onebit clips by the mean of the ranks' local
-norms (``docs/SPEC.md`` section 6; the same at world size 1 and in the fp32 steps).
+tensor of 1-bit Adam and 0/1 Adam as a buffer of its own, where onebit compresses buckets that
+span parameters (each parameter's part with its own scale, by default); it pads a buffer to a
+multiple of ``n·lcm(n, 8)`` where onebit pads to ``8n`` (the same when the world size n divides
+8); and at world size 1 it does not compress at all (and its 0/1 Adam then skips the momentum
+update of its 1-bit steps) where onebit does.
+
+Clipping by ``gradient_clipping`` is DeepSpeed's: its engine clips the averaged gradient on the
+steps whose gradients it averages in fp32, and each rank's own gradient on the others, as
+onebit's ``max_grad_norm`` does (``docs/SPEC.md`` section 6). Only 1-bit Adam's
+``overlap_backward=True``, passed as an override, changes that: it clips the 1-bit steps' result
+by the mean of the ranks' norms.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ class UnsupportedKeyWarning(UserWarning):
 
 
 class KeyMapping(NamedTuple):
-    """How one DeepSpeed config key translates (one row of the README table)."""
+    """How one DeepSpeed config key translates (one row of the table in docs/deepspeed.md)."""
 
     onebit: str | None
     """The onebit constructor argument it sets; ``None`` where the key is dropped."""
@@ -139,7 +144,8 @@ KEY_MAP: dict[str, KeyMapping] = {
     "factor_threshold": KeyMapping("factor_threshold", _SAME, (LAMB,), 0.1),
     "gradient_clipping": KeyMapping(
         "max_grad_norm",
-        "`c > 0` -> `max_grad_norm=c` (after the freeze: mean of local norms, SPEC 6)",
+        "`c > 0` -> `max_grad_norm=c`; as in DeepSpeed, fp32-averaged steps clip the average, "
+        "the others each rank's own gradient",
         _ALL,
         0.0,
         top_level=True,
@@ -159,7 +165,8 @@ KEY_MAP: dict[str, KeyMapping] = {
     ),
 }
 """Every key DeepSpeed's 1-bit optimizers accept (plus the top-level ``gradient_clipping``), in
-README table order. :func:`translate_config` applies it; :func:`mapping_table` prints it."""
+the order of the table in docs/deepspeed.md. :func:`translate_config` applies it;
+:func:`mapping_table` prints it."""
 
 _BLOCK_KEYS = {"type", "params", "legacy_fusion"}
 

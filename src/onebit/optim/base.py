@@ -89,6 +89,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             ``in_warmup`` read it.
         comm_stats: :class:`~onebit.stats.CommStats`, bytes sent per step and in total.
         skipped_steps: steps skipped on every rank because some rank had a non-finite gradient.
+        num_steps: steps applied so far (those in ``skipped_steps`` not counted): the step
+            number ``freeze_step`` and the bias correction count.
         grad_norm: the gradient norm the last step's ``max_grad_norm`` clipping used (``None``
             without clipping): the averaged gradient's in full-precision steps, the rank's own
             in 1-bit and local steps, the mean of the ranks' under ``overlap_backward``.
@@ -276,8 +278,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     @property
     def grad_norm(self) -> float | None:
-        """The gradient norm the last step clipped with (``max_grad_norm``; ``None`` before one
-        has): see the class's ``grad_norm`` attribute."""
+        """The gradient norm the last step's ``max_grad_norm`` clipping used (``None`` without
+        clipping, or before a step has clipped): the averaged gradient's in full-precision
+        steps, the rank's own in 1-bit and local steps, the mean of the ranks' norms under
+        ``overlap_backward``."""
         return self.clipping.norm
 
     @grad_norm.setter

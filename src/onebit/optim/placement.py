@@ -159,6 +159,8 @@ class Placement:
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Raises ``RuntimeError`` once the optimizer is built: its state is laid out over every
+        parameter at construction, so pass all param groups to the constructor."""
         if hasattr(self, "layout"):
             raise RuntimeError(
                 f"{type(self).__name__} lays its state out at construction: pass every param "
