@@ -8,7 +8,7 @@ network; every rank draws its own batches. All runs share the model, the data an
 cosine decay). For OnebitAdam it sweeps fixed ``freeze_step`` values (10%, 20%, 40% of the run,
 and never, which is AdamW on averaged gradients), then runs ``freeze_step="auto"`` with the
 default :class:`onebit.AutoFreeze` knobs, alone and told the run's length (``total_steps``,
-which caps the warmup at 25%); the same for OnebitLamb with never (plain LAMB), 20% and the two
+which caps the warmup at a fifth); the same for OnebitLamb with never (plain LAMB), 20% and the two
 ``"auto"``; and ZeroOneAdam (``var_freeze_step`` 20%, its local steps sized by ``total_steps``)
 for comparison. For each run it prints where the variance froze, the final loss (mean training loss
 of the last 10% of steps, and the loss on a held-out set), the bytes a rank sent per step on

@@ -1,7 +1,7 @@
 """Model the step time of data-parallel training on GPUs over a network, AdamW + DDP against
 onebit's 1-bit Adam, from a measured step compute and the wire bytes.
 
-    python benchmarks/gpu_model.py                        # the H100 figures of the GPU issue
+    python benchmarks/gpu_model.py                        # the H100 figures
     python benchmarks/gpu_model.py --onebit-step-ms 9.9   # a compression step of 1.5x AdamW
 
 One GPU per node, ``n`` nodes, a link of ``bw`` bit/s per node and a latency ``alpha`` per
@@ -76,7 +76,7 @@ def main() -> None:
         "--forward-backward-ms",
         type=float,
         default=124.0,
-        help="GPT-2 medium, bf16, batch 8x1024 on an H100 (the GPU issue)",
+        help="GPT-2 medium, bf16, batch 8x1024 on an H100",
     )
     parser.add_argument("--adamw-ms", type=float, default=6.6, help="AdamW(fused=True) step")
     parser.add_argument(

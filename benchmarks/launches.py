@@ -4,7 +4,7 @@ reads of device values (each one a synchronisation on a GPU) and uploads, as ``o
 counts them.
 
 On a GPU every one of them is a kernel launch and its CPU time, which is what bounded the
-compression step before the Triton kernels (the GPU issue: 5,665 kernels for 16 tensors). The
+compression step before the Triton kernels (5,665 kernels for 16 tensors). The
 count is the same on any device, so this runs on the CPU, Triton under its interpreter:
 
     TRITON_INTERPRET=1 python benchmarks/launches.py

@@ -307,11 +307,11 @@ def main() -> None:
         print(f"{name:<18}  {cells}")
         largest[name] = max(state.values()) / model_bytes
     n, s = args.world_size, args.shard
-    print(f"OnebitAdam's target (issue 12): at most 2 + 1/n + 1/16 = {2 + 1 / n + 1 / 16:.3f}")
+    print(f"OnebitAdam's expected state: 2 + 1/n + 1/32 = {2 + 1 / n + 1 / 32:.3f}")
     if s > 1:
         r = n // s
-        target = (2 + 1 / r + 1 / 16) / s
-        print(f"OnebitAdam+HSDP's target (issue 22): at most (2 + 1/R + 1/16)/S = {target:.3f}")
+        expected = (2 + 1 / r + 1 / 32) / s
+        print(f"OnebitAdam+HSDP's expected state: (2 + 1/R + 1/32)/S = {expected:.3f}")
         _computed(largest, r, s)
 
 

@@ -12,7 +12,7 @@ Measures, side by side in one run on the same parameters:
   backward passes for the step check).
 
 Layouts (``--models``): on the CPU, few large tensors (the kernels dominate) and many small ones
-(the per-tensor Python work dominates); on a GPU, the two of the GPU issue: 269M parameters in 16
+(the per-tensor Python work dominates); on a GPU, two large ones: 269M parameters in 16
 tensors, and a GPT-2 medium layout (24 layers, d=1024, 355M parameters in 292 tensors). Prints
 medians in ms and ratios to AdamW; each step is timed in turns with AdamW's, and its ratio is to
 those AdamW steps (the AdamW row is the median of them). On CUDA it also prints, per optimizer,
