@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onebit
+
 from . import loggers, optim
 from .model import MODELS
 
@@ -93,15 +95,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--optimizer",
         choices=optim.OPTIMIZERS,
-        help="default onebit-adam; adamw is torch.optim.AdamW with DistributedDataParallel, lamb "
-        "is uncompressed LAMB",
+        help="default onebit-adam; adamw is torch.optim.AdamW with DistributedDataParallel (with "
+        "--shard, FSDP2's HSDP), lamb is uncompressed LAMB",
     )
     run.add_argument(
         "--workers",
         type=_positive,
         metavar="N",
-        help=f"local worker processes (default: one per GPU with --device cuda, else "
-        f"{DEFAULT_WORKERS}; under torchrun, its ranks)",
+        help=f"local worker processes (default: one per GPU on cuda, else {DEFAULT_WORKERS}); "
+        "under torchrun, leave it out or give the number of ranks torchrun started",
     )
     run.add_argument(
         "--device",
@@ -119,13 +121,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--lr",
         type=_number(0, inclusive=False),
-        help="peak learning rate (default 1e-3, LAMB 1e-2)",
+        help="peak learning rate, reached after a linear warmup over the first 5%% of --steps, "
+        "then a cosine decay to a tenth of it (default 1e-3; lamb and onebit-lamb 1e-2)",
     )
     run.add_argument(
         "--weight-decay",
         type=_number(0, inclusive=True),
         default=0.1,
-        help="decoupled, on matrices only (0.1)",
+        metavar="WD",
+        help="decoupled, on weight matrices and convolution kernels only, not on biases, "
+        "LayerNorms or position embeddings (0.1)",
     )
     run.add_argument(
         "--amp",
@@ -136,7 +141,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-clip",
         type=_number(0, inclusive=False),
         metavar="NORM",
-        help="clip the averaged gradients to this global norm (default: no clipping)",
+        help="clip the gradients to this global norm: the averaged gradient on full-precision "
+        "steps, each rank's own gradient on the 1-bit optimizers' compressed steps (default: "
+        "no clipping)",
     )
     run.add_argument(
         "--shard",
@@ -144,7 +151,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="S",
         help="FSDP2: shard the model over S ranks per emulated node, the other ranks being "
-        "replicas; the 1-bit optimizers average each shard across nodes, adamw is torch's HSDP "
+        "replicas; adamw is torch's HSDP, the other optimizers average each shard across nodes "
+        "themselves "
         "(default 1: every rank holds the whole model)",
     )
     run.add_argument(
@@ -158,9 +166,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--warmup-compression",
         choices=optim.WARMUP_COMPRESSION,
-        help="onebit-adam, onebit-lamb: how the warmup averages gradients (fp32: exactly "
-        "AdamW + DDP; bf16, int8, int4: 2-8x fewer bytes, with error feedback; default "
-        f"{optim.DEFAULT_WARMUP_COMPRESSION})",
+        help="onebit-adam, onebit-lamb: how the warmup averages gradients (fp32: an fp32 "
+        "allreduce, exactly AdamW + DDP or LAMB; bf16, int8, int4: 2, 4 and 8 times fewer bytes, "
+        f"with error feedback; default {optim.DEFAULT_WARMUP_COMPRESSION})",
     )
     run.add_argument(
         "--error-dtype",
@@ -179,17 +187,22 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-step-scaler",
         type=_positive,
         metavar="N",
-        help="zero-one-adam: steps between doublings of its local-step interval (default: a "
-        "fifth of phase B, so the interval doubles 4 times in the run)",
+        help="zero-one-adam: phase-B steps between doublings of its local-step interval, which "
+        "then grows up to 16 (default: onebit.zero_one_adam.run_schedule sizes it to the run: "
+        "the interval grows to the largest power of two at most 1/200 of phase B, at most 16, "
+        "doubling in equal parts of phase B; a phase B under 400 steps, as the default run's "
+        "240, keeps it at 1, a sync every step)",
     )
     run.add_argument(
-        "--seed", type=_integer(0, SEED_MAX), default=0, help="model init and data order (0)"
+        "--seed",
+        type=_integer(0, SEED_MAX),
+        default=0,
+        help="model init, data order and BERT's masks (0)",
     )
     run.add_argument(
         "--compare",
         metavar="OPT,OPT,...",
-        help="run each optimizer in turn with the same seed and data order, then write a "
-        "comparison table and plot; OPT:no-ef runs a 1-bit optimizer without error feedback",
+        help=_compare_help(),
     )
     run.add_argument(
         "--no-error-feedback",
@@ -202,20 +215,34 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=MODELS,
         default="gpt",
-        help="gpt: causal byte-level LM; bert: masked LM, the papers' workload; cnn: causal "
-        "convolutional LM, without attention; rnn: an LSTM LM (gpt)",
+        help="gpt: causal byte-level transformer LM; bert: masked LM, the papers' workload; cnn: "
+        "causal convolutional LM, without attention; rnn: an LSTM LM (gpt)",
     )
     model.add_argument(
         "--block-size", type=_positive, default=128, metavar="N", help="context in bytes (128)"
     )
-    model.add_argument("--layers", type=_positive, default=4, metavar="N", help="(4)")
-    model.add_argument("--heads", type=_positive, default=4, metavar="N", help="(4)")
-    model.add_argument("--width", type=_positive, default=128, metavar="N", help="(128)")
+    model.add_argument(
+        "--layers",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="transformer blocks, convolutional blocks or LSTM layers (4)",
+    )
+    model.add_argument(
+        "--heads",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="attention heads, which must divide --width; cnn and rnn have none (4)",
+    )
+    model.add_argument(
+        "--width", type=_positive, default=128, metavar="N", help="embedding width (128)"
+    )
     model.add_argument(
         "--no-bias",
         dest="bias",
         action="store_false",
-        help="no biases in the linear layers and LayerNorms (as nanoGPT's bias=False)",
+        help="no biases in the model's layers and LayerNorms (as nanoGPT's bias=False)",
     )
     model.add_argument(
         "--data",
@@ -227,27 +254,30 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir",
         type=Path,
         metavar="DIR",
-        help="where the train/validation split is kept (default $ONEBIT_CACHE or ~/.cache/onebit)",
+        help="where the train/validation split is kept (default $ONEBIT_CACHE, else "
+        "$XDG_CACHE_HOME/onebit, else ~/.cache/onebit)",
     )
     output = parser.add_argument_group("output and checkpoints")
     output.add_argument(
         "--out",
         type=Path,
         metavar="DIR",
-        help="run folder (default runs/<model>-<optimizer>-<time>, or runs/compare-...)",
+        help="run folder (default runs/<model>-<run name>-<date>-<time>, without the date and "
+        "time under torchrun and with --resume auto; --compare: runs/compare-<model>-<date>-"
+        "<time>, a folder per row inside)",
     )
     output.add_argument(
         "--eval-every",
         type=_positive,
         metavar="N",
-        help="steps between validation losses (default 5%% of --steps)",
+        help="steps between validation losses, and one at the last step (default 5%% of --steps)",
     )
     output.add_argument(
         "--eval-windows",
         type=_positive,
         default=256,
         metavar="N",
-        help="validation sequences (256)",
+        help="validation sequences, shared out among the workers (256)",
     )
     output.add_argument(
         "--save-every",
@@ -267,18 +297,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=_resume,
         metavar="DIR|auto",
         help="continue a run exactly from a run folder (its newest usable checkpoint) or a "
-        "checkpoint folder; only --out, --steps, --save-every, --keep, --log, --max-restarts "
-        "and --device may be changed. auto: continue the run in --out if it has a checkpoint, "
-        "else start it, so that the same command starts a run and continues it after a crash",
+        "checkpoint folder; only --out, --steps, --save-every, --keep, --log, --max-restarts, "
+        "--device, --cache-dir and --no-progress may be given (--workers only as the "
+        "checkpoint's). auto: continue the run in --out if it has a checkpoint, else start it, "
+        "so that the same command starts a run and continues it after a crash (its other "
+        "settings must be the run's)",
     )
     output.add_argument(
         "--max-restarts",
         type=_non_negative,
         default=0,
         metavar="N",
-        help="if a local worker dies, stop the others and continue from the last checkpoint, up "
-        "to N times (needs --save-every; under torchrun use torchrun's --max-restarts and "
-        "--resume auto)",
+        help="if a local worker dies, stop the others and start them all again from the newest "
+        "usable checkpoint, up to N times (needs --save-every; under torchrun use torchrun's "
+        "--max-restarts and --resume auto)",
     )
     output.add_argument(
         "--log",
@@ -293,13 +325,29 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+TRAIN_DESCRIPTION = (
+    "Train a small byte-level language model with several data-parallel workers and a 1-bit "
+    "optimizer; write metrics, a summary and plots."
+)
+
+
 def build_parser(prog: str = "onebit train") -> argparse.ArgumentParser:
-    parser = Parser(
-        prog=prog,
-        description="Train a small byte-level language model with several data-parallel workers "
-        "and a 1-bit optimizer; write metrics, a summary and plots.",
-    )
+    """The parser of ``onebit train``'s options, as ``prog``."""
+    parser = Parser(prog=prog, description=TRAIN_DESCRIPTION)
     add_train_arguments(parser)
+    return parser
+
+
+def build_main_parser() -> argparse.ArgumentParser:
+    """The ``onebit`` console script's parser: ``--version``, and the ``train`` command with
+    :func:`add_train_arguments`'s options. Without a command ``args.command`` is ``None``."""
+    parser = Parser(prog="onebit", description="1-bit optimizers for torch.distributed.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {onebit.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="train a model with several workers", description=TRAIN_DESCRIPTION
+    )
+    add_train_arguments(train)
     return parser
 
 
@@ -334,8 +382,111 @@ class Variant:
         return "-".join(parts)
 
 
+def _flag(text: str | None) -> bool | None:
+    """A setting without a value (``:no-ef``): ``False``, the field's new value."""
+    return False if text is None else None
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str | None], str | None]:
+    def parse(text: str | None) -> str | None:
+        return text if text in choices else None
+
+    return parse
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() and int(text) > 0 else None
+
+
+def _freeze(text: str | None) -> int | str | None:
+    return "auto" if text == "auto" else _count(text)
+
+
+@dataclass(frozen=True)
+class RowSetting:
+    """A setting one ``--compare`` row may add after its optimizer's name: ``:KEY`` or
+    ``:KEY=VALUE``.
+
+    Attributes:
+        key: what the row writes before ``=``.
+        syntax: how the setting is written, values included, for the help and the errors.
+        field: the :class:`Variant` field it sets.
+        parse: the field's value for the text after ``=`` (``None`` when there is no ``=``), or
+            ``None`` if the text is not one of its values.
+        meaning: what it sets, for the help.
+        optimizers: the optimizers that take it.
+        refusal: the error for an optimizer that does not take it, with ``{name}`` and
+            ``{item}`` (``None``: it is an unknown variant of that optimizer).
+    """
+
+    key: str
+    syntax: str
+    field: str
+    parse: Callable[[str | None], Any]
+    meaning: str
+    optimizers: tuple[str, ...]
+    refusal: str | None = None
+
+
+ROW_SETTINGS = (
+    RowSetting(
+        "no-ef", "no-ef", "error_feedback", _flag, "no error feedback", tuple(optim.REFERENCE)
+    ),
+    RowSetting(
+        "warmup",
+        f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}",
+        "warmup",
+        _choice(optim.WARMUP_COMPRESSION),
+        "--warmup-compression",
+        optim.WARMUP_COMPRESSED,
+        "{name} has no fp32 warmup to compress ({item})",
+    ),
+    RowSetting(
+        "errors",
+        f"errors={'|'.join(optim.ERROR_DTYPES)}",
+        "errors",
+        _choice(tuple(optim.ERROR_DTYPES)),
+        "--error-dtype",
+        tuple(optim.REFERENCE),
+    ),
+    RowSetting(
+        "freeze", "freeze=N|auto", "freeze_step", _freeze, "--freeze-step", tuple(optim.REFERENCE)
+    ),
+    RowSetting(
+        "local", "local=N", "local_step_scaler", _count, "--local-step-scaler", ("zero-one-adam",)
+    ),
+    RowSetting(
+        "varscale",
+        "varscale=N",
+        "var_update_scaler",
+        _count,
+        "var_update_scaler, the variance updates between doublings of phase A's interval",
+        ("zero-one-adam",),
+    ),
+)
+"""Every setting a ``--compare`` row may add: :func:`parse_compare` reads them from here and
+``--compare``'s help lists them."""
+
+
+def _compare_help() -> str:
+    every = tuple(optim.REFERENCE)
+    settings = []
+    for setting in ROW_SETTINGS:
+        which = "" if setting.optimizers == every else f"; {', '.join(setting.optimizers)}"
+        settings.append(f"{setting.syntax} ({setting.meaning}{which})")
+    return (
+        "OPT is one of " + ", ".join(optim.OPTIMIZERS) + ". Run each in turn with the same seed "
+        "and data order, then write comparison.md, comparison.json and comparison.png. A row of "
+        "a 1-bit optimizer may add settings of its own, each after a colon, as in "
+        "onebit-adam:warmup=fp32:freeze=120; they win over the flags for that row: "
+        + ", ".join(settings)
+        + ". A row's folder and name are the optimizer and what differs from the defaults"
+    ).replace("%", "%%")
+
+
 def parse_compare(text: str) -> list[Variant]:
     """The runs ``--compare`` lists; :class:`UsageError` for a name or variant it cannot run."""
+    settings_by_key = {setting.key: setting for setting in ROW_SETTINGS}
     runs = []
     for item in text.split(","):
         name, *variants = item.strip().split(":")
@@ -346,30 +497,19 @@ def parse_compare(text: str) -> list[Variant]:
             )
         settings: dict[str, Any] = {}
         for variant in variants:
-            key, _, value = variant.partition("=")
             if not optim.is_compressed(name):
                 raise UsageError(f"{name} has no variants ({item} in --compare)")
-            if variant == "no-ef":
-                settings["error_feedback"] = False
-            elif key == "warmup" and value in optim.WARMUP_COMPRESSION:
-                if name not in optim.WARMUP_COMPRESSED:
-                    raise UsageError(f"{name} has no fp32 warmup to compress ({item})")
-                settings["warmup"] = value
-            elif key == "errors" and value in optim.ERROR_DTYPES:
-                settings["errors"] = value
-            elif key == "freeze" and (value == "auto" or value.isdigit() and int(value) > 0):
-                settings["freeze_step"] = value if value == "auto" else int(value)
-            elif key == "local" and name == "zero-one-adam" and value.isdigit() and int(value):
-                settings["local_step_scaler"] = int(value)
-            elif key == "varscale" and name == "zero-one-adam" and value.isdigit() and int(value):
-                settings["var_update_scaler"] = int(value)
-            else:
+            key, equals, value = variant.partition("=")
+            setting = settings_by_key.get(key)
+            parsed = None if setting is None else setting.parse(value if equals else None)
+            if parsed is not None and name not in setting.optimizers and setting.refusal:
+                raise UsageError(setting.refusal.format(name=name, item=item))
+            if parsed is None or name not in setting.optimizers:
+                takes = ", ".join(s.syntax for s in ROW_SETTINGS if name in s.optimizers)
                 raise UsageError(
-                    f"unknown variant {variant!r} of {name} in --compare (no-ef, "
-                    f"warmup={'|'.join(optim.WARMUP_COMPRESSION)}, "
-                    f"errors={'|'.join(optim.ERROR_DTYPES)}, freeze=N|auto, "
-                    "local=N and varscale=N for zero-one-adam)"
+                    f"unknown variant {variant!r} of {name} in --compare ({name} takes {takes})"
                 )
+            settings[setting.field] = parsed
         runs.append(Variant(name, **settings))
     if len(set(runs)) != len(runs):
         raise UsageError(f"--compare lists a run twice: {text}")

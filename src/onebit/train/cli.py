@@ -27,10 +27,9 @@ from .arguments import (
     AUTO,
     DEFAULT_STEPS,
     DEFAULT_WORKERS,
-    Parser,
     UsageError,
     Variant,
-    add_train_arguments,
+    build_main_parser,
     build_parser,
     parse_compare,
 )
@@ -40,15 +39,14 @@ from .loop import RunConfig, spawn_worker, torchrun_worker
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The ``onebit`` console script: ``onebit train [options]``."""
-    parser = Parser(prog="onebit", description="1-bit optimizers for torch.distributed.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train_parser = commands.add_parser(
-        "train", help="train a model with several workers", description=build_parser().description
-    )
-    add_train_arguments(train_parser)
+    """The ``onebit`` console script: ``onebit train [options]``, ``onebit --version``; with no
+    command it prints its help and exits 0."""
+    parser = build_main_parser()
     args = parser.parse_args(argv)
-    sys.exit(run(args, train_parser.prog))
+    if args.command is None:
+        parser.print_help()
+        sys.exit(0)
+    sys.exit(run(args, f"{parser.prog} {args.command}"))
 
 
 def train_main(argv: list[str] | None = None) -> None:
