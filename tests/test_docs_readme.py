@@ -69,8 +69,12 @@ def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script)], cwd=tmp_path, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [sys.executable, str(script)],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
         )
     outputs = []
@@ -104,7 +108,8 @@ def test_the_readme_argument_defaults_are_the_signatures():
     assert len(rows) >= 8
     for name, default, which, _ in rows:
         name = name.strip("`")
-        classes = OPTIMIZERS.values() if which == "all" else [OPTIMIZERS[w] for w in which.split(", ")]
+        named = OPTIMIZERS.keys() if which == "all" else which.split(", ")
+        classes = [OPTIMIZERS[w] for w in named]
         for cls in classes:
             parameter = inspect.signature(cls).parameters[name]
             if default == "required":
