@@ -1,6 +1,7 @@
 """``docs/cli.md`` against the ``onebit`` command it documents, and the command's own help.
 
-The flag tables of ``docs/cli.md`` are the markdown tables whose header is
+The flag tables of ``docs/cli.md`` (and the README's short one) are the markdown tables whose
+header is
 ``| flag | default | meaning |``. In each row:
 
 * the flag cell is ``` `--flag` ``` or ``` `--flag VALUE` ```;
@@ -26,7 +27,8 @@ import onebit
 from onebit.train import arguments, cli, optim
 from onebit.train.arguments import DEFAULT_STEPS, ROW_SETTINGS, UsageError, parse_compare
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "cli.md"
 TABLE_HEADER = "| flag | default | meaning |"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 OTHER_COMMANDS = ("tensorboard --logdir",)
@@ -55,10 +57,10 @@ def train_actions() -> dict[str, argparse.Action]:
     return {s: a for a in arguments.build_parser()._actions for s in a.option_strings}
 
 
-def flag_rows() -> list[tuple[str, str]]:
-    """``(flag, default cell)`` of every row of the flag tables, in order."""
+def flag_rows(text: str | None = None) -> list[tuple[str, str]]:
+    """``(flag, default cell)`` of every row of the flag tables of ``text`` (the doc), in order."""
     rows, in_table = [], False
-    for line in doc().splitlines():
+    for line in (doc() if text is None else text).splitlines():
         if line.strip() == TABLE_HEADER:
             in_table = True
             continue
@@ -111,7 +113,8 @@ def test_the_flag_tables_hold_every_flag_once() -> None:
     assert set(flags) == expected - {"--help"}
 
 
-def test_the_flag_tables_state_the_parser_defaults(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page", [DOC, ROOT / "README.md"], ids=lambda p: p.name)
+def test_the_flag_tables_state_the_parser_defaults(page: Path, tmp_path: Path) -> None:
     actions = train_actions()
     (tmp_path / "text.txt").write_text("some text to train on. " * 4000)
     args = arguments.build_parser().parse_args(
@@ -119,7 +122,9 @@ def test_the_flag_tables_state_the_parser_defaults(tmp_path: Path) -> None:
          "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]
     )  # fmt: skip
     plan = cli.resolve(args, torchrun=False, warn=print)
-    for flag, cell in flag_rows():
+    rows = flag_rows(page.read_text())
+    assert rows, f"{page.name} has no flag table"
+    for flag, cell in rows:
         action = actions[flag]
         if action.nargs == 0:
             assert cell == "off", f"{flag} takes no value: its default is `off`, not {cell!r}"
