@@ -72,7 +72,7 @@ def test_check_available_missing_package(monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(LoggerUnavailable) as e:
         loggers.check_available(("jsonl", "csv", name))
-    assert str(e.value) == (f"--log {name} needs the {name} package: pip install 'onebit[{name}]'")
+    assert str(e.value) == f"--log {name} needs the {name} package: pip install {name}"
     loggers.check_available(("jsonl", "csv"))
 
 

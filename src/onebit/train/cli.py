@@ -151,7 +151,10 @@ def _require_extras() -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise UsageError(f"onebit train needs {' and '.join(missing)}: pip install 'onebit[train]'")
+        raise UsageError(
+            f"onebit train needs {' and '.join(missing)}: pip install {' '.join(missing)}, "
+            "or install onebit with its train extra (pip install -e '.[train]' in the clone)"
+        )
 
 
 def resolve(args: argparse.Namespace, torchrun: bool, warn: Callable[[str], None]) -> Plan:

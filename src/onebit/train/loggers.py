@@ -76,9 +76,7 @@ def check_available(backends: tuple[str, ...]) -> None:
     """
     for name in ("tensorboard", "wandb"):
         if name in backends and importlib.util.find_spec(name) is None:
-            raise LoggerUnavailable(
-                f"--log {name} needs the {name} package: pip install 'onebit[{name}]'"
-            )
+            raise LoggerUnavailable(f"--log {name} needs the {name} package: pip install {name}")
     if "wandb" in backends and not _wandb_is_local() and not _wandb_has_credentials():
         raise LoggerUnavailable(
             "--log wandb finds no W&B API key: run `wandb login` or set WANDB_API_KEY, "
