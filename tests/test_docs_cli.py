@@ -1,8 +1,7 @@
 """``docs/cli.md`` against the ``onebit`` command it documents, and the command's own help.
 
 The flag tables of ``docs/cli.md`` (and the README's short one) are the markdown tables whose
-header is
-``| flag | default | meaning |``. In each row:
+header is ``| flag | default | meaning |``. In each row:
 
 * the flag cell is ``` `--flag` ``` or ``` `--flag VALUE` ```;
 * the default cell is ``off`` for a flag without a value; or it starts with a value in
