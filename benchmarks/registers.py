@@ -32,12 +32,14 @@ import argparse
 import collections
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 LAYOUT = "GPT, 292 tensors"
@@ -130,6 +132,14 @@ def record(bucket_size: int, shapes: list[tuple[int, ...]] | None = None) -> dic
             rows.append({"step": name.strip(), "numel": numel, "first": first,
                          "measured": list(launches), "torch_bytes": ops.bytes})  # fmt: skip
     return {"bucket_size": bucket_size, "numel": numel, "rows": rows}
+
+
+def record_all(bucket_sizes, shapes: list[tuple[int, ...]] | None = None) -> list[dict]:
+    """:func:`record` at each of ``bucket_sizes``, each in a process of its own (spawned, with
+    this environment: the interpreter runs a Python thread, so the sizes take one core each)."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(bucket_sizes), mp_context=spawn) as pool:
+        return list(pool.map(record, bucket_sizes, [shapes] * len(bucket_sizes)))
 
 
 def _public_call(numel: int):
@@ -276,7 +286,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
-    results = [record(size) for size in BUCKET_SIZES]
+    results = record_all(BUCKET_SIZES)
     variants, version = compile_recorded(results, args.python)
     _report(results, variants, version)
     if args.json:

@@ -69,7 +69,7 @@ LAYOUTS = {
     "many": "0.6M parameters in 300 tensors (150 Linear(64, 64))",
     "16-tensors": "269M parameters in 16 tensors (8 Linear layers, 4096 <-> 8192)",
     "gpt-medium": "355M parameters in 292 tensors (GPT-2 medium)",
-    "gpt-tiny": "0.1M parameters in 28 tensors (a 2-layer GPT, d=64: a smoke test)",
+    "gpt-tiny": "0.03M parameters in 28 tensors (a 2-layer GPT, d=32: a smoke test)",
 }
 
 
@@ -85,8 +85,9 @@ def _model(kind: str, device: torch.device) -> torch.nn.Module:
         widths = [4096, 8192] * 4 + [4096]
         model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
     else:
-        layers, d, vocab = (24, 1024, 50257) if kind == "gpt-medium" else (2, 64, 256)
-        shapes = _gpt_shapes(layers, d, vocab, 1024 if kind == "gpt-medium" else 64)
+        medium = kind == "gpt-medium"
+        layers, d, vocab, context = (24, 1024, 50257, 1024) if medium else (2, 32, 128, 32)
+        shapes = _gpt_shapes(layers, d, vocab, context)
         model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes])
     return model.to(device)
 
