@@ -244,5 +244,6 @@ def load(
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_model_state_dict(model, state["model"])
     optimizer.load_state_dict(
-        {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]}
+        {"state": template, "param_groups": rest["param_groups"], "onebit": rest["onebit"]},
+        allow_inexact=reshard,
     )

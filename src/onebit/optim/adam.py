@@ -9,14 +9,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..freeze import AutoFreeze, FreezeSchedule
+from ..freeze import AutoFreeze, FreezeSchedule, told_auto_freeze
 from ..functional import adam_denominator, adam_moments_, bias_correction, fill_zero_variance_
 from ..transport.engine import Sender
 from ..wire.momentum import PacksMomentum
 from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
-from .options import DEFAULT_BUCKET_SIZE, apply_masks_, shared_options, with_shared_docs
+from .options import (
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_WARMUP_COMPRESSION,
+    apply_masks_,
+    shared_options,
+    with_shared_docs,
+)
 from .stage import Stage, Taken
 
 
@@ -209,6 +215,7 @@ class OnebitAdam(AdamShaped, PacksMomentum, CompressedOptimizer):
             fp32 errors (the C kernels and Triton's passes read and write bf16 in place), and
             the first compression step holds the fp32 momentum beside the new errors once. A
             checkpoint loads across the two dtypes, with a warning.
+        {allow_edited_grads}
 
     A parameter whose ``.grad`` is ``None`` counts as a zero gradient: its momentum decays and
     weight decay applies, the same on every rank. All state is fp32 whatever the parameter
@@ -246,7 +253,7 @@ class OnebitAdam(AdamShaped, PacksMomentum, CompressedOptimizer):
     where the warmup stands.
     """
 
-    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None}
+    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None, "total_steps": None}
     _stage_types = (_Warmup, _Compression)
 
     def __init__(
@@ -257,7 +264,8 @@ class OnebitAdam(AdamShaped, PacksMomentum, CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: int | Literal["auto"],
+        freeze_step: int | Literal["auto"] = "auto",
+        total_steps: int | None = None,
         bias_correction: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -266,12 +274,14 @@ class OnebitAdam(AdamShaped, PacksMomentum, CompressedOptimizer):
         auto_freeze: AutoFreeze | None = None,
         max_grad_norm: float | None = None,
         overlap_backward: bool = False,
-        warmup_compression: str = "fp32",
+        warmup_compression: str = DEFAULT_WARMUP_COMPRESSION,
         error_dtype: torch.dtype = torch.float32,
+        allow_edited_grads: bool = False,
     ) -> None:
         def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
-            return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
+            auto = told_auto_freeze(freeze_step, auto_freeze, total_steps)
+            return FreezeSchedule(freeze_step, auto, process_group, beta2=betas[1])
 
         self.bias_correction = bias_correction
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

@@ -22,12 +22,13 @@ from torch import Tensor
 from ..freeze import FreezeSchedule
 from ..stats import CommStats
 from ..transport.clipping import Clipping
-from ..transport.header import OpenStep
+from ..transport.header import EDITED, EDITED_BY_UNSCALE, OpenStep
 from ..transport.sharding import Replicated, has_dtensors
 from ..wire.momentum import PackedMomentumStage
-from ..wire.protocol import group_size_and_rank
+from ..wire.protocol import allreduce_bytes, group_size_and_rank
 from . import rehearsal
 from .checkpoint import Checkpointed
+from .from_torch import HYPERPARAMETERS, adam_arguments
 from .options import check_masks, check_options
 from .placement import Placement
 from .stage import Stage, show_side
@@ -135,8 +136,10 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         scale_per: str = "tensor",
         warmup_compression: str = "fp32",
         error_dtype: torch.dtype = torch.float32,
+        allow_edited_grads: bool = False,
     ) -> None:
         super().__init__(params, defaults)
+        self.allow_edited_grads = bool(allow_edited_grads)
         self.scale_per = scale_per
         self.warmup_compression = warmup_compression
         self.error_dtype = error_dtype
@@ -175,6 +178,33 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self.hyper = self._step_hyperparameters(self.param_groups)[0]  # each step reads anew
         self._allocate_state()
         self._push_next_sender()
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> Any:
+        """This optimizer, built on the param groups of ``optimizer``, a ``torch.optim.AdamW``
+        (or ``Adam``) that has not stepped: the groups' parameters and their ``lr``, ``betas``,
+        ``eps`` and ``weight_decay`` are kept, so a script's own optimizer factory is reused::
+
+            optimizer = onebit.OnebitAdam.from_optimizer(model.configure_optimizers(...))
+
+        ``options`` are this optimizer's other keyword arguments (``max_grad_norm``,
+        ``total_steps``, ...).
+
+        Raises:
+            TypeError: for another kind of optimizer.
+            ValueError: for what onebit cannot honour (``amsgrad``, ``maximize``,
+                ``differentiable``, ``torch.optim.Adam``'s L2 ``weight_decay``, an optimizer
+                that has stepped), or ``options`` that would set a hyperparameter the groups
+                already give.
+        """
+        given = sorted(set(options) & set(HYPERPARAMETERS))
+        if given:
+            raise ValueError(
+                f"from_optimizer takes {', '.join(given)} from the optimizer's param groups: "
+                "set them there, not as options"
+            )
+        groups, defaults = adam_arguments(optimizer)
+        return cls(groups, **defaults, **options)
 
     # What each subclass provides (with _allocate_state and _stage_types).
 
@@ -305,11 +335,19 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
 
     def _start_step(self) -> None:
         """What opens ``step()``: this step's hyperparameters, the loss scale, and the check that
-        no gradient sent during backward was changed since."""
+        no gradient was changed since backward by anything but the optimizer (every rank raises
+        if one was, unless ``allow_edited_grads``; a gradient that ``overlap_backward`` already
+        sent raises on this rank in any case)."""
+        scaled = hasattr(self, "found_inf")  # set by torch.amp.GradScaler, with grad_scale
+        unscaled = scaled and getattr(self, "grad_scale", None) is None  # scaler.unscale_ ran
+        edited = self.bucketer.edited_since_backward()
         step = self._begin_step()
-        if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler, with grad_scale
+        if scaled:
             self.engine.read_grad_scale(step, getattr(self, "grad_scale", None))
-        self.bucketer.check_unchanged()
+        if edited:
+            self.bucketer.check_unsent(edited)
+            if not self.allow_edited_grads and not step.status:
+                step.status = EDITED_BY_UNSCALE if unscaled else EDITED
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -332,7 +370,8 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         if self.shards.sharded and not self._keeps_gradient_buffer:
             self.bucketer.release()
         self.bucketer.armed = True
-        self.comm_stats.record(running.name, nbytes, round_skipped)
+        fp32 = allreduce_bytes(4 * self.layout.numel, self.world_size)
+        self.comm_stats.record(running.name, nbytes, round_skipped, fp32_bytes=fp32)
         if applied:
             self.num_steps += 1
         else:

@@ -346,6 +346,18 @@ def own_rank_state(
     return own
 
 
+def inexact_resume_error(problems: dict[int, str]) -> str:
+    """The error of a load that cannot resume exactly: ``problems``, by rank, says why."""
+    why = "; ".join(f"rank {r}: {p}" for r, p in sorted(problems.items()))
+    return (
+        f"this state dict cannot resume every rank exactly ({why}). Each rank's error-feedback "
+        "buffers are its own: save consolidated_state_dict() (a collective: call it on every "
+        "rank, outside the rank-0 block, and save what rank 0 gets) or one state_dict() file "
+        "per rank. To resume anyway, with those ranks' error buffers restarted at zero, pass "
+        "load_state_dict(..., allow_inexact=True)"
+    )
+
+
 def gather_rank_states(
     state: dict[str, Any], to: int, rank: int, world_size: int, group: dist.ProcessGroup | None
 ) -> dict[int, Any] | None:
@@ -432,6 +444,7 @@ class Checkpointed:
             "optimizer": type(self).__name__,
             "world_size": self.world_size,
             "layout": self._layout_digest(),
+            "warmup_compression": self.warmup_compression,
             "num_steps": self.num_steps,
             "skipped_steps": self.skipped_steps,
             "calls": self._calls,
@@ -442,6 +455,38 @@ class Checkpointed:
             "ranks": ranks,
         }
         return state
+
+    def _take_saved_warmup(self, saved: dict[str, Any]) -> Callable[[], None]:
+        """Go on with the warmup compression the state was saved with where the constructor
+        was not given one: a run saved while the default was ``"fp32"`` resumes as it ran.
+        Returns what undoes it."""
+        mode = saved.get("warmup_compression")
+        if mode is None:  # saved before it was recorded: a quantized warmup saved its errors
+            ranks = list((saved.get("ranks") or {}).values()) + [saved]
+            mode = None if any("warmup_comms" in r for r in ranks) else "fp32"
+        options = self._constructor_options
+        if mode is None or mode == self.warmup_compression or "warmup_compression" in options:
+            return _nothing
+        before, previous = self.state_dict(), self.warmup_compression
+
+        def undo() -> None:
+            self.warmup_compression = previous
+            del options["warmup_compression"]
+            self._lay_out_anew(self.shards, self.layout, saved=before)
+
+        self.warmup_compression = options["warmup_compression"] = mode
+        self._lay_out_anew(self.shards, self.layout, saved=None)
+        return undo
+
+    def _problems_of_every_rank(self, problem: str | None) -> dict[int, str]:
+        """What keeps each rank's load from being exact (``problem``, this rank's), by rank,
+        on every rank: a collective where the optimizer spans several ranks."""
+        if not dist.is_initialized() or self._agreement_size() == 1:
+            return {} if problem is None else {self._part: problem}
+        group = self._agreement_group()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, problem, group=group)
+        return {r: p for r, p in enumerate(gathered) if p is not None}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's part of the state on rank ``to``, for its next :meth:`state_dict`.
@@ -477,34 +522,55 @@ class Checkpointed:
         self.consolidate_state_dict(to)
         return self.state_dict() if self.rank == to else None
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_inexact: bool = False) -> None:
         """Restore a :meth:`state_dict` or :meth:`consolidated_state_dict`, keeping every buffer
-        fp32 and flat.
+        fp32 and flat, so that the run goes on bit for bit.
 
-        This rank's part (error buffers) is taken from the dict. If the dict has no part for
-        this rank (another rank's file), or it was saved with another world size or bucket
-        layout, the error buffers are reset to zero with a warning; everything else is restored.
+        This rank's part (its error buffers) is taken from the dict. If the dict has no part for
+        some rank (``state_dict()`` saved on rank 0 only and loaded everywhere), or it was saved
+        with another world size or bucket layout, the resume cannot be exact: every rank raises
+        ``ValueError``, naming the fix, and nothing changes. With ``allow_inexact`` those ranks
+        instead restart their error buffers at zero, with a warning, and everything else is
+        restored. A collective where the optimizer spans several ranks: call it on every rank.
         A state of another optimizer raises ``ValueError`` and changes nothing.
         """
+        self._load_state(state_dict, agree=True, allow_inexact=allow_inexact)
+
+    def _load_state(
+        self, state_dict: dict[str, Any], agree: bool = False, allow_inexact: bool = True
+    ) -> None:
+        """:meth:`load_state_dict`; without ``agree``, this rank alone (the optimizer reloading
+        its own state after a move), restarting its error buffers where they do not fit."""
         self._follow_param_groups_or_raise("load")
         self._follow_parameters()
         saved = onebit_entry(state_dict, type(self).__name__)
         groups = state_dict["param_groups"]
         index = parameter_index(groups, self.param_groups)
+        extra, ranks = split_ranks(saved, self._part, self._layout_digest())
+        try:
+            own = own_rank_state(extra, ranks, self._part, self._layout_digest())
+            problem = None
+        except ValueError as err:
+            own, problem = None, str(err)
+        problems = self._problems_of_every_rank(problem) if agree else {}
+        if problems and not allow_inexact:
+            raise ValueError(inexact_resume_error(problems))
         self._gathered = None
+        undo_warmup = self._take_saved_warmup(saved)
         parts = self._state_parts()
         undo = before_load(parts, saved)
         try:
             check_buffers(self.state, index, state_dict["state"])
         except ValueError:
             undo()
+            undo_warmup()
             raise
         copy_buffers(self.state, index, state_dict["state"])
         for saved_group, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-        extra, ranks = split_ranks(saved, self._part, self._layout_digest())
         try:
-            own = own_rank_state(extra, ranks, self._part, self._layout_digest())
+            if own is None:
+                raise ValueError(problem)
             for part in parts:
                 part.load_rank_state(own)
         except ValueError as err:
@@ -519,7 +585,8 @@ class Checkpointed:
         self.comm_stats.load_state_dict(extra.pop("comm_stats"))
         self.freeze.load_state_dict(extra)
         self.comm_stats.freeze_step = self.freeze.freeze_step
-        for key in ("optimizer", "world_size", "layout", "freeze_step", "auto_freeze"):
+        for key in ("optimizer", "world_size", "layout", "warmup_compression", "freeze_step",
+                    "auto_freeze"):  # fmt: skip
             extra.pop(key, None)
         for part in parts:
             part.load_extra_state(extra)

@@ -10,14 +10,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..freeze import AutoFreeze, FreezeSchedule
+from ..freeze import AutoFreeze, FreezeSchedule, told_auto_freeze
 from ..functional import adam_moments_, scaled_sub_, trust_ratio
 from ..wire.momentum import PacksMomentum
 from .adam_step import MOMENTS, AdamShaped, AdamWarmup, check_adam_hyperparameters
 from .base import CompressedOptimizer
 from .checkpoint import NoState, StatePart
 from .lamb_compression import LambCompression, TrustRatios
-from .options import DEFAULT_BUCKET_SIZE, shared_options, with_shared_docs
+from .options import (
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_WARMUP_COMPRESSION,
+    shared_options,
+    with_shared_docs,
+)
 from .stage import Stage, Taken
 
 
@@ -116,6 +121,7 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
         error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: as
             :class:`~onebit.OnebitAdam`'s (half the error buffers' memory: 0.5 + 0.5/n model
             sizes fewer).
+        {allow_edited_grads}
 
     Entries whose variance is (about) 0 at the freeze take their tensor's mean variance, as in
     :class:`~onebit.OnebitAdam`.
@@ -149,7 +155,7 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
     where the warmup stands.
     """
 
-    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None}
+    _rehearsal_options = {"freeze_step": 1, "auto_freeze": None, "total_steps": None}
     _stage_types = (_Warmup, LambCompression)
 
     def __init__(
@@ -160,7 +166,8 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: int | Literal["auto"],
+        freeze_step: int | Literal["auto"] = "auto",
+        total_steps: int | None = None,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -174,8 +181,9 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
         auto_freeze: AutoFreeze | None = None,
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
-        warmup_compression: str = "fp32",
+        warmup_compression: str = DEFAULT_WARMUP_COMPRESSION,
         error_dtype: torch.dtype = torch.float32,
+        allow_edited_grads: bool = False,
     ) -> None:
         def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
@@ -185,7 +193,8 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
             _check_range("factor_min", factor_min, "factor_max", factor_max)
             if not 0.0 <= factor_threshold < 1.0:
                 raise ValueError(f"Invalid factor_threshold: {factor_threshold}")
-            return FreezeSchedule(freeze_step, auto_freeze, process_group, beta2=betas[1])
+            auto = told_auto_freeze(freeze_step, auto_freeze, total_steps)
+            return FreezeSchedule(freeze_step, auto, process_group, beta2=betas[1])
 
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min

@@ -22,8 +22,14 @@ MAX_BUCKET_SIZE = 2**30
 """The largest ``bucket_size`` (4 GiB of fp32): the GPU kernels index a bucket with 32 bits."""
 
 WARMUP_COMPRESSION = ("fp32", "bf16", "int8", "int4")
-"""How the warmup averages gradients: ``"fp32"`` (default) is an fp32 allreduce, exactly DDP;
-the others go through :class:`~onebit.wire.quantized.QuantizedAllreduce` with error feedback."""
+"""How the warmup averages gradients: ``"fp32"`` is an fp32 allreduce, exactly DDP; the others
+go through :class:`~onebit.wire.quantized.QuantizedAllreduce` with error feedback."""
+
+DEFAULT_WARMUP_COMPRESSION = "int4"
+"""1-bit Adam's and 1-bit LAMB's warmup: int4 gradients with error feedback, 8 times fewer
+bytes than fp32. With ``freeze_step="auto"`` it is what keeps whole runs at 15x and more fewer
+bytes than an fp32 allreduce within 1% of AdamW's (and LAMB's) loss on the convergence tasks of
+``BENCHMARKS.md``, where int8 sends twice the warmup's bytes."""
 
 SCALE_PER = ("tensor", "bucket")
 """What gets its own 1-bit scale: ``"tensor"`` (default), each parameter's part of a bucket, so
@@ -39,6 +45,7 @@ SHARED_OPTIONS = (
     "overlap_backward",
     "warmup_compression",
     "error_dtype",
+    "allow_edited_grads",
 )
 """The settings that :class:`~onebit.optim.base.CompressedOptimizer`'s constructor takes from every
 optimizer that has them (each documents its own): see :func:`shared_options`."""
@@ -60,6 +67,13 @@ SHARED_DOCS = {
     scale, so that a large tensor (an embedding, say) does not set the steps of the small
     ones sharing its bucket; ``"bucket"`` is one scale per bucket (SPEC 2, the reference
     implementation). Each scale costs 4 bytes per message.""",
+    "allow_edited_grads": """``False`` (default): ``step()`` raises on every rank if a
+    ``.grad`` was changed between the last backward and ``step()`` by anything but the
+    optimizer: ``clip_grad_norm_``, ``clip_grad_value_``, ``scaler.unscale_`` or an in-place
+    edit would change each rank's gradient before the ranks' gradients are averaged or
+    compressed, not the average as under DDP (use ``max_grad_norm``, and let the optimizer
+    unscale). The check reads version counters: no pass over the data. ``True`` says the edit
+    is meant, and the same on every rank (a fixed rescaling, say).""",
 }  # fmt: skip
 """What the argument list says of the settings that every optimizer documents alike, by name
 (continued lines indented by four): a docstring line ``{name}`` stands for the entry

@@ -198,7 +198,7 @@ class Placement:
         self.bucketer.place(device)
         self.engine = self._new_engine()
         self._allocate_state()
-        self.load_state_dict(saved)
+        self._load_state(saved)
 
     def _on_param_groups(self) -> bool:
         """Whether the state is laid out on the parameters ``param_groups`` holds now."""
@@ -350,7 +350,7 @@ class Placement:
         self._allocate_state()
         self._push_next_sender()
         if saved is not None:
-            self.load_state_dict(saved)
+            self._load_state(saved)
 
     def _state_dict_of(self, params: list[Tensor]) -> dict[str, Any]:
         """:meth:`state_dict` with ``params``, the parameters the state is laid out on, in

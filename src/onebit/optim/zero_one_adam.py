@@ -364,6 +364,7 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the dtype of the 1-bit
             steps' error buffers, as :class:`~onebit.OnebitAdam`'s (0.5 + 0.5/n model sizes
             fewer).
+        {allow_edited_grads}
 
     Entries whose variance is (about) 0, ``sqrt(v̂) <= eps``, take their tensor's mean variance
     in the denominator once compressed steps have begun and in the frozen one
@@ -426,6 +427,7 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
         error_dtype: torch.dtype = torch.float32,
+        allow_edited_grads: bool = False,
     ) -> None:
         def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)

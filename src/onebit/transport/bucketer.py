@@ -109,7 +109,7 @@ class Bucketer:
                 self._bucket_sizes[k] += p.requires_grad
         self._pending = list(self._bucket_sizes)
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._seen_versions: list[int | None] | None = None
+        self._seen_versions: list[tuple[int, int] | None] | None = None
         self._hooked_by_ddp = False
         self._in_backward = False
         self.backward_passes = 0
@@ -312,6 +312,7 @@ class Bucketer:
             self._in_backward = True
             self.backward_passes += 1
             Variable._execution_engine.queue_callback(self._backward_done)
+            self._record_versions_after_backward()
         if self.grads_as_views:
             self._point_grad_at_buffer(index)
         if self.overlap and not self._hooked_by_ddp and self.armed:
@@ -347,19 +348,16 @@ class Bucketer:
                     "DistributedDataParallel.no_sync() with onebit.ddp_comm_hook)"
                 )
             self._pending[k] -= 1
-        launched = bool(self.inflight)
         for k in reversed(range(len(self.layout.buckets))):
             if k in self.inflight:
                 continue
             if self._pending[k] > 0:
                 break
             self.launch(k, sender)
-        if self.inflight and not launched:
-            self._record_versions_after_backward()
 
     def _record_versions_after_backward(self) -> None:
-        """Note each ``.grad``'s version once backward has finished (after DDP has written its
-        buckets back), so that :meth:`check_unchanged` can tell an edit made after that."""
+        """Note each ``.grad`` and its version once backward has finished (after DDP has written
+        its buckets back), so that :meth:`edited_since_backward` can tell an edit made after."""
         this = weakref.ref(self)
 
         def record() -> None:
@@ -372,19 +370,22 @@ class Bucketer:
             lambda: Variable._execution_engine.queue_callback(record)
         )
 
-    def check_unchanged(self) -> None:
-        """Raise if a ``.grad`` sent during backward was changed since."""
+    def edited_since_backward(self) -> list[int]:
+        """The parameters (by index) whose ``.grad`` was replaced or written in place since the
+        last backward ended, by their version counters: no pass over the data. (A
+        ``GradScaler``'s check for infs and its ``unscale_`` write no version.) Empty when no
+        backward ran since the last step: the gradients were set by hand."""
         seen, self._seen_versions = self._seen_versions, None
-        if not self.inflight or seen is None:
-            return
+        if seen is None:
+            return []
         now = _grad_versions(self.layout.params)
+        return [i for i, (before, after) in enumerate(zip(seen, now)) if before != after]
+
+    def check_unsent(self, changed: list[int]) -> None:
+        """Raise if any parameter of ``changed`` has a gradient that ``overlap_backward`` sent
+        during backward: the edit came too late to count."""
         sent = set(self.inflight)
-        changed = [
-            i
-            for i, (a, b) in enumerate(zip(seen, now))
-            if a != b and sent.intersection(self._buckets_of_param[i])
-        ]
-        if changed:
+        if any(sent.intersection(self._buckets_of_param[i]) for i in changed):
             self.abandon()
             raise RuntimeError(
                 f"{len(changed)} gradient(s) were changed after backward, but overlap_backward "
@@ -394,5 +395,5 @@ class Bucketer:
             )
 
 
-def _grad_versions(params: list[Tensor]) -> list[int | None]:
-    return [None if p.grad is None else p.grad._version for p in params]
+def _grad_versions(params: list[Tensor]) -> list[tuple[int, int] | None]:
+    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]

@@ -34,8 +34,22 @@ STATUS = {
     "back on before the last backward of a step)",
     5: "parameters in param_groups that replaced those the optimizer was laid out on, and it "
     "could not follow them",
+    6: "gradients changed between backward and step() (by clip_grad_norm_, clip_grad_value_ "
+    "or an in-place edit of .grad), which would change each rank's local gradient before the "
+    "optimizer averages or compresses it: clip with the optimizer's max_grad_norm instead. If "
+    "you changed them on purpose, identically on every rank, build the optimizer with "
+    "allow_edited_grads=True",
+    7: "gradients changed after scaler.unscale_(optimizer) (by clip_grad_norm_, say), which "
+    "would change each rank's local gradient before the optimizer averages or compresses it: "
+    "let the optimizer unscale, calling scaler.step(optimizer) without scaler.unscale_, and "
+    "clip with its max_grad_norm. If you changed them on purpose, identically on every rank, "
+    "build the optimizer with allow_edited_grads=True",
 }
 """What each status code a step's header carries means, for the error every rank raises."""
+
+EDITED, EDITED_BY_UNSCALE = 6, 7
+"""The :data:`STATUS` codes of gradients edited after backward, by the user or after
+``scaler.unscale_``."""
 
 _REPLACED_IN_BACKWARD = (
     "backward sent the gradients of the parameters the optimizer was laid out on "
