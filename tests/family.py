@@ -12,12 +12,12 @@ NAMES = ["adam", "zero_one", "lamb"]
 # In 8 steps: OnebitAdam/OnebitLamb freeze after 3. ZeroOneAdam's phase A has variance steps
 # 1, 2, 4 and compressed steps 3, 5; phase B syncs on steps 6 and 8 and is local on step 7.
 SETTINGS = {
-    "adam": (onebit.OnebitAdam, dict(freeze_step=3)),
+    "adam": (onebit.OnebitAdam, dict(freeze_step=3, warmup_compression="fp32")),
     "zero_one": (
         onebit.ZeroOneAdam,
         dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1),
     ),
-    "lamb": (onebit.OnebitLamb, dict(freeze_step=3)),
+    "lamb": (onebit.OnebitLamb, dict(freeze_step=3, warmup_compression="fp32")),
 }
 
 

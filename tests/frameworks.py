@@ -76,7 +76,13 @@ def fp32_bytes(model: torch.nn.Module) -> int:
 
 def onebit_adam(model: torch.nn.Module, clip: float | None = 1.0) -> onebit.OnebitAdam:
     """The optimizer the Accelerate and Lightning tests train with, framework or not."""
-    return onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, max_grad_norm=clip)
+    return onebit.OnebitAdam(
+        model.parameters(),
+        warmup_compression="fp32",
+        lr=1e-2,
+        freeze_step=FREEZE,
+        max_grad_norm=clip,
+    )
 
 
 def replay(batches: list[dict[str, torch.Tensor]]) -> tuple[list[torch.Tensor], int]:

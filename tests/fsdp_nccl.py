@@ -52,7 +52,11 @@ def main() -> None:
     mesh = init_device_mesh("cuda", (1, shards), mesh_dim_names=("replicate", "shard"))
     model = _shard(_model(), mesh["shard"])
     opt = onebit.OnebitAdam(
-        model.parameters(), lr=1e-2, freeze_step=3, process_group=mesh["replicate"].get_group()
+        model.parameters(),
+        warmup_compression="fp32",
+        lr=1e-2,
+        freeze_step=3,
+        process_group=mesh["replicate"].get_group(),
     )
     onebit.fsdp.attach(model, opt)
     ours = _train(model, opt, range(3), rank)

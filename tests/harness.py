@@ -96,10 +96,16 @@ class Case:
         return self.cls(self.problem.groups(params), **{**kwargs, **self.settings, **overrides})
 
 
-# OnebitAdam's and OnebitLamb's: a freeze step that is not one, or AutoFreeze without "auto".
+# OnebitAdam's and OnebitLamb's: a freeze step that is not one, AutoFreeze or total_steps
+# without "auto", a total_steps that is not one, or one that auto_freeze contradicts.
 FREEZE_BAD_ARGUMENTS = tuple(
     (dict(freeze_step=value), "freeze_step") for value in (0, 2.5, "never", True)
-) + ((dict(auto_freeze=onebit.AutoFreeze()), "auto_freeze"),)
+) + (
+    (dict(freeze_step=3, auto_freeze=onebit.AutoFreeze()), "auto_freeze"),
+    (dict(freeze_step=3, total_steps=100), 'total_steps caps freeze_step="auto"'),
+    (dict(total_steps=0), "total_steps must be an int >= 1"),
+    (dict(total_steps=10, auto_freeze=onebit.AutoFreeze(total_steps=20)), "disagree"),
+)
 
 # Variance updates at 1, 2, 4, 6, 8, 12; phase B syncs every step, then every 2, then every 4.
 ZERO_ONE_SCHEDULE = dict(
@@ -110,12 +116,12 @@ CASES = {
     "adam": Case(
         cls=onebit.OnebitAdam,
         problem=Problem(((7, 5), (13,), (3, 3, 2)), (1e-2, 1e-2, 3e-3), (0.1, 0.1, 0.0), 100),
-        settings=dict(freeze_step=3, bucket_size=32),
+        settings=dict(freeze_step=3, bucket_size=32, warmup_compression="fp32"),
         steps=10,
         checkpoint=5,
         resume_points=(2, 3, 4, 5),
         poisoned={2: "warmup", 6: "compression"},
-        required=dict(freeze_step=5),
+        required=dict(),
         bad_arguments=FREEZE_BAD_ARGUMENTS,
     ),
     "zero_one": Case(
@@ -150,12 +156,12 @@ CASES = {
             (2e-2, 2e-2, 5e-3, 5e-3, 5e-3),
             (0.1, 0.1, 0.0, 0.0, 0.0),
         ),
-        settings=dict(freeze_step=8, bucket_size=32),
+        settings=dict(freeze_step=8, bucket_size=32, warmup_compression="fp32"),
         steps=20,
         checkpoint=14,
         resume_points=(3, 8, 9, 14),
         poisoned={3: "warmup", 12: "compression"},  # call 12 is step 11
-        required=dict(freeze_step=5),
+        required=dict(),
         bad_arguments=FREEZE_BAD_ARGUMENTS
         + (
             (dict(max_coeff=0.001), "min_coeff <= max_coeff"),

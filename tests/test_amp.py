@@ -12,7 +12,7 @@ def _scaled_run(rank, world_size, name, mode, inject, dtype=torch.float32):
     """Train STEPS steps. ``mode``: "plain" (no scaler), "scaler" (scaler.step), "unscale"
     (scaler.unscale_ first). ``inject``: steps where rank 1's gradient gets an inf."""
     model = make_model().to(dtype)
-    opt = make_optimizer(name, model.parameters())
+    opt = make_optimizer(name, model.parameters(), allow_edited_grads=True)  # the injected inf
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=10**6)
     history, skipped = [], []
     for step in range(1, STEPS + 1):

@@ -12,7 +12,8 @@ from onebit.freeze import AutoFreeze, VarianceMonitor
 
 SHAPES = [(20, 10), (10,), (0,), (5,)]
 KNOBS = AutoFreeze(window=10, tolerance=0.3, patience=2, min_step=20, max_step=400)
-GROWING = AutoFreeze(tolerance=0.2, patience=2)  # the default window: freezes near 200
+NO_CAP = 2**40  # the rule alone: no cap on the warmup
+GROWING = AutoFreeze(tolerance=0.2, patience=2, max_step=NO_CAP)  # default window: freezes ~200
 RUN = 250
 
 
@@ -87,20 +88,20 @@ def test_the_statistic_is_the_change_per_unit_of_relative_time():
 
     per_window = (1.02**10 - 1) / 3
     for memory, elapsed in ((math.inf, 90), (50, 50)):
-        knobs = AutoFreeze(window=10, tolerance=0.01, patience=1, min_step=1)
+        knobs = AutoFreeze(window=10, tolerance=0.01, patience=1, min_step=1, max_step=NO_CAP)
         monitor = VarianceMonitor(knobs, memory, numels=numels)
         assert _observe(monitor, 100, one_layer_drifts) == []
         assert monitor.last_change == pytest.approx(per_window * elapsed / 10, rel=1e-4)
     knobs = AutoFreeze(window=10, tolerance=0.01, min_step=1, max_step=57)
     assert _observe(VarianceMonitor(knobs, numels=numels), 60, one_layer_drifts)[0] == 57
     nan = lambda t: [torch.full((6,), float("nan")), torch.ones(3)]  # noqa: E731
-    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=1), numels=numels)
-    assert _observe(monitor, 100, nan) == []
+    knobs = AutoFreeze(window=10, patience=1, min_step=1, max_step=NO_CAP)
+    assert _observe(VarianceMonitor(knobs, numels=numels), 100, nan) == []
 
 
 def test_the_default_window_grows_with_the_run():
     """About 8 measurements per doubling of the step, at any length of run."""
-    due = [t for t in range(1, 2**14) if VarianceMonitor(AutoFreeze()).due(t)]
+    due = [t for t in range(1, 2**14) if VarianceMonitor(AutoFreeze(max_step=NO_CAP)).due(t)]
     assert due[:20] == list(range(1, 17)) + [18, 20, 22, 24]
     for low in (64, 1024, 8192):
         between = [t for t in due if low <= t < 2 * low]
@@ -113,7 +114,7 @@ def test_a_settling_variance_freezes_by_its_own_time_scale():
     could."""
     freezes = []
     for c in (3, 3000):
-        monitor = VarianceMonitor(AutoFreeze(min_step=1), numels=[4])
+        monitor = VarianceMonitor(AutoFreeze(min_step=1, max_step=NO_CAP), numels=[4])
         decided = _observe(monitor, 100 * c, lambda t: [torch.full((4,), 1 + c / t)])  # noqa: B023
         freezes.append(decided[0])
     assert 5 <= freezes[0] <= 20 and 500 * freezes[0] <= freezes[1] <= 2000 * freezes[0]
@@ -132,6 +133,8 @@ def test_a_tiny_noisy_layer_cannot_hold_the_freeze_back():
 def test_told_the_run_length_it_freezes_by_a_fraction_of_it():
     drifting = lambda t: [torch.full((4,), 1.05**t)]  # noqa: E731
     assert AutoFreeze(total_steps=300).last_step == 60  # a fifth by default
+    assert AutoFreeze().last_step == AutoFreeze.DEFAULT_MAX_STEP == 100  # untold
+    assert AutoFreeze(min_step=120).last_step == 120  # never before min_step
     for total, fraction, last in ((300, 0.25, 75), (1000, 0.1, 100), (6, 0.25, 1)):
         knobs = AutoFreeze(total_steps=total, max_fraction=fraction)
         assert knobs.last_step == last and knobs.first_step == min(50, last)
@@ -233,12 +236,14 @@ def test_resume_in_the_middle_of_the_decision_is_exact(make, knobs):
 
 def test_default_knobs_freeze_a_settled_run():
     params = _params()
-    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step="auto")
+    opt = onebit.OnebitAdam(params, warmup_compression="fp32", lr=1e-2, freeze_step="auto")
     _run(params, opt, 1, 500)
     assert opt.freeze_step is not None and 50 <= opt.freeze_step < 500
     params = _params()
     told = AutoFreeze(total_steps=100)
-    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step="auto", auto_freeze=told)
+    opt = onebit.OnebitAdam(
+        params, warmup_compression="fp32", lr=1e-2, freeze_step="auto", auto_freeze=told
+    )
     _run(params, opt, 1, 100)
     assert opt.freeze_step == 20 == opt.comm_stats.freeze_step
 

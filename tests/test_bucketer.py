@@ -163,17 +163,19 @@ def test_a_gradient_accumulated_after_its_bucket_left_abandons_the_step_and_rais
     assert bucketer.inflight == {} and recorder.closed == 1
 
 
-def test_a_gradient_edited_after_backward_is_caught_by_check_unchanged():
+def test_a_gradient_edited_after_backward_is_found_and_refused_once_sent():
     model, recorder, bucketer = _armed("compressed")
     _backward(model)
-    bucketer.check_unchanged()  # nothing edited since
+    assert bucketer.edited_since_backward() == []  # nothing edited since
     assert bucketer.inflight and recorder.closed == 0
     bucketer.launch_all(recorder.sender("compressed"))
     model.zero_grad()
     _backward(model)
     model[0].weight.grad.mul_(0.5)  # as clip_grad_norm_ would, after the bucket left
+    edited = bucketer.edited_since_backward()
+    assert edited == [0] and bucketer.edited_since_backward() == []  # read once a backward
     with pytest.raises(RuntimeError, match="changed after backward"):
-        bucketer.check_unchanged()
+        bucketer.check_unsent(edited)
     assert bucketer.inflight == {} and recorder.closed == 1
 
 

@@ -64,6 +64,8 @@ def test_resume_from_one_consolidated_file_is_bitwise_exact(name, tmp_path):
 
 
 def _load_rank0_file(rank, world_size, path):
+    """The naive port: ``state_dict()`` saved inside the rank-0 block, loaded on every rank;
+    then the same file with ``allow_inexact``."""
     model = make_model()
     opt = make_optimizer("adam", model.parameters())
     _train(model, opt, rank, 1, 5)
@@ -71,29 +73,51 @@ def _load_rank0_file(rank, world_size, path):
         torch.save(opt.state_dict(), path)
     torch.distributed.barrier()
     state = torch.load(path, weights_only=True)
+    before = [t.clone() for s in opt.state_dict()["state"].values() for t in s.values()]
+    try:
+        opt.load_state_dict(state)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    after = [t for s in opt.state_dict()["state"].values() for t in s.values()]
+    unchanged = opt.num_steps == 5 and all_equal(before, after)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt.load_state_dict(state)
+        opt.load_state_dict(state, allow_inexact=True)
     errors = sum(float(c.worker_error.abs().sum() + c.server_error.abs().sum()) for c in opt.comms)
-    return list(state["onebit"]["ranks"]), [str(w.message) for w in caught], errors
+    return (
+        list(state["onebit"]["ranks"]),
+        error,
+        unchanged,
+        [str(w.message) for w in caught],
+        errors,
+    )
 
 
-def test_loading_another_ranks_state_warns_and_resets_the_error_buffers(tmp_path):
+def test_rank_0s_state_loaded_everywhere_stops_every_rank_or_resets_with_allow_inexact(tmp_path):
     results = run_ranks(_load_rank0_file, 2, str(tmp_path / "rank0.pt"))
-    (ranks0, warned0, errors0), (ranks1, warned1, errors1) = results
-    assert ranks0 == ranks1 == [0]  # a plain state_dict holds this rank's part only
+    (ranks0, error0, unchanged0, warned0, errors0), (_, error1, unchanged1, warned1, errors1) = (
+        results
+    )
+    assert ranks0 == [0]  # a plain state_dict holds this rank's part only
+    assert error0 == error1 and unchanged0 and unchanged1  # every rank stops, nothing changed
+    assert "rank 1: the state holds rank(s) [0], this is rank 1" in error0
+    assert "consolidated_state_dict()" in error0 and "allow_inexact=True" in error0
     assert warned0 == [] and errors0 > 0  # rank 0 loads its own errors
     assert len(warned1) == 1 and "error-feedback buffers reset" in warned1[0]
     assert "rank(s) [0], this is rank 1" in warned1[0] and errors1 == 0
 
 
-def test_another_layout_warns_and_resets_the_error_buffers():
+def test_another_layout_raises_or_resets_the_error_buffers_with_allow_inexact():
     model = make_model()
     opt = make_optimizer("adam", model.parameters(), bucket_size=64)
     _train(model, opt, 0, 1, 5)
     other = make_optimizer("adam", model.parameters(), bucket_size=128)
-    with pytest.warns(UserWarning, match="another bucket layout"):
+    with pytest.raises(ValueError, match="another bucket layout.*allow_inexact=True"):
         other.load_state_dict(opt.state_dict())
+    assert other.num_steps == 0
+    with pytest.warns(UserWarning, match="another bucket layout"):
+        other.load_state_dict(opt.state_dict(), allow_inexact=True)
     assert all(float(c.worker_error.abs().sum()) == 0 for c in other.comms)
     saved, restored = opt.state_dict()["state"], other.state_dict()["state"]
     for i, state in saved.items():  # the rest is restored
@@ -129,7 +153,7 @@ def test_states_of_other_optimizers_are_refused_and_change_nothing(name):
 
 
 def test_consolidated_state_dict_checks_its_rank():
-    opt = onebit.OnebitAdam(make_model().parameters(), freeze_step=2)
+    opt = onebit.OnebitAdam(make_model().parameters(), warmup_compression="fp32", freeze_step=2)
     assert opt.consolidated_state_dict()["onebit"]["ranks"].keys() == {0}
     with pytest.raises(ValueError, match="to must be a rank"):
         opt.consolidated_state_dict(to=1)

@@ -108,7 +108,7 @@ def _own_clip_run(rank, world_size, name, by_hand):
     """max_grad_norm on the 1-bit steps only, or no max_grad_norm and each rank's own
     clip_grad_norm_ before those steps (``by_hand``)."""
     model = make_model()
-    opt = make_optimizer(name, model.parameters())
+    opt = make_optimizer(name, model.parameters(), allow_edited_grads=by_hand)
     history, norms = [], []
     for step in range(1, 9):
         opt.zero_grad()
@@ -163,9 +163,11 @@ def test_overlap_clips_the_result_by_the_mean_of_the_local_norms():
     assert checked == 5
 
 
-def _edit_after_overlapped_backward(rank, world_size, edit):
+def _edit_after_overlapped_backward(rank, world_size, edit, allowed=False):
     model = make_model()
-    opt = make_optimizer("adam", model.parameters(), overlap_backward=True)
+    opt = make_optimizer(
+        "adam", model.parameters(), overlap_backward=True, allow_edited_grads=allowed
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     for step in range(1, 4):
         opt.zero_grad()
@@ -189,12 +191,22 @@ def _edit_after_overlapped_backward(rank, world_size, edit):
 
 @pytest.mark.parametrize("edit", ["clip_grad_norm_", "unscale_", "mul_"])
 def test_editing_grads_after_an_overlapped_backward_is_a_clear_error(edit):
+    """An edit of ``.grad`` after backward raises on every rank from the first step, which is
+    never overlapped; said to be meant (``allow_edited_grads``), it is honoured there, and
+    raises from the second step, whose buckets left during backward."""
     for result in run_ranks(_edit_after_overlapped_backward, 2, edit, timeout=120):
-        # The first step is never overlapped, so the edit is honoured there; the second fails.
         assert result is not None, "the edit was silently ignored"
         step, message, num_steps = result
-        assert step == 2 and num_steps == 1
-        if edit == "unscale_":  # the AMP kernel leaves no trace on .grad: the scaler tells
+        if edit == "unscale_":  # unscaling alone changes no rank's maths: the scaler tells
+            assert step == 2 and num_steps == 1
             assert "overlap_backward=False with a GradScaler" in message
         else:
-            assert "changed after backward" in message and "max_grad_norm" in message
+            assert step == 1 and num_steps == 0
+            assert "ranks 0, 1 have gradients changed between backward and step()" in message
+            assert "max_grad_norm" in message and "allow_edited_grads=True" in message
+    if edit == "unscale_":
+        return
+    for result in run_ranks(_edit_after_overlapped_backward, 2, edit, True, timeout=120):
+        step, message, num_steps = result
+        assert step == 2 and num_steps == 1
+        assert "changed after backward" in message and "max_grad_norm" in message

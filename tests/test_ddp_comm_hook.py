@@ -30,13 +30,20 @@ class _Net(torch.nn.Module):
 def _optimizer(name, params, overlap):
     if name == "adam":
         return onebit.OnebitAdam(
-            params, lr=1e-2, freeze_step=3, bucket_size=128, overlap_backward=overlap
+            params,
+            warmup_compression="fp32",
+            lr=1e-2,
+            freeze_step=3,
+            bucket_size=128,
+            overlap_backward=overlap,
         )
     if name == "zero_one":
         return onebit.ZeroOneAdam(
             params, lr=1e-2, var_freeze_step=4, local_step_scaler=2, bucket_size=128
         )
-    return onebit.OnebitLamb(params, lr=1e-2, freeze_step=3, bucket_size=128)
+    return onebit.OnebitLamb(
+        params, warmup_compression="fp32", lr=1e-2, freeze_step=3, bucket_size=128
+    )
 
 
 def _train(rank, world_size, name, overlap, accumulate, find_unused, bucket_view):

@@ -336,7 +336,13 @@ def test_warmup_is_deepspeeds_adam_without_bias_correction():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     # Adam's bias correction (onebit's default) would be another run.
     corrected = _model()
-    opt = onebit.OnebitAdam(corrected.parameters(), lr=lr, weight_decay=wd, freeze_step=freeze)
+    opt = onebit.OnebitAdam(
+        corrected.parameters(),
+        warmup_compression="fp32",
+        lr=lr,
+        weight_decay=wd,
+        freeze_step=freeze,
+    )
     _train(corrected, opt, freeze - 1, first=2)
     assert not torch.allclose(next(corrected.parameters()), next(ref.parameters()), atol=1e-4)
 
@@ -436,7 +442,13 @@ def test_onebit_adam_run_is_bitwise_the_hand_built_one():
     stages = _run_twice(
         config,
         lambda p: onebit.OnebitAdam(
-            p, lr=1e-2, weight_decay=0.01, freeze_step=3, bias_correction=False, max_grad_norm=0.5
+            p,
+            warmup_compression="fp32",
+            lr=1e-2,
+            weight_decay=0.01,
+            freeze_step=3,
+            bias_correction=False,
+            max_grad_norm=0.5,
         ),
     )
     assert stages == ["warmup"] * 3 + ["compression"] * 5
@@ -471,6 +483,7 @@ def test_onebit_lamb_run_is_bitwise_the_hand_built_one():
         config,
         lambda p: onebit.OnebitLamb(
             p,
+            warmup_compression="fp32",
             lr=11e-3,
             max_coeff=0.3,
             min_coeff=0.01,

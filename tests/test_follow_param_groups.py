@@ -246,7 +246,7 @@ def _accelerate_fsdp2(rank: int, world_size: int, hsdp: bool) -> tuple[str | Non
     launched_as(rank, world_size)
     accelerator = accelerate_hsdp_on_cpu(2 if hsdp else 1, 2 if hsdp else 4)
     model = tiny_gpt2()
-    opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3)
+    opt = onebit.OnebitAdam(model.parameters(), warmup_compression="fp32", lr=1e-3, freeze_step=3)
     model, opt = accelerator.prepare(model, opt)
     before = [p.detach().to_local().clone() for p in model.parameters()]
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))

@@ -75,8 +75,12 @@ def test_the_monitor_weighs_layers_by_the_denominators_sizes_unless_told():
 def test_each_optimizer_holds_its_schedule_and_reports_it(name):
     params = _params()
     make = {
-        "adam": lambda: onebit.OnebitAdam(params, freeze_step="auto", auto_freeze=QUICK),
-        "lamb": lambda: onebit.OnebitLamb(params, freeze_step="auto", auto_freeze=QUICK),
+        "adam": lambda: onebit.OnebitAdam(
+            params, warmup_compression="fp32", freeze_step="auto", auto_freeze=QUICK
+        ),
+        "lamb": lambda: onebit.OnebitLamb(
+            params, warmup_compression="fp32", freeze_step="auto", auto_freeze=QUICK
+        ),
         "zero_one": lambda: onebit.ZeroOneAdam(params, var_freeze_step=4),
     }[name]
     opt = make()
@@ -115,7 +119,7 @@ def test_one_bit_adam_and_zero_one_adam_share_the_warmup_step_bit_for_bit(bias_c
 
     common = dict(lr=1e-2, max_grad_norm=1.0, bias_correction=bias_correction)
     params = _params()
-    adam = onebit.OnebitAdam(groups(params), freeze_step=100, **common)
+    adam = onebit.OnebitAdam(groups(params), freeze_step=100, warmup_compression="fp32", **common)
     one_bit = _run(adam, params, 8)
     params = _params()
     zero_one = onebit.ZeroOneAdam(

@@ -91,7 +91,9 @@ def test_warmup_grads_live_in_the_bucket_buffer_and_training_is_bitwise_unchange
 
 def test_the_compression_stage_leaves_grad_as_backward_made_it():
     model = _model()
-    opt = onebit.OnebitAdam(model.parameters(), freeze_step=2, max_grad_norm=1.0)
+    opt = onebit.OnebitAdam(
+        model.parameters(), warmup_compression="fp32", freeze_step=2, max_grad_norm=1.0
+    )
     for step in range(5):
         opt.zero_grad(set_to_none=False)  # the warmup's views stay .grad
         _loss(model, 2 * step + 1, 0).backward()
@@ -103,9 +105,9 @@ def test_the_compression_stage_leaves_grad_as_backward_made_it():
 
 def test_only_dense_fp32_grads_become_views():
     model = _model(dtype=torch.bfloat16)
-    opt = onebit.OnebitAdam(model.parameters(), freeze_step=5)
+    opt = onebit.OnebitAdam(model.parameters(), warmup_compression="fp32", freeze_step=5)
     ref_model = _model(dtype=torch.bfloat16)
-    ref = onebit.OnebitAdam(ref_model.parameters(), freeze_step=5)
+    ref = onebit.OnebitAdam(ref_model.parameters(), warmup_compression="fp32", freeze_step=5)
     ref.bucketer.grads_as_views = False
     for _ in range(3):
         for m, o in ((model, opt), (ref_model, ref)):
@@ -119,7 +121,9 @@ def test_only_dense_fp32_grads_become_views():
 
 def test_no_views_while_buckets_are_sent_during_backward():
     model = _model()
-    opt = onebit.OnebitAdam(model.parameters(), freeze_step=5, overlap_backward=True)
+    opt = onebit.OnebitAdam(
+        model.parameters(), warmup_compression="fp32", freeze_step=5, overlap_backward=True
+    )
     for step in range(2):
         opt.zero_grad()
         _loss(model, step, 0).backward()

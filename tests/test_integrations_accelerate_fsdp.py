@@ -47,8 +47,8 @@ def _recipe(state_dict_type: str | None = None):
     for block in model.gpt.transformer.h:
         fully_shard(block, mesh=mesh["dp_shard_cp"])
     fully_shard(model, mesh=mesh["dp_shard_cp"])
-    optimizer = onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE,
-                                  max_grad_norm=1.0,
+    optimizer = onebit.OnebitAdam(model.parameters(), warmup_compression="fp32", lr=1e-2,
+                                  freeze_step=FREEZE, max_grad_norm=1.0,
                                   process_group=mesh["dp_replicate"].get_group())  # fmt: skip
     loader = torch.utils.data.DataLoader(text_windows(64), batch_size=BATCH)
     model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
@@ -140,7 +140,11 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
 
     model = Probe()
     try:
-        prepare(accelerator, model, onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE))
+        prepare(
+            accelerator,
+            model,
+            onebit.OnebitAdam(model.parameters(), warmup_compression="fp32", freeze_step=FREEZE),
+        )
     except ValueError as err:
         errors["unsharded"] = str(err)
     return errors
@@ -168,7 +172,9 @@ def _accelerate_own_prepare(rank: int, world_size: int) -> tuple[int, str | None
     model = Probe()
     fully_shard(model, mesh=mesh["dp_shard_cp"])
     replicas = mesh["dp_replicate"].get_group()
-    optimizer = onebit.OnebitAdam(model.parameters(), freeze_step=FREEZE, process_group=replicas)
+    optimizer = onebit.OnebitAdam(
+        model.parameters(), warmup_compression="fp32", freeze_step=FREEZE, process_group=replicas
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     x = torch.randint(0, 256, (2, 8))
     accelerator.backward(model(input_ids=x, labels=x))

@@ -53,8 +53,8 @@ def _fit(rank: int, world_size: int, out: str, resume: str | None = None, clip: 
 
         def configure_optimizers(self) -> onebit.OnebitAdam:
             replicas = self.device_mesh["data_parallel"].get_group()
-            return onebit.OnebitAdam(self.parameters(), lr=1e-2, freeze_step=FREEZE,
-                                     max_grad_norm=1.0 if clip else None,
+            return onebit.OnebitAdam(self.parameters(), warmup_compression="fp32", lr=1e-2,
+                                     freeze_step=FREEZE, max_grad_norm=1.0 if clip else None,
                                      process_group=replicas)  # fmt: skip
 
         def training_step(self, batch: dict, index: int) -> torch.Tensor:

@@ -136,7 +136,13 @@ def test_compression_stage_matches_reference_simulation(
 
 def test_world_size_one_matches_adamw_with_lr_scheduler():
     params, ref = PROBLEM.params(), PROBLEM.params()
-    opt = onebit.OnebitAdam(PROBLEM.groups(params), lr=1e-2, weight_decay=0.1, freeze_step=1000)
+    opt = onebit.OnebitAdam(
+        PROBLEM.groups(params),
+        warmup_compression="fp32",
+        lr=1e-2,
+        weight_decay=0.1,
+        freeze_step=1000,
+    )
     ref_opt = torch.optim.AdamW(PROBLEM.groups(ref), lr=1e-2, weight_decay=0.1)
     schedulers = [
         torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, ref_opt)
@@ -159,7 +165,9 @@ def _warmup_against_fused_adamw(device: torch.device) -> None:
     freeze then works on the variance the fused kernel kept."""
     params = [torch.nn.Parameter(p.detach().to(device)) for p in PROBLEM.params()]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = onebit.OnebitAdam(PROBLEM.groups(params), lr=1e-2, weight_decay=0.1, freeze_step=12)
+    opt = onebit.OnebitAdam(
+        PROBLEM.groups(params), warmup_compression="fp32", lr=1e-2, weight_decay=0.1, freeze_step=12
+    )
     ref_opt = torch.optim.AdamW(PROBLEM.groups(ref), lr=1e-2, weight_decay=0.1, fused=True)
     schedulers = [
         torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, ref_opt)
@@ -199,7 +207,9 @@ def _warmup_vs_ddp(rank, world_size, steps):
     ours = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
-    opt = onebit.OnebitAdam(ours.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=steps)
+    opt = onebit.OnebitAdam(
+        ours.parameters(), warmup_compression="fp32", lr=1e-2, weight_decay=0.01, freeze_step=steps
+    )
     for step in range(steps):
         gen = torch.Generator().manual_seed(step * 10 + rank)
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
@@ -219,8 +229,8 @@ def test_warmup_on_four_ranks_matches_ddp_adamw():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_parameters_keep_fp32_state(dtype):
     params, ref = PROBLEM.params(dtype), PROBLEM.params()
-    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=3)
-    ref_opt = onebit.OnebitAdam(ref, lr=1e-2, freeze_step=3)
+    opt = onebit.OnebitAdam(params, warmup_compression="fp32", lr=1e-2, freeze_step=3)
+    ref_opt = onebit.OnebitAdam(ref, warmup_compression="fp32", lr=1e-2, freeze_step=3)
     for step in range(1, 7):
         PROBLEM.set_grads(params, step, 0)
         PROBLEM.set_grads(ref, step, 0)
@@ -239,7 +249,13 @@ def test_none_gradient_counts_as_zero_and_mask_keeps_zeros():
     runs = []
     for none_grad in (True, False):
         params = PROBLEM.params()
-        opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=2, exp_avg_mask={params[0]: mask})
+        opt = onebit.OnebitAdam(
+            params,
+            warmup_compression="fp32",
+            lr=1e-2,
+            freeze_step=2,
+            exp_avg_mask={params[0]: mask},
+        )
         for step in range(1, 6):
             PROBLEM.set_grads(params, step, 0)
             params[2].grad = None if none_grad else torch.zeros_like(params[2])
@@ -253,7 +269,7 @@ def test_none_gradient_counts_as_zero_and_mask_keeps_zeros():
 
 def test_state_views_share_the_flat_buffers():
     params = PROBLEM.params()
-    opt = onebit.OnebitAdam(params, freeze_step=2)
+    opt = onebit.OnebitAdam(params, warmup_compression="fp32", freeze_step=2)
     exp_avg = opt.state[params[1]]["exp_avg"]
     assert exp_avg.shape == params[1].shape
     assert (
@@ -266,7 +282,7 @@ def test_no_process_group_needed():
     assert not dist.is_initialized()
     warnings.simplefilter("error")
     params = PROBLEM.params()
-    opt = onebit.OnebitAdam(params, freeze_step=1)
+    opt = onebit.OnebitAdam(params, warmup_compression="fp32", freeze_step=1)
     PROBLEM.set_grads(params, 1, 0)
     opt.step()
     PROBLEM.set_grads(params, 2, 0)
@@ -277,7 +293,9 @@ def test_no_process_group_needed():
 def test_backend_names_the_kernels_its_steps_run(monkeypatch):
     """``backend`` is the backend of the parameters' device, as ``ONEBIT_BACKEND`` sets it."""
     cpu = onebit.kernels.for_device(torch.device("cpu")).name
-    assert onebit.OnebitAdam(PROBLEM.params(), freeze_step=1).backend == cpu
+    assert (
+        onebit.OnebitAdam(PROBLEM.params(), warmup_compression="fp32", freeze_step=1).backend == cpu
+    )
     monkeypatch.setenv(onebit.kernels.ENV, "torch")
-    opt = onebit.OnebitAdam(PROBLEM.params(), freeze_step=1)
+    opt = onebit.OnebitAdam(PROBLEM.params(), warmup_compression="fp32", freeze_step=1)
     assert opt.backend == "torch" and opt.check_packed() is None  # the reference packs nothing

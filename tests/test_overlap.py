@@ -27,7 +27,12 @@ def _train(rank, world_size, overlap, accumulate, backend="auto", strided=False)
     use_backend(backend)
     model = _model(strided)
     opt = onebit.OnebitAdam(
-        model.parameters(), lr=1e-2, freeze_step=3, bucket_size=256, overlap_backward=overlap
+        model.parameters(),
+        warmup_compression="fp32",
+        lr=1e-2,
+        freeze_step=3,
+        bucket_size=256,
+        overlap_backward=overlap,
     )
     launched_early = []
     for step in range(8):
@@ -77,7 +82,9 @@ def test_overlapped_backward_on_triton_gives_the_bits_of_its_passes_over_every_b
 
 def test_backward_twice_without_no_sync_is_an_error():
     model = _model()
-    opt = onebit.OnebitAdam(model.parameters(), freeze_step=3, overlap_backward=True)
+    opt = onebit.OnebitAdam(
+        model.parameters(), warmup_compression="fp32", freeze_step=3, overlap_backward=True
+    )
     x = torch.randn(4, 6)
     model(x).sum().backward()
     opt.step()

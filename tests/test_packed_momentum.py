@@ -59,7 +59,14 @@ def _optimizer(
     if not fused:
         momentum.unpacked_because = lambda *args, **kwargs: "the test's unfused run"
     try:
-        opt = getattr(onebit, name)(groups, freeze_step=freeze_step, bucket_size=64, **options)
+        opt = getattr(onebit, name)(
+            groups,
+            freeze_step=freeze_step,
+            bucket_size=64,
+            warmup_compression="fp32",
+            allow_edited_grads=True,  # the inf that _steps writes into .grad
+            **options,
+        )
     finally:
         momentum.unpacked_because = saved
     assert (opt.packed_momentum is not None) == fused

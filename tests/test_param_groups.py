@@ -25,20 +25,31 @@ def _run(model, opt, scheduler=None, steps=20):
 
 def test_betas_and_eps_set_in_param_groups_are_used():
     ours, ref = make_model(), make_model()
-    opt = onebit.OnebitAdam(_groups(ours, (0.9, 0.95)), lr=1e-2, weight_decay=0.1, freeze_step=50)
+    opt = onebit.OnebitAdam(
+        _groups(ours, (0.9, 0.95)),
+        warmup_compression="fp32",
+        lr=1e-2,
+        weight_decay=0.1,
+        freeze_step=50,
+    )
     ref_opt = torch.optim.AdamW(_groups(ref, (0.9, 0.95)), lr=1e-2, weight_decay=0.1)
     _run(ours, opt)
     _run(ref, ref_opt)
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     default = make_model()  # and they matter: the defaults (0.9, 0.999) give another run
-    _run(default, onebit.OnebitAdam(default.parameters(), lr=1e-2, freeze_step=50))
+    _run(
+        default,
+        onebit.OnebitAdam(default.parameters(), warmup_compression="fp32", lr=1e-2, freeze_step=50),
+    )
     assert not torch.allclose(next(default.parameters()), next(ours.parameters()), atol=1e-4)
 
 
 def test_one_cycle_lr_with_cycle_momentum_matches_adamw_through_warmup():
     ours, ref = make_model(), make_model()
-    opt = onebit.OnebitAdam(ours.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=50)
+    opt = onebit.OnebitAdam(
+        ours.parameters(), warmup_compression="fp32", lr=1e-2, weight_decay=0.01, freeze_step=50
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     schedulers = [
         torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30, cycle_momentum=True)

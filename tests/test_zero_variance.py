@@ -49,10 +49,14 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def make(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "adam":
-        return onebit.OnebitAdam(model.parameters(), lr=LR, freeze_step=FREEZE)
+        return onebit.OnebitAdam(
+            model.parameters(), warmup_compression="fp32", lr=LR, freeze_step=FREEZE
+        )
     if name == "zero_one":
         return onebit.ZeroOneAdam(model.parameters(), lr=LR, var_freeze_step=FREEZE)
-    return onebit.OnebitLamb(model.parameters(), lr=LR, freeze_step=FREEZE)
+    return onebit.OnebitLamb(
+        model.parameters(), warmup_compression="fp32", lr=LR, freeze_step=FREEZE
+    )
 
 
 def _train(rank, world_size, name, rule):

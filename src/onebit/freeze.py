@@ -93,10 +93,10 @@ class AutoFreeze:
 
     DEFAULT_MIN_STEP = 50
 
-    DEFAULT_MAX_STEP = 80
+    DEFAULT_MAX_STEP = 100
     """The warmup's cap when neither ``max_step`` nor ``total_steps`` is given. On the
     convergence tasks of ``BENCHMARKS.md`` (300 and 600 steps) the variance does not settle by
-    the rule's measure before a third of the run, some never; freezing by step 80 kept every
+    the rule's measure before a third of the run, some never; freezing by step 100 kept every
     seed within 1% of AdamW's loss with 15x and more fewer bytes than an fp32 allreduce."""
 
     def __post_init__(self) -> None:
