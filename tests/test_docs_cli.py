@@ -24,7 +24,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 import onebit
 from onebit.train import arguments, cli, optim
-from onebit.train.arguments import DEFAULT_STEPS, ROW_SETTINGS, UsageError, parse_compare
+from onebit.train.arguments import ROW_SETTINGS, UsageError, parse_compare
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
@@ -183,5 +183,5 @@ def test_each_row_setting_is_what_the_row_parser_reads(setting: arguments.RowSet
 
 
 def test_the_doc_states_the_default_runs_freeze_cap() -> None:
-    cap = optim.auto_freeze(DEFAULT_STEPS).last_step  # as onebit train builds the rule
+    cap = onebit.AutoFreeze().last_step  # the library's rule, which onebit train runs
     assert f"the run freezes at its cap, step {cap}" in " ".join(doc().split())

@@ -159,9 +159,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--freeze-step",
         type=_freeze_step,
         metavar="N|auto",
-        help="warmup steps of onebit-adam and onebit-lamb (default auto: watch Adam's variance "
-        "and freeze it once stable, by 20%% of --steps at the latest), and zero-one-adam's "
-        "var_freeze_step (default 20%% of --steps)",
+        help="warmup steps of onebit-adam and onebit-lamb (default auto, the library's: watch "
+        "Adam's variance and freeze it once stable, by step 100 at the latest), and "
+        "zero-one-adam's var_freeze_step (default 20%% of --steps)",
     )
     run.add_argument(
         "--warmup-compression",

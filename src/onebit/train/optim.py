@@ -44,19 +44,16 @@ WARMUP_COMPRESSION = onebit.optim.options.WARMUP_COMPRESSION
 WARMUP_COMPRESSED = tuple(name for name, entry in _ONEBIT.items() if entry.freezes)
 """The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
 
-DEFAULT_WARMUP_COMPRESSION = "int4"
-"""``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: 7.8x fewer bytes than
-fp32 in the warmup. With ``"auto"`` it is what took whole runs past 10x AdamW + DDP at 100 Mbit/s
-within 1% of AdamW's and LAMB's loss on both convergence tasks, where int8 reached 8.5-10x
-(``BENCHMARKS.md``). The library's own default stays ``"fp32"``: exactly AdamW + DDP until the
-freeze."""
+DEFAULT_WARMUP_COMPRESSION = onebit.optim.options.DEFAULT_WARMUP_COMPRESSION
+"""``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: the library's default."""
 
 ERROR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``--error-dtype`` choices: the dtype of the 1-bit optimizers' error buffers."""
 
 DEFAULT_FREEZE_STEP = "auto"
-"""``onebit train``'s warmup length for :data:`WARMUP_COMPRESSED`: ``freeze_step="auto"``, told
-the run's length (:func:`auto_freeze`)."""
+"""``onebit train``'s warmup length for :data:`WARMUP_COMPRESSED`: the library's default,
+``freeze_step="auto"`` not told the run's length, so that the run is the one
+``OnebitAdam(params, lr=...)`` gives."""
 
 NEVER = 2**62
 """A freeze step no run reaches: keeps OnebitLamb in its exact-LAMB warmup."""
@@ -83,12 +80,6 @@ def default_freeze_step(name: str, steps: int) -> int:
     """A fixed warmup length: 20% of the run, as the papers do (15-25%). 0/1 Adam's
     ``var_freeze_step``, and that of runs saved before ``"auto"`` became the default."""
     return max(1, steps // 5)
-
-
-def auto_freeze(steps: int) -> onebit.AutoFreeze:
-    """``freeze_step="auto"`` told the run's length: the library's rule, with the warmup capped
-    at a fifth of the run."""
-    return onebit.AutoFreeze(total_steps=steps)
 
 
 @dataclass
@@ -223,7 +214,7 @@ def build(
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
-    ``"auto"`` (see :func:`auto_freeze`; 0/1 Adam, adaptive already, takes the default), or
+    ``"auto"`` (the library's rule; 0/1 Adam, adaptive already, takes the default), or
     ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
     0/1 Adam's (``None``: :func:`onebit.optim.zero_one_adam.run_schedule` of the run).
     ``max_grad_norm`` clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16
@@ -251,7 +242,7 @@ def build(
     if mesh is not None:
         common["process_group"] = mesh["replicate"].get_group()
     if name == "lamb":
-        optimizer = cls(param_groups, freeze_step=NEVER, **common)
+        optimizer = cls(param_groups, freeze_step=NEVER, warmup_compression="fp32", **common)
         _attach(model, optimizer, mesh)
         return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer), scaler)
     common["error_dtype"] = ERROR_DTYPES[error_dtype]
@@ -268,8 +259,6 @@ def build(
         )
     else:
         common["warmup_compression"] = warmup_compression
-        if freeze_step == "auto":
-            common["auto_freeze"] = auto_freeze(steps)
         optimizer = cls(param_groups, freeze_step=freeze_step, **common)
     _attach(model, optimizer, mesh)
     return Trainer(
