@@ -7,11 +7,10 @@ Accelerate's own hybrid sharding puts the model on a 2-D mesh, where FSDP2 avera
 gradients across nodes in fp32. Here the model is sharded by hand on the mesh's shard dimension
 only, the optimizer is built on it with the replica dimension's process group, and
 ``onebit.integrations.accelerate.prepare`` prepares both. FSDP2 reduce-scatters the gradients
-inside each node; ``optimizer.step()`` averages each rank's shard across the nodes, in fp32 for
-``freeze_step`` steps, then in 1 bit. ``accelerator.save_state`` writes every rank's state.
-Without a GPU per rank the example takes Accelerate's FSDP2 path on the CPU
-(``common.accelerator_with_hsdp``).
-"""
+inside each node; ``optimizer.step()`` averages each rank's shard across the nodes, in int4
+until Adam's variance settles (by a fifth of the run), then in 1 bit. ``accelerator.save_state``
+writes every rank's state. Without a GPU per rank the example takes Accelerate's FSDP2 path on
+the CPU (``common.accelerator_with_hsdp``)."""
 
 import os
 
@@ -46,7 +45,7 @@ fully_shard(model, mesh=mesh["dp_shard_cp"])
 optimizer = onebit.OnebitAdam(
     model.parameters(),
     lr=args.lr,
-    freeze_step=args.freeze_step,
+    total_steps=args.steps,
     max_grad_norm=1.0,
     process_group=mesh["dp_replicate"].get_group(),
 )

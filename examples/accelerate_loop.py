@@ -37,7 +37,7 @@ model = tiny_gpt2()
 optimizer = onebit.OnebitAdam(
     model.parameters(),
     lr=args.lr,
-    freeze_step=args.freeze_step,
+    total_steps=args.steps,
     max_grad_norm=1.0,
 )
 train, val = text_data()

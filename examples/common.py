@@ -27,12 +27,11 @@ torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_
 BLOCK = 64  # bytes per example, the model's context
 
 
-def arguments(description, steps=100, freeze_step=30, lr=3e-3, batch_size=8):
+def arguments(description, steps=100, lr=3e-3, batch_size=8):
     """The command line every example takes; each adds its own options to the parser."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps")
-    parser.add_argument("--freeze-step", type=int, default=freeze_step,
-                        help="fp32 warmup steps before 1-bit compression")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=steps,
+                        help="optimizer steps (the optimizer's total_steps)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
     return parser
@@ -103,8 +102,7 @@ def log_step(step, loss, optimizer):
 
 def report(optimizer, final_loss):
     """Print, on rank 0, the final validation loss and the bytes this rank sent, against what
-    an fp32 allreduce every step would have sent: the warmup steps are such allreduces, so
-    their measured bytes per step times all the steps."""
+    an fp32 allreduce every step would have sent (``comm_stats.fp32_bytes_total``)."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps it
     stats = optimizer.comm_stats
     if not is_rank0():
@@ -115,11 +113,10 @@ def report(optimizer, final_loss):
         print(f" | optimizer state on {optimizer.device}")
         return
     steps, warmup = sum(stats.steps.values()), stats.steps.get("warmup", 0)
-    fp32_step = stats.mean_bytes_per_step("warmup")  # measured: warmup is an fp32 allreduce
+    fp32_step = stats.fp32_bytes_total / steps
     line = (
         f"{head} | sent {stats.bytes_total / 1e6:.2f} MB, an fp32 allreduce every step would "
-        f"send {fp32_step * steps / 1e6:.2f} MB: {fp32_step * steps / stats.bytes_total:.1f}x "
-        "fewer bytes"
+        f"send {stats.fp32_bytes_total / 1e6:.2f} MB: {stats.fewer_bytes:.1f}x fewer bytes"
     )
     if steps > warmup:
         compressed_step = (stats.bytes_total - stats.total_bytes["warmup"]) / (steps - warmup)

@@ -8,15 +8,14 @@ The conversion from torch's HSDP (``fully_shard`` on the 2-D mesh) with AdamW:
     -fully_shard(block, mesh=mesh)
     +fully_shard(block, mesh=mesh["shard"])
     -optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    +optimizer = onebit.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step,
+    +optimizer = onebit.OnebitAdam(model.parameters(), lr=args.lr, total_steps=args.steps,
     +                              max_grad_norm=1.0, process_group=mesh["replicate"].get_group())
     +onebit.fsdp.attach(model, optimizer)
 
 FSDP2 reduce-scatters the gradients inside each node; ``optimizer.step()`` averages each rank's
-shard across the nodes, in fp32 for ``freeze_step`` steps, then in 1 bit. Each rank keeps
-optimizer state for its own shard only. The checkpoint at the end goes through
-``torch.distributed.checkpoint``, every rank's error buffers included.
-"""
+shard across the nodes, in int4 until Adam's variance settles (by a fifth of the run), then in 1
+bit. Each rank keeps optimizer state for its own shard only. The checkpoint at the end goes
+through ``torch.distributed.checkpoint``, every rank's error buffers included."""
 
 import os
 
@@ -44,7 +43,7 @@ fully_shard(model, mesh=mesh["shard"])
 optimizer = onebit.OnebitAdam(
     model.parameters(),
     lr=args.lr,
-    freeze_step=args.freeze_step,
+    total_steps=args.steps,
     max_grad_norm=1.0,
     process_group=mesh["replicate"].get_group(),
 )

@@ -45,7 +45,7 @@ training_args = TrainingArguments(
     ddp_find_unused_parameters=False,
 )
 model = tiny_gpt2()
-optimizer = create_optimizer(model, training_args, onebit.OnebitAdam, freeze_step=args.freeze_step)
+optimizer = create_optimizer(model, training_args, onebit.OnebitAdam, total_steps=args.steps)
 train, val = text_data()
 trainer = Trainer(
     model=model,

@@ -4,12 +4,12 @@ sharding).
     torchrun --nproc-per-node 4 examples/hf_trainer_hsdp.py   # 2 emulated nodes of 2
 
 ``onebit.integrations.transformers.shard_hsdp`` shards the model with FSDP2 over the ranks of
-each node and returns the process group across nodes, which the optimizer averages each
-rank's shard over: in fp32 for ``freeze_step`` steps, then in 1 bit. ``TrainingArguments``
-has no ``fsdp``: the model is already sharded. ``OnebitCallback`` keeps Trainer from wrapping
-it in DDP, and makes Trainer's checkpoints hold every rank's state: the run ends with a
-checkpoint in ``--out``, which ``trainer.train(resume_from_checkpoint=...)`` resumes exactly.
-"""
+each node and returns the process group across nodes, which the optimizer averages each rank's
+shard over: in int4 until Adam's variance settles (by a fifth of the run), then in 1 bit.
+``TrainingArguments`` has no ``fsdp``: the model is already sharded. ``OnebitCallback`` keeps
+Trainer from wrapping it in DDP, and makes Trainer's checkpoints hold every rank's state: the
+run ends with a checkpoint in ``--out``, which ``trainer.train(resume_from_checkpoint=...)``
+resumes exactly."""
 
 import tempfile
 from pathlib import Path
@@ -44,7 +44,7 @@ training_args = TrainingArguments(
 model = tiny_gpt2()
 replicas = shard_hsdp(model, model.transformer.h, training_args, shards=args.shard)
 optimizer = create_optimizer(
-    model, training_args, onebit.OnebitAdam, freeze_step=args.freeze_step, process_group=replicas
+    model, training_args, onebit.OnebitAdam, total_steps=args.steps, process_group=replicas
 )
 train, val = text_data()
 trainer = Trainer(

@@ -5,12 +5,11 @@
 
 ``ModelParallelStrategy(data_parallel_size=nodes, tensor_parallel_size=gpus)`` builds a 2-D
 mesh. ``configure_model`` shards the model with FSDP2 on its ``"tensor_parallel"`` dimension
-(inside a node), and ``configure_optimizers`` builds the optimizer with the
-``"data_parallel"`` dimension's process group (across nodes). FSDP2 reduce-scatters the
-gradients inside each node; ``optimizer.step()`` averages each rank's shard across the nodes,
-in fp32 for ``freeze_step`` steps, then in 1 bit. ``OnebitCallback`` gives every rank its own
-batches and keeps each rank's optimizer state in ``trainer.save_checkpoint``'s checkpoint.
-"""
+(inside a node), and ``configure_optimizers`` builds the optimizer with the ``"data_parallel"``
+dimension's process group (across nodes). FSDP2 reduce-scatters the gradients inside each node;
+``optimizer.step()`` averages each rank's shard across the nodes, in int4 until Adam's variance
+settles (by a fifth of the run), then in 1 bit. ``OnebitCallback`` gives every rank its own
+batches and keeps each rank's optimizer state in ``trainer.save_checkpoint``'s checkpoint."""
 
 import os
 import warnings
@@ -37,9 +36,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 class GPT(pl.LightningModule):
-    def __init__(self, lr, freeze_step):
+    def __init__(self, lr, steps):
         super().__init__()
-        self.model, self.lr, self.freeze_step = tiny_gpt2(), lr, freeze_step
+        self.model, self.lr, self.steps = tiny_gpt2(), lr, steps
 
     def configure_model(self):
         shard = self.device_mesh["tensor_parallel"]
@@ -51,7 +50,7 @@ class GPT(pl.LightningModule):
         return onebit.OnebitAdam(
             self.parameters(),
             lr=self.lr,
-            freeze_step=self.freeze_step,
+            total_steps=self.steps,
             max_grad_norm=1.0,  # = gradient_clip_val: OnebitCallback hands the clipping over
             process_group=self.device_mesh["data_parallel"].get_group(),
         )
@@ -84,7 +83,7 @@ trainer = pl.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
 )
-module = GPT(args.lr, args.freeze_step)
+module = GPT(args.lr, args.steps)
 loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
 trainer.fit(module, train_dataloaders=loader)
 if args.out:

@@ -36,9 +36,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 class GPT(pl.LightningModule):
-    def __init__(self, lr, freeze_step):
+    def __init__(self, lr, steps):
         super().__init__()
-        self.model, self.lr, self.freeze_step = tiny_gpt2(), lr, freeze_step
+        self.model, self.lr, self.steps = tiny_gpt2(), lr, steps
 
     def training_step(self, batch, index):
         return self.model(**batch).loss
@@ -51,7 +51,7 @@ class GPT(pl.LightningModule):
         return onebit.OnebitAdam(
             self.parameters(),
             lr=self.lr,
-            freeze_step=self.freeze_step,
+            total_steps=self.steps,
             max_grad_norm=1.0,  # = gradient_clip_val: OnebitCallback hands the clipping over
         )
 
@@ -73,7 +73,7 @@ trainer = pl.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
 )
-module = GPT(args.lr, args.freeze_step)
+module = GPT(args.lr, args.steps)
 loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
 trainer.fit(module, train_dataloaders=loader)
 

@@ -7,12 +7,13 @@ The conversion from an AdamW + DDP script:
 
     -optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     +optimizer = onebit.OnebitAdam(model.parameters(), lr=args.lr,
-    +                              freeze_step=args.freeze_step, max_grad_norm=1.0)
+    +                              total_steps=args.steps, max_grad_norm=1.0)
     +ddp_model.register_comm_hook(optimizer, onebit.ddp_comm_hook)
     -torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 1.0)
 
 The hook leaves every gradient local: DDP sends nothing and ``optimizer.step()`` does all the
-communication, an fp32 allreduce for ``freeze_step`` steps, then 1 bit per element. The
+communication: int4 gradients until Adam's variance settles (by a fifth of ``total_steps``),
+then 1 bit per element. The
 optimizer clips the averaged gradient itself (``max_grad_norm``); a ``clip_grad_norm_`` before
 ``step()`` would clip each rank's local gradient instead.
 """
@@ -55,7 +56,7 @@ ddp_model = DistributedDataParallel(model, device_ids=[device] if device.type ==
 optimizer = onebit.OnebitAdam(
     model.parameters(),
     lr=args.lr,
-    freeze_step=args.freeze_step,
+    total_steps=args.steps,
     max_grad_norm=1.0,
 )
 ddp_model.register_comm_hook(optimizer, onebit.ddp_comm_hook)

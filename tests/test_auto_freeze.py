@@ -12,8 +12,7 @@ from onebit.freeze import AutoFreeze, VarianceMonitor
 
 SHAPES = [(20, 10), (10,), (0,), (5,)]
 KNOBS = AutoFreeze(window=10, tolerance=0.3, patience=2, min_step=20, max_step=400)
-NO_CAP = 2**40  # the rule alone: no cap on the warmup
-GROWING = AutoFreeze(tolerance=0.2, patience=2, max_step=NO_CAP)  # default window: freezes ~200
+GROWING = AutoFreeze(tolerance=0.2, patience=2)  # the default window: freezes near 200
 RUN = 250
 
 
@@ -88,20 +87,20 @@ def test_the_statistic_is_the_change_per_unit_of_relative_time():
 
     per_window = (1.02**10 - 1) / 3
     for memory, elapsed in ((math.inf, 90), (50, 50)):
-        knobs = AutoFreeze(window=10, tolerance=0.01, patience=1, min_step=1, max_step=NO_CAP)
+        knobs = AutoFreeze(window=10, tolerance=0.01, patience=1, min_step=1)
         monitor = VarianceMonitor(knobs, memory, numels=numels)
         assert _observe(monitor, 100, one_layer_drifts) == []
         assert monitor.last_change == pytest.approx(per_window * elapsed / 10, rel=1e-4)
     knobs = AutoFreeze(window=10, tolerance=0.01, min_step=1, max_step=57)
     assert _observe(VarianceMonitor(knobs, numels=numels), 60, one_layer_drifts)[0] == 57
     nan = lambda t: [torch.full((6,), float("nan")), torch.ones(3)]  # noqa: E731
-    knobs = AutoFreeze(window=10, patience=1, min_step=1, max_step=NO_CAP)
-    assert _observe(VarianceMonitor(knobs, numels=numels), 100, nan) == []
+    monitor = VarianceMonitor(AutoFreeze(window=10, patience=1, min_step=1), numels=numels)
+    assert _observe(monitor, 100, nan) == []
 
 
 def test_the_default_window_grows_with_the_run():
     """About 8 measurements per doubling of the step, at any length of run."""
-    due = [t for t in range(1, 2**14) if VarianceMonitor(AutoFreeze(max_step=NO_CAP)).due(t)]
+    due = [t for t in range(1, 2**14) if VarianceMonitor(AutoFreeze()).due(t)]
     assert due[:20] == list(range(1, 17)) + [18, 20, 22, 24]
     for low in (64, 1024, 8192):
         between = [t for t in due if low <= t < 2 * low]
@@ -114,7 +113,7 @@ def test_a_settling_variance_freezes_by_its_own_time_scale():
     could."""
     freezes = []
     for c in (3, 3000):
-        monitor = VarianceMonitor(AutoFreeze(min_step=1, max_step=NO_CAP), numels=[4])
+        monitor = VarianceMonitor(AutoFreeze(min_step=1), numels=[4])
         decided = _observe(monitor, 100 * c, lambda t: [torch.full((4,), 1 + c / t)])  # noqa: B023
         freezes.append(decided[0])
     assert 5 <= freezes[0] <= 20 and 500 * freezes[0] <= freezes[1] <= 2000 * freezes[0]
@@ -133,8 +132,7 @@ def test_a_tiny_noisy_layer_cannot_hold_the_freeze_back():
 def test_told_the_run_length_it_freezes_by_a_fraction_of_it():
     drifting = lambda t: [torch.full((4,), 1.05**t)]  # noqa: E731
     assert AutoFreeze(total_steps=300).last_step == 60  # a fifth by default
-    assert AutoFreeze().last_step == AutoFreeze.DEFAULT_MAX_STEP == 100  # untold
-    assert AutoFreeze(min_step=120).last_step == 120  # never before min_step
+    assert AutoFreeze().last_step is None  # untold: the learning rate's fall stands in
     for total, fraction, last in ((300, 0.25, 75), (1000, 0.1, 100), (6, 0.25, 1)):
         knobs = AutoFreeze(total_steps=total, max_fraction=fraction)
         assert knobs.last_step == last and knobs.first_step == min(50, last)
@@ -281,3 +279,33 @@ def test_ranks_agree_on_the_freeze_step():
     for other in results[1:]:
         assert other[0] == decisions and other[1] == change and other[2] == chosen
         assert all(torch.equal(a, b) for a, b in zip(other[3], final))
+
+
+def test_untold_it_freezes_once_the_learning_rate_falls_below_its_peak():
+    """Not told the run's length, the rule freezes a variance that never settles once the
+    learning rate is ``lr_drop`` below its peak, from ``min_step`` on: a fifth into a run whose
+    cosine decay to a tenth follows a warmup over its first 5%."""
+    drifting = lambda t: [torch.full((4,), 1.05**t)]  # noqa: E731
+
+    def cosine(t, total=600, warmup=30):
+        if t < warmup:
+            return t / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+
+    def freeze_step(knobs, lr):
+        monitor = VarianceMonitor(knobs)
+        for t in range(1, 601):
+            monitor.note_lr(lr(t))
+            if monitor.due(t) and monitor.observe(t, drifting(t)):
+                return t
+        return None
+
+    assert freeze_step(AutoFreeze(), cosine) == 117  # 0.1 + 0.45 (1 + cos) <= 0.95 there
+    assert freeze_step(AutoFreeze(), lambda t: cosine(t, 300, 15)) == 59
+    assert freeze_step(AutoFreeze(), lambda t: 1e-3) is None  # constant: the variance decides
+    assert freeze_step(AutoFreeze(lr_drop=None), cosine) is None
+    assert freeze_step(AutoFreeze(lr_drop=0.5), cosine) == 336
+    assert freeze_step(AutoFreeze(min_step=200), cosine) == 200  # never before min_step
+    assert freeze_step(AutoFreeze(total_steps=600), cosine) == 120  # told: a fifth, as ever
+    with pytest.raises(ValueError, match="lr_drop"):
+        AutoFreeze(lr_drop=1.0)

@@ -65,18 +65,22 @@ class AutoFreeze:
             that is lower. The variance of the first steps is an average of few gradients;
             freezing it makes a noisy preconditioner.
         max_step: freeze at this step at the latest, stable or not. ``None`` (default):
-            ``max_fraction`` of ``total_steps`` when that is given, else
-            :attr:`DEFAULT_MAX_STEP` (or ``min_step``, if that is later). A variance that
-            never settles (a run shorter than the ``1 / (1 - beta2)`` steps ``v`` averages,
-            which still holds its first large gradients, or a drifting loss scale) would
-            otherwise keep every step in the warmup.
-        total_steps: the run's length in optimizer steps, when known (``None``: unknown). Give
-            it for a run much longer than :attr:`DEFAULT_MAX_STEP` steps whose variance may
-            settle later.
+            ``max_fraction`` of ``total_steps`` when that is given, else no limit but
+            ``lr_drop``'s. A variance that never settles (a run shorter than the
+            ``1 / (1 - beta2)`` steps ``v`` averages, which still holds its first large
+            gradients, or a drifting loss scale) would otherwise keep every step in the warmup.
+        total_steps: the run's length in optimizer steps, when known (``None``: unknown).
         max_fraction: with ``total_steps`` and no ``max_step``, the largest share of the run the
             warmup may take (default 0.2, within the 15-25% the papers warm up for). A short run
             whose variance never settles freezes there: with an int4 warmup, a fifth kept every
             seed of the measured tasks within 1% of AdamW's loss, a quarter did not.
+        lr_drop: without ``total_steps`` or ``max_step``, also freeze once the learning rate
+            has fallen this fraction below the highest it has been (default 0.05; ``None``: do
+            not watch it), from ``min_step`` on. The learning-rate schedule is what an
+            optimizer can see of the run's length: a warmup over the first 5% of the run, then
+            a cosine decay to a tenth, falls 5% below its peak a fifth into the run (a linear
+            decay to zero, a tenth into it). A constant learning rate leaves the decision to the
+            variance alone.
 
     Raises:
         ValueError: for a knob out of range, or a ``min_step`` above ``max_step``: the message
@@ -90,14 +94,9 @@ class AutoFreeze:
     max_step: int | None = None
     total_steps: int | None = None
     max_fraction: float = 0.2
+    lr_drop: float | None = 0.05
 
     DEFAULT_MIN_STEP = 50
-
-    DEFAULT_MAX_STEP = 100
-    """The warmup's cap when neither ``max_step`` nor ``total_steps`` is given. On the
-    convergence tasks of ``BENCHMARKS.md`` (300 and 600 steps) the variance does not settle by
-    the rule's measure before a third of the run, some never; freezing by step 100 kept every
-    seed within 1% of AdamW's loss with 15x and more fewer bytes than an fp32 allreduce."""
 
     def __post_init__(self) -> None:
         _check_int("patience", self.patience, 1)
@@ -111,8 +110,13 @@ class AutoFreeze:
             raise ValueError(f"AutoFreeze.max_fraction must be a number, got {fraction!r}")
         if not 0 < fraction <= 1:
             raise ValueError(f"AutoFreeze.max_fraction must be in (0, 1], got {fraction!r}")
+        drop = self.lr_drop
+        if drop is not None and not (
+            isinstance(drop, (int, float)) and not isinstance(drop, bool) and 0 < drop < 1
+        ):
+            raise ValueError(f"AutoFreeze.lr_drop must be None or in (0, 1), got {drop!r}")
         last = self.last_step
-        if self.min_step is not None and self.min_step > last:
+        if self.min_step is not None and last is not None and self.min_step > last:
             cap = (
                 f"max_step={last}"
                 if self.max_step is not None
@@ -125,12 +129,13 @@ class AutoFreeze:
             )
 
     @property
-    def last_step(self) -> int:
-        """The step at which the warmup ends at the latest."""
+    def last_step(self) -> int | None:
+        """The step at which the warmup ends at the latest (``None``: no fixed limit, and
+        ``lr_drop`` watches the learning rate)."""
         if self.max_step is not None:
             return self.max_step
         if self.total_steps is None:
-            return max(self.DEFAULT_MAX_STEP, self.min_step or 0)
+            return None
         return max(1, math.floor(self.max_fraction * self.total_steps))
 
     @property
@@ -139,7 +144,7 @@ class AutoFreeze:
         if self.min_step is not None:
             return self.min_step
         last = self.last_step
-        return min(self.DEFAULT_MIN_STEP, last)
+        return self.DEFAULT_MIN_STEP if last is None else min(self.DEFAULT_MIN_STEP, last)
 
     def window_at(self, step: int) -> int:
         """The window that ends at ``step``: ``window``, or the growing one."""
@@ -152,21 +157,19 @@ def told_auto_freeze(
     freeze_step: int | str, auto_freeze: AutoFreeze | None, total_steps: int | None
 ) -> AutoFreeze | None:
     """The knobs of ``freeze_step="auto"`` told the run's length: an optimizer's
-    ``total_steps`` argument, the same as ``auto_freeze=AutoFreeze(total_steps=...)``.
+    ``total_steps`` argument, the same as ``auto_freeze=AutoFreeze(total_steps=...)``. A fixed
+    ``freeze_step`` needs no cap: there ``total_steps`` changes nothing.
 
     Raises:
-        ValueError: for a ``total_steps`` that is not an int >= 1, one given with a fixed
-            ``freeze_step`` (it would do nothing), or one that ``auto_freeze`` contradicts.
+        ValueError: for a ``total_steps`` that is not an int >= 1, or one that ``auto_freeze``
+            contradicts.
     """
     if total_steps is None:
         return auto_freeze
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
     if freeze_step != "auto":
-        raise ValueError(
-            f'total_steps caps freeze_step="auto"; with freeze_step={freeze_step!r} it would '
-            'do nothing: leave it out, or pass freeze_step="auto"'
-        )
+        return auto_freeze  # FreezeSchedule refuses knobs without "auto"
     if auto_freeze is None:
         return AutoFreeze(total_steps=total_steps)
     if not isinstance(auto_freeze, AutoFreeze):
@@ -210,11 +213,25 @@ class VarianceMonitor:
         self.reference_step = 0
         self.stable_windows = 0
         self.last_change = math.inf
+        self.lr = self.peak_lr = 0.0
+
+    def note_lr(self, lr: float) -> None:
+        """The learning rate of the step that opens (the largest of the param groups')."""
+        self.lr, self.peak_lr = lr, max(self.peak_lr, lr)
+
+    def capped(self, step: int) -> bool:
+        """Whether the warmup must end at ``step``, stable or not: its cap is reached, or, with
+        no cap, the learning rate has fallen ``lr_drop`` below its peak."""
+        config, last = self.config, self.config.last_step
+        if last is not None:
+            return step >= last
+        drop = config.lr_drop
+        fallen = drop is not None and self.lr <= (1 - drop) * self.peak_lr
+        return fallen and self.peak_lr > 0 and step >= config.first_step
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` measures: a window ends there, or the warmup's cap is reached."""
-        last = self.config.last_step
-        return step % self.config.window_at(step) == 0 or step >= last
+        """Whether step ``step`` measures: a window ends there, or the warmup must end."""
+        return step % self.config.window_at(step) == 0 or self.capped(step)
 
     def observe(self, step: int, denominators: list[Tensor]) -> bool:
         """Measure at the end of warmup step ``step``; return whether to freeze now.
@@ -242,8 +259,7 @@ class VarianceMonitor:
         self.last_change = change
         self.stable_windows = self.stable_windows + 1 if change < config.tolerance else 0
         stable = step >= config.first_step and self.stable_windows >= config.patience
-        last = config.last_step
-        return stable or step >= last
+        return stable or self.capped(step)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -251,6 +267,7 @@ class VarianceMonitor:
             "reference_step": self.reference_step,
             "stable_windows": self.stable_windows,
             "last_change": self.last_change,
+            "peak_lr": self.peak_lr,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -261,6 +278,7 @@ class VarianceMonitor:
         self.reference_step = state.get("reference_step", 0)
         self.stable_windows = state["stable_windows"]
         self.last_change = state["last_change"]
+        self.peak_lr = state.get("peak_lr", 0.0)  # saved before it was: the peak from here on
 
 
 def _layer_norms(tensors: list[Tensor], ord: float) -> Tensor:
@@ -325,6 +343,11 @@ class FreezeSchedule:
                 raise ValueError('auto_freeze needs freeze_step="auto"')
             self.freeze_step = freeze_step
             self.auto_freeze = None
+
+    def note_lr(self, lr: float) -> None:
+        """The learning rate of the step that opens, which ``"auto"`` watches (``lr_drop``)."""
+        if self.monitor is not None and self.freeze_step is None:
+            self.monitor.note_lr(lr)
 
     def in_warmup(self, num_steps: int) -> bool:
         """Whether the step after ``num_steps`` applied steps is a warmup step: until

@@ -110,7 +110,9 @@ KEY_MAP: dict[str, KeyMapping] = {
     ),
     "freeze_step": KeyMapping(
         "freeze_step",
-        "`F` -> `max(F - 1, 1)` (DeepSpeed's step 1 only initialises)",
+        "`F` -> `max(F - 1, 1)` (DeepSpeed's step 1 only initialises), with "
+        "`warmup_compression=\"fp32\"`: DeepSpeed's warmup, an uncompressed allreduce (onebit's "
+        'defaults are `"auto"` and an int4 warmup)',
         _FREEZING,
         100000,
     ),
@@ -270,8 +272,9 @@ def translate_config(ds_config: Mapping[str, Any]) -> Translation:
     clip = values["gradient_clipping"]
     kwargs["max_grad_norm"] = float(clip) if clip > 0 else None
 
-    if ds_type in _FREEZING:
+    if ds_type in _FREEZING:  # DeepSpeed's warmup: a fixed length, an fp32 allreduce
         kwargs["freeze_step"] = max(values["freeze_step"] - 1, 1)
+        kwargs["warmup_compression"] = "fp32"
     if ds_type == ZERO_ONE:
         _zero_one_notes(values, kwargs, notes)
     if ds_type == LAMB:
@@ -316,7 +319,9 @@ def optimizer_from_config(
 
     What it maps (:data:`KEY_MAP`, :func:`mapping_table`): ``lr``, ``betas``, ``eps``,
     ``weight_decay`` and the LAMB and 0/1 Adam knobs keep their values; ``freeze_step: F``
-    becomes ``freeze_step=max(F - 1, 1)`` because DeepSpeed's first step only initialises;
+    becomes ``freeze_step=max(F - 1, 1)`` because DeepSpeed's first step only initialises,
+    with ``warmup_compression="fp32"``, DeepSpeed's uncompressed warmup (onebit's defaults are
+    ``"auto"`` and an int4 warmup);
     ``var_freeze_step: V`` becomes ``max(V, 1)``; ``bias_correction`` is always ``False``,
     since DeepSpeed never bias-corrected; a top-level ``gradient_clipping: c > 0`` becomes
     ``max_grad_norm=c``; absent keys take DeepSpeed's defaults. For 1-bit LAMB, ``bucket_size``

@@ -260,6 +260,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             replaced = not self._on_param_groups()
         one_device = self._follow_parameters()
         self.hyper, uniform = self._step_hyperparameters(self.param_groups)
+        self.freeze.note_lr(max(float(g["lr"]) for g in self.param_groups))
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self.layout.params)
         status = 2 if not uniform else 1 if sparse else 0 if one_device else 3
         if not status and not self.shards.syncing():
