@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 examples/ddp_gpt.py --optimizer adamw   # AdamW + DDP
     torchrun --nproc-per-node 2 examples/ddp_gpt.py --optimizer onebit  # 1-bit Adam
-    torchrun --nproc-per-node 2 examples/ddp_gpt.py --optimizer onebit --resume
+    torchrun --nproc-per-node 2 examples/ddp_gpt.py --optimizer onebit --save-at 100
+    torchrun --nproc-per-node 2 examples/ddp_gpt.py --optimizer onebit \
+        --resume out-ddp-gpt/ckpt-100.pt   # goes on from iteration 100, bit for bit
 
 It has what such scripts have: the model's ``configure_optimizers()`` with decay and no-decay
 groups, a learning rate set on every param group each iteration, gradient accumulation,
@@ -33,9 +35,9 @@ parser.add_argument("--accumulation", type=int, default=2, help="micro-batches p
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
 parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
 parser.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
-parser.add_argument("--out", default="out-ddp-gpt", help="where the checkpoint goes")
+parser.add_argument("--out", default="out-ddp-gpt", help="where the checkpoints go")
 parser.add_argument("--save-at", type=int, default=0, help="also save at this iteration")
-parser.add_argument("--resume", action="store_true", help="resume from the checkpoint in --out")
+parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
 parser.add_argument("--warmup-compression", default=None, help="onebit: fp32 is exactly DDP")
 parser.add_argument("--freeze-step", type=int, default=None, help="onebit: a fixed warmup")
 args = parser.parse_args()
@@ -155,22 +157,21 @@ else:
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 raw_model = model.module if isinstance(model, DDP) else model
 scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "float16")
-ckpt_path = Path(args.out) / "ckpt.pt"
 iter_num = 0
 if args.resume:
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+    checkpoint = torch.load(args.resume, map_location=device, weights_only=True)
     raw_model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num = checkpoint["iter_num"]
 
 
-def save_checkpoint() -> None:
+def save_checkpoint(name: str) -> None:
     # onebit: each rank's error buffers go in the file; a collective, so on every rank
     state = optimizer.consolidated_state_dict() if ONEBIT else optimizer.state_dict()
     if master_process:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         torch.save({"model": raw_model.state_dict(), "optimizer": state, "iter_num": iter_num},
-                   ckpt_path)  # fmt: skip
+                   Path(args.out) / name)  # fmt: skip
     dist.barrier()
 
 
@@ -194,10 +195,10 @@ while iter_num < args.max_iters:
     if master_process and (iter_num % 50 == 0 or iter_num == 1):
         print(f"iter {iter_num}: loss {loss.item() * args.accumulation:.4f}, lr {lr:.2e}")
     if iter_num == args.save_at:
-        save_checkpoint()
+        save_checkpoint(f"ckpt-{iter_num}.pt")
 
 val_loss = estimate_loss(raw_model)
-save_checkpoint()
+save_checkpoint("ckpt.pt")
 if master_process:
     line = f"final val loss {val_loss:.4f}"
     if ONEBIT:

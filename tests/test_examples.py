@@ -149,3 +149,68 @@ def test_example_trains_on_one_gpu(name, args, tmp_path):
     loss = re.search(r"final validation loss (\S+) .* optimizer state on cuda:0", output)
     assert loss, output[-4000:]
     assert float(loss[1]) < math.log(256) - 1.5, output[-4000:]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "ckpt.pt", weights_only=True)["model"]
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    want, got = _weights(a), _weights(b)
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_ddp_gpt_trains_in_both_modes_and_its_onebit_path_is_exact(tmp_path):
+    """``examples/ddp_gpt.py``, the porting guide's script, on 2 gloo ranks: both paths train;
+    with an fp32 warmup (and no clipping, whose norm sums in the optimizer's order of the
+    parameters) onebit is AdamW + DDP bit for bit; its default run, resumed from a rank-0
+    checkpoint before the freeze, is the straight run bit for bit."""
+    script, short = EXAMPLES / "ddp_gpt.py", ["--max-iters", "40"]
+
+    def run(name: str, *args: str) -> str:
+        out = ["--out", str(tmp_path / name)]
+        return torchrun(script, *short, *out, *args, log=tmp_path / f"{name}.txt")
+
+    losses = {}
+    for mode in ("adamw", "onebit"):
+        output = run(mode, "--optimizer", mode)
+        losses[mode] = float(re.search(r"final val loss (\S+)", output)[1])
+        assert losses[mode] < math.log(256) - 2, output[-4000:]
+    assert "x fewer bytes than an fp32 allreduce | froze at step 8" in output  # total_steps
+    unclipped = ["--grad-clip", "0"]
+    run("adamw-unclipped", "--optimizer", "adamw", *unclipped)
+    run("fp32", "--optimizer", "onebit", "--warmup-compression", "fp32", "--freeze-step", "99",
+        *unclipped)  # fmt: skip
+    assert _same_weights(tmp_path / "adamw-unclipped", tmp_path / "fp32")
+    run("saved", "--optimizer", "onebit", "--save-at", "5")
+    run("resumed", "--optimizer", "onebit", "--resume", str(tmp_path / "saved" / "ckpt-5.pt"))
+    assert _same_weights(tmp_path / "onebit", tmp_path / "resumed")
+
+
+def test_ddp_gpts_naive_port_stops_with_errors_that_name_the_fix(tmp_path):
+    """The AdamW path with only the optimizer swapped (``clip_grad_norm_`` before ``step()``, and
+    rank 0's ``state_dict()`` loaded everywhere) stops on every rank at the first step, and at
+    ``load_state_dict``: each error names what to do instead."""
+    source = (EXAMPLES / "ddp_gpt.py").read_text()
+    naive = {
+        "clip": ("if grad_clip != 0.0 and not ONEBIT:", "if grad_clip != 0.0:"),
+        "save": ("optimizer.consolidated_state_dict() if ONEBIT else ", ""),
+    }
+    for name, (before, after) in naive.items():
+        assert before in source, f"the porting guide's {name} line changed"
+        script = tmp_path / f"naive_{name}.py"
+        script.write_text(source.replace(before, after))
+        args = ["--optimizer", "onebit", "--max-iters", "10", "--out", str(tmp_path / name)]
+        if name == "save":
+            torchrun(script, *args, log=tmp_path / "saved.txt")
+            args += ["--resume", str(tmp_path / name / "ckpt.pt")]
+        with pytest.raises(AssertionError, match="exited 1"):
+            torchrun(script, *args, log=tmp_path / f"{name}.txt")
+        output = (tmp_path / f"{name}.txt").read_text()
+        if name == "clip":
+            wanted = "ranks 0, 1 have gradients changed between backward and step()"
+            assert "clip with the optimizer's max_grad_norm" in output
+        else:
+            wanted = "rank 1: the state holds rank(s) [0], this is rank 1"
+            assert "save consolidated_state_dict()" in output
+        assert output.count(wanted) >= 2, output[-4000:]  # raised on both ranks
