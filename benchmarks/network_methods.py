@@ -153,7 +153,7 @@ def _kept_in_warmup(bits: str, class_name: str = "OnebitAdam") -> Builder:
 
 
 def _warmup(args: argparse.Namespace) -> tuple[dict[str, Any], Plan]:
-    return {"freeze_step": NEVER}, Plan(1, args.steps)
+    return {"freeze_step": NEVER, "warmup_compression": "fp32"}, Plan(1, args.steps)
 
 
 def _compression(args: argparse.Namespace) -> tuple[dict[str, Any], Plan]:

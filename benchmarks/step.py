@@ -38,8 +38,9 @@ from machine import cpu_name
 import onebit
 
 VARIANTS = [
-    ("OnebitAdam warmup step", "OnebitAdam", "warmup", {}),
+    ("OnebitAdam warmup step", "OnebitAdam", "warmup", {"warmup_compression": "fp32"}),
     ("OnebitAdam warmup, int8", "OnebitAdam", "warmup", {"warmup_compression": "int8"}),
+    ("OnebitAdam warmup, int4", "OnebitAdam", "warmup", {"warmup_compression": "int4"}),
     ("OnebitAdam compression step", "OnebitAdam", "compression", {}),
     ("  ... one scale per bucket", "OnebitAdam", "compression", {"scale_per": "bucket"}),
     ("  ... + clip", "OnebitAdam", "compression", {"max_grad_norm": 1.0}),

@@ -4,7 +4,7 @@ Three lines in the user's script::
 
     from onebit.integrations.transformers import OnebitCallback, create_optimizer
 
-    optimizer = create_optimizer(model, args, onebit.OnebitAdam, freeze_step=1000)
+    optimizer = create_optimizer(model, args, onebit.OnebitAdam)
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
     trainer.add_callback(OnebitCallback(trainer))
 
@@ -26,9 +26,8 @@ What :func:`create_optimizer` and :class:`OnebitCallback` configure:
 Trainer's logged ``grad_norm`` is rank 0's local gradient norm, since gradients are averaged
 inside ``optimizer.step()``; ``optimizer.grad_norm`` is the norm the clipping used.
 
-What the user still does: pick ``freeze_step`` (or ``"auto"``, which ``max_steps`` bounds),
-pass ``optimizers=(optimizer, None)`` and add the callback. Trainer's schedulers,
-``bf16``/``fp16``, gradient accumulation and logging work unchanged. ``save_on_each_node`` is
+What the user still does: pass ``optimizers=(optimizer, None)`` and add the callback.
+Trainer's schedulers, ``bf16``/``fp16``, gradient accumulation and logging work unchanged. ``save_on_each_node`` is
 refused: only global rank 0 holds the gathered state.
 
 With FSDP2 (hybrid sharding: FSDP2 inside a node, 1-bit Adam across nodes), :func:`shard_hsdp`
@@ -36,8 +35,7 @@ shards the model and returns the process group the optimizer averages over; leav
 of ``TrainingArguments`` (Trainer's FSDP would shard again, and average across nodes itself)::
 
     replicas = shard_hsdp(model, model.transformer.h, args)
-    optimizer = create_optimizer(model, args, onebit.OnebitAdam, freeze_step=1000,
-                                 process_group=replicas)
+    optimizer = create_optimizer(model, args, onebit.OnebitAdam, process_group=replicas)
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
     trainer.add_callback(OnebitCallback(trainer))
 
@@ -62,11 +60,9 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import get_parameter_names
 
-from ..freeze import AutoFreeze
 from ..fsdp import attach, load, save
 from ..optim.adam import OnebitAdam
 from ..optim.base import CompressedOptimizer, onebit_optimizer
-from ..optim.zero_one_adam import ZeroOneAdam
 from ..transport.sharding import Sharded
 from ._common import hand_gradients_to
 
@@ -85,9 +81,9 @@ def create_optimizer(
     Reads ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``,
     ``weight_decay`` (two param groups, as Trainer's) and ``max_grad_norm`` from ``args``;
     ``kwargs`` (``freeze_step``, ``bucket_size``...) are passed on and take precedence. With
-    ``args.max_steps`` set, it tells the optimizer the run's length: ``freeze_step="auto"``
-    then freezes by a fifth of it at the latest (``AutoFreeze(total_steps=max_steps)``), and
-    0/1 Adam sizes its local steps to it (``total_steps``). It sets up ``torch.distributed``
+    ``args.max_steps`` set, it tells the optimizer the run's length (``total_steps``):
+    ``freeze_step="auto"`` then freezes by a fifth of it at the latest, and 0/1 Adam sizes its
+    local steps to it. It sets up ``torch.distributed``
     first, as Trainer would, so that under ``torchrun`` every rank builds the optimizer in the
     same process group.
     """
@@ -106,10 +102,7 @@ def create_optimizer(
         "max_grad_norm": args.max_grad_norm if args.max_grad_norm > 0 else None,
     }
     if args.max_steps > 0:
-        if issubclass(optimizer_class, ZeroOneAdam):
-            settings["total_steps"] = args.max_steps
-        elif kwargs.get("freeze_step") == "auto":
-            settings["auto_freeze"] = AutoFreeze(total_steps=args.max_steps)
+        settings["total_steps"] = args.max_steps
     return optimizer_class([g for g in groups if g["params"]], **{**settings, **kwargs})
 
 
