@@ -27,8 +27,8 @@ Trainer's logged ``grad_norm`` is rank 0's local gradient norm, since gradients 
 inside ``optimizer.step()``; ``optimizer.grad_norm`` is the norm the clipping used.
 
 What the user still does: pass ``optimizers=(optimizer, None)`` and add the callback.
-Trainer's schedulers, ``bf16``/``fp16``, gradient accumulation and logging work unchanged. ``save_on_each_node`` is
-refused: only global rank 0 holds the gathered state.
+Trainer's schedulers, ``bf16``/``fp16``, gradient accumulation and logging work unchanged.
+``save_on_each_node`` is refused: only global rank 0 holds the gathered state.
 
 With FSDP2 (hybrid sharding: FSDP2 inside a node, 1-bit Adam across nodes), :func:`shard_hsdp`
 shards the model and returns the process group the optimizer averages over; leave ``fsdp`` out
