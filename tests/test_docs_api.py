@@ -179,7 +179,7 @@ def test_signatures_show_defaults_and_keyword_markers():
     )
     rendered = make_api.signature(onebit.OnebitAdam, {}, "class OnebitAdam", drop_return=True)
     assert rendered.startswith("class OnebitAdam(\n    params: Iterable,\n    lr: float = 0.001,")
-    assert "    *,\n    freeze_step: int | Literal['auto'],\n" in rendered
+    assert "    *,\n    freeze_step: int | Literal['auto'] = 'auto',\n" in rendered
 
 
 def test_generator_imports_no_framework_until_it_runs():

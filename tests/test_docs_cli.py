@@ -17,14 +17,15 @@ import argparse
 import re
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 import onebit
-from onebit.train import arguments, cli, optim
-from onebit.train.arguments import ROW_SETTINGS, UsageError, parse_compare
+from onebit.train import arguments, cli, loop, optim
+from onebit.train.arguments import DEFAULT_STEPS, ROW_SETTINGS, UsageError, parse_compare
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cli.md"
@@ -182,6 +183,17 @@ def test_each_row_setting_is_what_the_row_parser_reads(setting: arguments.RowSet
                 parse_compare(f"{name}:{written}")
 
 
-def test_the_doc_states_the_default_runs_freeze_cap() -> None:
-    cap = onebit.AutoFreeze().last_step  # the library's rule, which onebit train runs
-    assert f"the run freezes at its cap, step {cap}" in " ".join(doc().split())
+def test_the_doc_states_where_the_default_run_freezes() -> None:
+    """Where the learning rate of the default run first lies ``lr_drop`` below its peak, from
+    the rule's ``min_step`` on: the library's rule, which ``onebit train`` runs untold."""
+    knobs = onebit.AutoFreeze()
+    config = SimpleNamespace(
+        lr=1.0, warmup_steps=DEFAULT_STEPS // 20, horizon=lambda: DEFAULT_STEPS
+    )
+    lrs = [loop.lr_at(step, config) for step in range(1, DEFAULT_STEPS + 1)]
+    step = next(
+        t
+        for t in range(knobs.first_step, DEFAULT_STEPS + 1)
+        if lrs[t - 1] <= (1 - knobs.lr_drop) * max(lrs[:t])
+    )
+    assert f"the run freezes there, at step {step}" in " ".join(doc().split())

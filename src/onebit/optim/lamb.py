@@ -97,8 +97,10 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
             ``betas`` and ``eps`` are read from the groups at every step and must be the same in
             every group.
         lr, betas, eps, weight_decay: as LAMB (decoupled weight decay inside the update).
-        freeze_step: warmup length, or ``"auto"`` to freeze once the variance is stable (see
-            :class:`~onebit.freeze.AutoFreeze`). The paper warms up for about 15% of the run.
+        freeze_step: warmup length, or ``"auto"`` (default) to freeze once the variance is
+            stable, as :class:`~onebit.OnebitAdam`'s (see :class:`~onebit.freeze.AutoFreeze`).
+            The paper warms up for about 15% of the run.
+        total_steps: the run's length, if known: it caps ``"auto"``'s warmup at a fifth of it.
         max_coeff, min_coeff: bounds of the trust ratio (defaults 10 and 0.01). BERT recipes
             lower ``max_coeff`` (e.g. 0.3) when early steps are too large.
         coeff_beta: decay of the trust ratios' moving average (default 0.9). Closer to 1 gives
@@ -116,8 +118,8 @@ class OnebitLamb(AdamShaped, PacksMomentum, CompressedOptimizer):
             applied to the averaged momentum in the compression stage.
         max_grad_norm: clip gradients to this norm (``None``: no clipping); as
             :class:`~onebit.OnebitAdam` (``docs/SPEC.md``).
-        warmup_compression: ``"fp32"`` (default, exactly LAMB on fp32-averaged gradients),
-            ``"bf16"``, ``"int8"`` or ``"int4"``: as :class:`~onebit.OnebitAdam`'s.
+        warmup_compression: ``"int4"`` (default), ``"int8"``, ``"bf16"`` or ``"fp32"``
+            (exactly LAMB on fp32-averaged gradients): as :class:`~onebit.OnebitAdam`'s.
         error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: as
             :class:`~onebit.OnebitAdam`'s (half the error buffers' memory: 0.5 + 0.5/n model
             sizes fewer).
