@@ -77,7 +77,7 @@ def _run(rank, world_size, name, bits, state=None, start=1, inject=None):
             torch.save(opt.state_dict(), buffer)
             model_state = {k: v.clone() for k, v in model.state_dict().items()}
             saved = {"model": model_state, "opt": buffer.getvalue()}
-    errors = [c.worker_error.abs().max().item() for c in opt.warmup_comms]
+    errors = [c.worker_error.numel() for c in opt.warmup_comms]
     return history, saved, opt.skipped_steps, errors
 
 
@@ -85,7 +85,7 @@ def _run(rank, world_size, name, bits, state=None, start=1, inject=None):
 def test_identical_on_every_rank_resumes_exactly_and_skips_non_finite(name):
     straight = run_ranks(_run, 2, name, "int8")
     assert all(all_equal(a, b) for a, b in zip(straight[0][0], straight[1][0]))
-    assert straight[0][3] == [0.0] * len(straight[0][3])  # zeroed at the freeze (step 3)
+    assert straight[0][3] == [0] * len(straight[0][3])  # freed at the freeze (step 3)
     state = {"model": straight[0][1]["model"], "opt": [r[1]["opt"] for r in straight]}
     resumed = run_ranks(_run, 2, name, "int8", state, 3)
     for rank in range(2):
@@ -116,7 +116,12 @@ def _on_triton(rank, world_size, bits, at_once):
         ModelQuantized.build = classmethod(lambda cls, *args: None)
     model = make_model()
     make = lambda: make_optimizer(  # noqa: E731
-        "adam", model.parameters(), freeze_step=100, warmup_compression=bits, bucket_size=64
+        "adam",
+        model.parameters(),
+        freeze_step=100,
+        warmup_compression=bits,
+        bucket_size=64,
+        allow_edited_grads=True,  # the gradient removed at step 3
     )
     opt, history = make(), []
     for step in range(1, STEPS + 1):

@@ -592,4 +592,6 @@ class Checkpointed:
             part.load_extra_state(extra)
         if self.packed_momentum is not None and self.frozen:
             self.bucketer.release()  # the .grad views keep theirs; the packed stage needs none
+        if self.frozen:
+            self.engine.end_warmup()  # the warmup's error buffers: zeros, and not needed now
         self._push_next_sender()

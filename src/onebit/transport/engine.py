@@ -201,10 +201,12 @@ class Engine:
             step.inv_scale = gradient_factor(scale.double().reciprocal().float(), self.backend)
 
     def end_warmup(self) -> None:
-        """At the freeze: zero the quantized warmup's error buffers, which tracked gradients that
-        the compression stage no longer sends."""
+        """At the freeze: free the quantized warmup's error buffers, which tracked gradients
+        that the compression stage no longer sends (they come back as zeros if used again)."""
         for comm in self.warmup_comms:
-            comm.reset()
+            comm.release()
+        if self._quantized:  # its buffer held every bucket's errors
+            self._quantized = False
 
     # Full precision: an fp32 or quantized average, bucket by bucket or every bucket at once.
 

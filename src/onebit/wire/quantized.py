@@ -185,10 +185,25 @@ class QuantizedAllreduce(TwoPhase):
         ]
         self._server_error_tiles = self._plans[self.rank].elements(self.server_error)
 
+    def release(self) -> None:
+        """Free the error buffers, which hold zeros until a call makes them anew: at the
+        freeze, after which the optimizer no longer averages through this communicator."""
+        self.worker_error = self.worker_error.new_empty(0)
+        self.server_error = self.server_error.new_empty(0)
+        self._worker_error_tiles, self._server_error_tiles = [], None  # views of the old ones
+
+    def _ensure_errors(self) -> None:
+        """Make the error buffers anew, as zeros, where :meth:`release` freed them."""
+        if self.worker_error.numel() != self.padded_numel:
+            self.worker_error = torch.zeros(self.padded_numel, device=self.device)
+            self.server_error = torch.zeros(self.chunk_numel, device=self.device)
+            self._error_tiles()
+
     def hold_errors(self, worker_error: Tensor, server_error: Tensor) -> None:
         """Keep the error buffers in these (views of a caller's buffers, of their sizes), their
         values copied there: the errors of many communicators in one buffer each, for kernels
         that run them all at once."""
+        self._ensure_errors()
         worker_error.copy_(self.worker_error)
         server_error.copy_(self.server_error)
         self.worker_error, self.server_error = worker_error, server_error
@@ -244,7 +259,7 @@ class QuantizedAllreduce(TwoPhase):
         everywhere (errors untouched) if any rank had a non-finite value."""
         if tensor.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {tensor.numel()}")
-        device = self.worker_error.device
+        device = self.device
         source = tensor.reshape(-1).to(device=device, dtype=torch.float32)
         buffer = torch.empty(self.padded_numel, device=device)
         out = buffer[: self.numel]  # written once serve() is done with the buffer
@@ -285,6 +300,7 @@ class QuantizedAllreduce(TwoPhase):
             raise ValueError("start() needs a contiguous fp32 buffer")
         if self.header_numel and (header is None or header.numel() != self.header_numel):
             raise ValueError(f"start() needs a header of {self.header_numel} fp32 values")
+        self._ensure_errors()
         n = self.world_size
         if exchange is None:
             message = torch.empty(n, self.phase1_width, dtype=torch.uint8, device=buffer.device)
@@ -331,7 +347,7 @@ class QuantizedAllreduce(TwoPhase):
         return self._absmax.amax() if self.numel else buffer.new_zeros(())
 
     def _scratch(self) -> Scratch:
-        return Scratch.get(self.worker_error.device, self._max_tile, self._max_tile_blocks)
+        return Scratch.get(self.device, self._max_tile, self._max_tile_blocks)
 
     def _rows(
         self, payload: Tensor, scales: Tensor, plan: ChunkPlan, outgoing: bool = False
@@ -544,12 +560,14 @@ class QuantizedAllreduce(TwoPhase):
         }
 
     def state_dict(self) -> dict:
-        """The error buffers and the geometry they belong to."""
-        return {
-            **self._geometry(),
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
-        }
+        """The error buffers and the geometry they belong to (zeros where they were released)."""
+        released = self.worker_error.numel() != self.padded_numel
+        worker, server = (
+            (torch.zeros(self.padded_numel), torch.zeros(self.chunk_numel))
+            if released
+            else (self.worker_error.clone(), self.server_error.clone())
+        )
+        return {**self._geometry(), "worker_error": worker, "server_error": server}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the error buffers saved by :meth:`state_dict` on this rank.
@@ -563,10 +581,11 @@ class QuantizedAllreduce(TwoPhase):
                     f"error buffers were saved for {key}={state.get(key)!r}; this communicator "
                     f"has {key}={ours!r}"
                 )
+        self._ensure_errors()
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
 
     def reset(self) -> None:
-        """Zero both error buffers."""
+        """Zero both error buffers (released ones are zeros already)."""
         self.worker_error.zero_()
         self.server_error.zero_()
