@@ -47,6 +47,7 @@ NON_DEFAULT = {
     "overlap_backward": (True, lambda opt: opt.overlap_backward is True),
     "warmup_compression": ("int8", lambda opt: opt.warmup_compression == "int8"),
     "error_dtype": (torch.bfloat16, lambda opt: opt.error_dtype == torch.bfloat16),
+    "allow_edited_grads": (True, lambda opt: opt.allow_edited_grads is True),
 }
 
 
