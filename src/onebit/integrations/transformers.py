@@ -162,6 +162,8 @@ class OnebitCallback(TrainerCallback):
         )
         if self._sharded:
             _ShardedTrainer(trainer, self._optimizer(trainer.optimizer))
+        elif hasattr(trainer, "_get_grad_norm"):
+            trainer._get_grad_norm = _local_grad_norm
 
     def _optimizer(self, optimizer: Any) -> CompressedOptimizer:
         return onebit_optimizer(optimizer, "OnebitCallback (Trainer(optimizers=(opt, None)))")
@@ -208,6 +210,16 @@ class OnebitCallback(TrainerCallback):
     ) -> None:
         if self._max_grad_norm is not None:
             args.max_grad_norm, self._max_grad_norm = self._max_grad_norm, None
+
+
+def _local_grad_norm(model: nn.Module, grad_norm: Any = None) -> Any:
+    """Trainer's logged ``grad_norm`` (this rank's local gradient's), read without writing
+    ``.grad``: Trainer's own takes it with ``clip_grad_norm_(..., inf)``, which multiplies every
+    gradient by 1 in place, and the optimizer refuses gradients written after backward."""
+    if grad_norm is not None:
+        return grad_norm
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
 class _ShardedTrainer:
