@@ -180,7 +180,9 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         self._push_next_sender()
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> Any:
+    def from_optimizer(
+        cls, optimizer: torch.optim.Optimizer, **options: Any
+    ) -> CompressedOptimizer:
         """This optimizer, built on the param groups of ``optimizer``, a ``torch.optim.AdamW``
         (or ``Adam``) that has not stepped: the groups' parameters and their ``lr``, ``betas``,
         ``eps`` and ``weight_decay`` are kept, so a script's own optimizer factory is reused::
