@@ -275,3 +275,27 @@ def write_missing() -> list[str]:
 
 if __name__ == "__main__":
     print("wrote:", ", ".join(write_missing()) or "nothing (every fixture exists)")
+
+
+@pytest.mark.parametrize("case", ["adam_warmup", "lamb_warmup"])
+def test_a_warmup_saved_in_fp32_goes_on_in_fp32_under_the_new_defaults(case, monkeypatch):
+    """Saved when the default warmup was fp32, a state loaded into an optimizer built without
+    ``warmup_compression`` (now int4 by default) goes on in fp32, to the saved bits; one built
+    with an explicit ``warmup_compression`` keeps it."""
+    use_backend(BACKEND, monkeypatch)
+    name, _, save_at = ONE_PROCESS[case]
+    saved = torch.load(HERE / f"{case}.pt", weights_only=True)
+    assert "warmup_compression" not in saved["optimizer"]["onebit"]  # written before it was
+    cls = {"adam": onebit.OnebitAdam, "lamb": onebit.OnebitLamb}[name]
+    model = make_model(seed=1)
+    model.load_state_dict(saved["model"])
+    opt = cls(model.parameters(), lr=1e-2, bucket_size=128, freeze_step=3)
+    assert opt.warmup_compression == "int4"
+    _load(opt, saved["optimizer"])
+    assert opt.warmup_compression == "fp32" and opt.warmup_comms == []
+    _steps(model, opt, 0, save_at + 1, save_at + AFTER)
+    assert _same(params_of(model), saved["after"], rounds_as_the_saver())
+    explicit = cls(make_model().parameters(), lr=1e-2, bucket_size=128, freeze_step=3,
+                   warmup_compression="int8")  # fmt: skip
+    explicit.load_state_dict(saved["optimizer"])
+    assert explicit.warmup_compression == "int8"
