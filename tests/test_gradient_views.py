@@ -52,7 +52,7 @@ def _train(rank, world_size, views, kwargs, accumulate, set_to_none, steps=10):
         local = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         scaler.step(opt)
         scaler.update()
-        if warmup and "warmup_compression" not in kwargs:  # an fp32 average: exact
+        if warmup and kwargs["warmup_compression"] == "fp32":  # an fp32 average: exact
             norm = opt.grad_norm
             clip = 1.0 if norm is None else float(clip_coefficient(torch.tensor(norm), 0.5))
             for g in local:  # the scale stays 2**8: no step has an inf
@@ -67,8 +67,8 @@ def _train(rank, world_size, views, kwargs, accumulate, set_to_none, steps=10):
 @pytest.mark.parametrize(
     "kwargs, accumulate, set_to_none",
     [
-        (dict(freeze_step=4), 1, True),  # then the fused, packed stage
-        (dict(freeze_step=4, max_grad_norm=0.5), 2, False),  # then the unfused stage
+        (dict(freeze_step=4, warmup_compression="fp32"), 1, True),  # then the fused, packed stage
+        (dict(freeze_step=4, warmup_compression="fp32", max_grad_norm=0.5), 2, False),  # unfused
         (dict(freeze_step=4, warmup_compression="int8"), 1, False),
     ],
 )
@@ -86,7 +86,7 @@ def test_warmup_grads_live_in_the_bucket_buffer_and_training_is_bitwise_unchange
         assert in_buffer[:4] == ([4, 6, 4, 6] if set_to_none else [4, 6, 6, 6])
         assert set(in_buffer[4:]) == {0}  # the compression stage leaves .grad to the user
         # after each warmup step .grad held the averaged (and clipped) gradient
-        assert averaged == ([] if "warmup_compression" in kwargs else [True] * 4)
+        assert averaged == ([] if kwargs["warmup_compression"] != "fp32" else [True] * 4)
 
 
 def test_the_compression_stage_leaves_grad_as_backward_made_it():

@@ -20,8 +20,10 @@ SHAPES = [(64, 32)] * 6 + [(32,)] * 6
 """Twelve tensors; a bucket size of 2048 elements cuts them into seven buckets."""
 
 STEPS = {
-    "OnebitAdam warmup": ("OnebitAdam", {"freeze_step": 10**9}),
-    "OnebitAdam warmup, clip": ("OnebitAdam", {"freeze_step": 10**9, "max_grad_norm": 1.0}),
+    "OnebitAdam warmup": ("OnebitAdam", {"freeze_step": 10**9, "warmup_compression": "fp32"}),
+    "OnebitAdam warmup, clip": (
+        "OnebitAdam", {"freeze_step": 10**9, "warmup_compression": "fp32", "max_grad_norm": 1.0}
+    ),
     "OnebitAdam warmup, int8": ("OnebitAdam", {"freeze_step": 10**9, "warmup_compression": "int8"}),
     "OnebitAdam compression": ("OnebitAdam", {"freeze_step": 1}),
     "OnebitAdam compression, per bucket": ("OnebitAdam", {"freeze_step": 1, "scale_per": "bucket"}),
