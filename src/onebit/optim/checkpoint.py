@@ -460,10 +460,8 @@ class Checkpointed:
         """Go on with the warmup compression the state was saved with where the constructor
         was not given one: a run saved while the default was ``"fp32"`` resumes as it ran.
         Returns what undoes it."""
-        mode = saved.get("warmup_compression")
-        if mode is None:  # saved before it was recorded: a quantized warmup saved its errors
-            ranks = list((saved.get("ranks") or {}).values()) + [saved]
-            mode = None if any("warmup_comms" in r for r in ranks) else "fp32"
+        quantized = any("warmup_comms" in r for r in [saved, *(saved.get("ranks") or {}).values()])
+        mode = saved.get("warmup_compression", None if quantized else "fp32")
         options = self._constructor_options
         if mode is None or mode == self.warmup_compression or "warmup_compression" in options:
             return _nothing
@@ -484,6 +482,11 @@ class Checkpointed:
         if not dist.is_initialized() or self._agreement_size() == 1:
             return {} if problem is None else {self._part: problem}
         group = self._agreement_group()
+        device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        anyone = torch.tensor([float(problem is not None)], device=device)
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
+        if not anyone.item():
+            return {}
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, problem, group=group)
         return {r: p for r, p in enumerate(gathered) if p is not None}
