@@ -59,7 +59,11 @@ which has a section of its own, must be here."""
 MODULES: tuple[tuple[str, tuple[str, ...] | None, bool], ...] = (
     ("onebit", ONEBIT_ORDER, True),
     ("onebit.fsdp", None, True),
-    ("onebit.zero_one_adam", ("run_schedule", "Schedule", "PAPER_SCHEDULE", "ZeroOneAdam"), False),
+    (
+        "onebit.zero_one_adam",
+        ("run_schedule", "run_freeze_step", "Schedule", "PAPER_SCHEDULE", "ZeroOneAdam"),
+        False,
+    ),
     ("onebit.compress", ("cpu_kernels",), False),
     ("onebit.integrations.transformers", None, True),
     ("onebit.integrations.accelerate", None, True),

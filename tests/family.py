@@ -15,7 +15,9 @@ SETTINGS = {
     "adam": (onebit.OnebitAdam, dict(freeze_step=3, warmup_compression="fp32")),
     "zero_one": (
         onebit.ZeroOneAdam,
-        dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=1),
+        dict(
+            var_freeze_step=5, var_update_scaler=1, local_step_scaler=1, warmup_compression="fp32"
+        ),
     ),
     "lamb": (onebit.OnebitLamb, dict(freeze_step=3, warmup_compression="fp32")),
 }

@@ -128,7 +128,7 @@ CASES = {
         problem=Problem(
             ((7, 5), (13,), (0,), (3, 3, 2)), (1e-2, 1e-2, 3e-3, 3e-3), (0.1, 0.1, 0.0, 0.0)
         ),
-        settings=dict(bucket_size=32, **ZERO_ONE_SCHEDULE),
+        settings=dict(bucket_size=32, warmup_compression="fp32", **ZERO_ONE_SCHEDULE),
         steps=30,
         checkpoint=22,  # between two syncs of phase B
         resume_points=(5, 12, 13, 22),

@@ -471,6 +471,7 @@ def test_zero_one_adam_run_is_bitwise_the_hand_built_one():
             local_step_clipper=4,
             bias_correction=False,
             max_grad_norm=1.0,
+            warmup_compression="fp32",  # DeepSpeed's variance steps
         ),
         steps=10,
     )

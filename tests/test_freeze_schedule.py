@@ -110,16 +110,19 @@ def _run(opt, params, steps):
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_one_bit_adam_and_zero_one_adam_share_the_warmup_step_bit_for_bit(bias_correction):
+@pytest.mark.parametrize("warmup", ["fp32", "int4"])
+def test_one_bit_adam_and_zero_one_adam_share_the_warmup_step_bit_for_bit(bias_correction, warmup):
     """Before any freeze, with every 0/1 Adam step a variance step, both are AdamW on the
-    same averaged, clipped gradients: the same code, so the same bits."""
+    same averaged (fp32 or int4), clipped gradients: the same code, so the same bits."""
 
     def groups(params):
         return [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "lr": 3e-3}]
 
-    common = dict(lr=1e-2, max_grad_norm=1.0, bias_correction=bias_correction)
+    common = dict(
+        lr=1e-2, max_grad_norm=1.0, bias_correction=bias_correction, warmup_compression=warmup
+    )
     params = _params()
-    adam = onebit.OnebitAdam(groups(params), freeze_step=100, warmup_compression="fp32", **common)
+    adam = onebit.OnebitAdam(groups(params), freeze_step=100, **common)
     one_bit = _run(adam, params, 8)
     params = _params()
     zero_one = onebit.ZeroOneAdam(

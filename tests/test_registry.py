@@ -26,7 +26,7 @@ def test_onebit_train_and_deepspeed_know_each_optimizer(entry):
     assert entry.name in optim.OPTIMIZERS and entry.reference in optim.OPTIMIZERS
     assert optim.optimizer_class(entry.name) is entry.cls
     assert optim.REFERENCE[entry.name] == entry.reference
-    assert (entry.name in optim.WARMUP_COMPRESSED) == entry.freezes
+    assert entry.name in optim.WARMUP_COMPRESSED  # each has full-precision steps to quantize
     assert deepspeed.OPTIMIZERS[entry.deepspeed] is entry.cls
     translated, _, _ = deepspeed.translate_config({"optimizer": {"type": entry.deepspeed.lower()}})
     assert translated is entry.cls

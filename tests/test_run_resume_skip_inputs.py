@@ -164,9 +164,11 @@ def test_bad_constructor_argument_raises_value_error(name, kwargs, match):
         case.cls(case.problem.params(), **{**case.required, **kwargs})
 
 
-def test_missing_schedule_argument_raises_type_error():
-    with pytest.raises(TypeError, match="var_freeze_step"):
+def test_zero_one_adam_needs_its_phase_a_length_or_the_runs():
+    with pytest.raises(ValueError, match="var_freeze_step=N .* or total_steps=N"):
         CASES["zero_one"].cls(CASES["zero_one"].problem.params())
+    told = CASES["zero_one"].cls(CASES["zero_one"].problem.params(), total_steps=50)
+    assert told.var_freeze_step == 10 and told.warmup_compression == "int4"
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb"])

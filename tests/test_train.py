@@ -89,6 +89,26 @@ def test_a_run_says_which_kernels_its_optimizer_runs(compared: Path) -> None:
     assert f"on cpu, {cpu} kernels" in printed
 
 
+def test_a_run_counts_its_rounds(compared: Path) -> None:
+    """Each run's summary, log line and ``--compare`` table give the collectives its steps
+    waited on: DDP's one per bucket, a 1-bit exchange's two, none for 0/1 Adam's local steps."""
+    summaries = {
+        label: json.loads((compared / label / "summary.json").read_text())
+        for label in ("adamw", "onebit-adam", "zero-one-adam")
+    }
+    steps = summaries["adamw"]["steps"]
+    assert summaries["adamw"]["rounds"] >= steps  # one all_reduce a bucket, every step
+    assert summaries["onebit-adam"]["rounds"] >= 2 * steps
+    zero_one = summaries["zero-one-adam"]
+    assert zero_one["rounds_by_stage"].get("local", 0) == 0
+    assert zero_one["rounds"] == sum(zero_one["rounds_by_stage"].values())
+    assert zero_one["rounds"] < summaries["onebit-adam"]["rounds"]
+    printed = (compared / "stdout.txt").read_text()
+    assert f"in {zero_one['rounds']:,} rounds" in printed
+    table = (compared / "comparison.md").read_text()
+    assert "| rounds |" in table and f"| {zero_one['rounds']:,} |" in table
+
+
 def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
     row = compared / "onebit-adam-warmup-fp32-freeze-5"
     summary = json.loads((row / "summary.json").read_text())
@@ -102,7 +122,8 @@ def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
 
 def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path) -> None:
     """Without --freeze-step and --warmup-compression, 1-bit Adam and 1-bit LAMB warm up with
-    int4 and freeze by ``"auto"``; 0/1 Adam freezes at 20%; the uncompressed ones stay fp32."""
+    int4 and freeze by ``"auto"``; 0/1 Adam's variance steps are int4 and its phase A is the
+    library's default for the run; the uncompressed ones stay fp32."""
     (tmp_path / "text.txt").write_text("some text to train on. " * 4000)
     args = cli.build_parser().parse_args(
         ["--compare", ",".join(COMPARE), "--data", str(tmp_path / "text.txt"),
@@ -113,14 +134,14 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
     assert settings == {
         "adamw": ("fp32", None),
         "onebit-adam": ("int4", "auto"),
-        "zero-one-adam": ("fp32", None),
+        "zero-one-adam": ("int4", "auto"),
         "lamb": ("fp32", None),
         "onebit-lamb": ("int4", "auto"),
     }
     assert [c.label for c in plan.configs] == COMPARE  # the defaults need no suffix
-    (row,) = arguments.parse_compare("zero-one-adam:varscale=64:local=9")
-    assert (row.var_update_scaler, row.local_step_scaler) == (64, 9)
-    assert row.label(True, "fp32") == "zero-one-adam-local-9-varscale-64"
+    (row,) = arguments.parse_compare("zero-one-adam:varscale=64:local=9:clipper=8")
+    assert (row.var_update_scaler, row.local_step_scaler, row.local_step_clipper) == (64, 9, 8)
+    assert row.label(True, "fp32") == "zero-one-adam-warmup-fp32-local-9-varscale-64-clipper-8"
     (row,) = arguments.parse_compare("onebit-adam:errors=bf16")
     assert row.errors == "bf16" and row.label(True, "int4", "bf16") == "onebit-adam-errors-bf16"
 

@@ -4,6 +4,7 @@ import copy
 import math
 import warnings
 
+import pytest
 import torch
 from distributed import run_ranks
 from harness import CASES, ZERO_ONE_SCHEDULE, low_precision_runs, poison, run
@@ -11,9 +12,9 @@ from optimizer_state import flat, roundtrip, storage_bytes
 from reference import RefBucketedAllreduce
 
 import onebit
-from onebit.optim.zero_one_adam import PAPER_SCHEDULE, run_schedule
 from onebit.transport.header import HEADER_NUMEL
 from onebit.wire.protocol import allreduce_bytes
+from onebit.zero_one_adam import PAPER_SCHEDULE, run_freeze_step, run_schedule
 
 CASE = CASES["zero_one"]
 PROBLEM = CASE.problem
@@ -188,7 +189,8 @@ def test_world_size_one_matches_reference():
 
 
 def test_matches_adamw_while_variance_is_updated_every_step():
-    """With var_interval stuck at 1 and no freeze, every step is AdamW on averaged gradients."""
+    """With var_interval stuck at 1, no freeze and fp32 variance steps, every step is AdamW on
+    averaged gradients."""
     params, ref = PROBLEM.params(), PROBLEM.params()
     opt = onebit.ZeroOneAdam(
         PROBLEM.groups(params),
@@ -196,6 +198,7 @@ def test_matches_adamw_while_variance_is_updated_every_step():
         weight_decay=0.1,
         var_freeze_step=100,
         var_update_scaler=100,
+        warmup_compression="fp32",
     )
     ref_opt = torch.optim.AdamW(PROBLEM.groups(ref), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -216,17 +219,24 @@ def test_matches_adamw_while_variance_is_updated_every_step():
 
 
 def test_memory_is_four_model_sized_buffers_plus_server_error():
+    """Four model-sized buffers and the server error; in phase A an int4 variance step's own
+    worker and server errors besides, freed at the freeze."""
     params = [torch.nn.Parameter(torch.randn(1000, 100)), torch.nn.Parameter(torch.randn(101))]
     numel = 100_101
-    opt = onebit.ZeroOneAdam(params, var_freeze_step=3, var_update_scaler=1)
     slack = 4 * 8 * 4  # padding of the padded buffers
     limit = 4 * 4 * numel + 4 * numel + slack  # 4 buffers + the server error (world size 1)
-    for t in range(1, 8):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        assert storage_bytes(opt) <= limit, f"step {t} ({opt.comm_stats.last_step_stage})"
-    assert opt.comm_stats.steps.get("local", 0) + opt.comm_stats.steps["sync"] == 4
+    for warmup, phase_a in (("fp32", limit), ("int4", limit + 2 * 4 * numel + 1024)):
+        opt = onebit.ZeroOneAdam(
+            params, var_freeze_step=3, var_update_scaler=1, warmup_compression=warmup
+        )
+        for t in range(1, 8):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            stage = opt.comm_stats.last_step_stage
+            bound = phase_a if opt.in_warmup else limit
+            assert storage_bytes(opt) <= bound, f"{warmup} step {t} ({stage})"
+        assert opt.comm_stats.steps.get("local", 0) + opt.comm_stats.steps["sync"] == 4
 
 
 def test_single_process_non_finite_and_none_gradients():
@@ -265,26 +275,33 @@ def test_state_names_follow_the_phase():
 
 def test_the_schedule_is_sized_to_the_run_when_told_its_length():
     """``total_steps`` scales ``var_update_scaler``, ``local_step_scaler`` and
-    ``local_step_clipper`` (:func:`run_schedule`); explicit knobs win; without it, the paper's."""
-    assert run_schedule(600, 120) == (120, 240, 2)  # phase A in fp32; local intervals 1, 2
-    assert run_schedule(118_000, 23_000) == (128, 19_000, 16)  # the paper's BERT-Base run
-    assert run_schedule(300, 60) == (60, 240, 1)  # too short for local steps
-    assert run_schedule(5_000, 1_000) == (128, 800, 16)
+    ``local_step_clipper`` (:func:`run_schedule`), and without ``var_freeze_step`` phase A's
+    length; explicit knobs win; without it, the paper's."""
+    # Phase A in variance steps only; a sync every other step in phase B.
+    assert run_schedule(600, 120) == (120, 1, 2)
+    assert run_schedule(118_000, 23_000) == (128, 11_875, 16)  # the paper's BERT-Base run
+    assert run_schedule(300, 60) == (60, 1, 2)
+    assert run_schedule(1_500, 300) == (128, 300, 4)  # intervals 1, 2, then 4 for 600 steps
+    assert run_schedule(5_000, 1_000) == (128, 500, 16)
+    assert run_schedule(30, 6) == (16, 24, 1)  # too short for local steps
     assert run_schedule(100, 10).var_update_scaler == 16
+    assert [run_freeze_step(n) for n in (1, 600, 5_000)] == [1, 120, 1_000]
     params = [torch.nn.Parameter(torch.zeros(8))]
-    told = onebit.ZeroOneAdam(params, var_freeze_step=120, total_steps=600)
-    knobs = (told.var_update_scaler, told.local_step_scaler, told.local_step_clipper)
-    assert knobs == (120, 240, 2)
+    told = onebit.ZeroOneAdam(params, total_steps=600)
+    knobs = (told.var_freeze_step, told.var_update_scaler, told.local_step_scaler)
+    assert knobs + (told.local_step_clipper,) == (120, 120, 1, 2)
     mixed = onebit.ZeroOneAdam(
         params, var_freeze_step=120, total_steps=600, local_step_clipper=8, var_update_scaler=4
     )
     assert (mixed.var_update_scaler, mixed.local_step_scaler, mixed.local_step_clipper) == (
-        4, 120, 8,
+        4, 80, 8,
     )  # fmt: skip
     # A scaler given asks for local steps: the clipper stays the paper's, not the run's 1.
     asked = onebit.ZeroOneAdam(params, var_freeze_step=2, total_steps=6, local_step_scaler=1)
     assert (asked.local_step_scaler, asked.local_step_clipper) == (1, 16)
     assert onebit.ZeroOneAdam(params, var_freeze_step=2, total_steps=6).local_step_clipper == 1
+    with pytest.raises(ValueError, match="var_freeze_step=N .* or total_steps=N"):
+        onebit.ZeroOneAdam(params)
     paper = onebit.ZeroOneAdam(params, var_freeze_step=120)
     knobs = (paper.var_update_scaler, paper.local_step_scaler, paper.local_step_clipper)
     assert knobs == PAPER_SCHEDULE

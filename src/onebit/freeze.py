@@ -41,6 +41,7 @@ from torch import Tensor
 
 from . import host
 from .functional import layer_norms
+from .stats import count_collective
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,7 @@ class VarianceMonitor:
         if dist.is_available() and dist.is_initialized():
             device = denominators[0].device if denominators else torch.device("cpu")
             agreed = host.upload([change], device, torch.float64)
+            count_collective()
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
             change = float(host.read(agreed))
         self.reference, self.reference_step = means, step

@@ -124,7 +124,9 @@ KEY_MAP: dict[str, KeyMapping] = {
     ),
     "var_freeze_step": KeyMapping(
         "var_freeze_step",
-        "`V` -> `max(V, 1)`; warns if `V > var_update_scaler` (variance steps one step apart)",
+        "`V` -> `max(V, 1)`, with `warmup_compression=\"fp32\"`: DeepSpeed's fp32 variance "
+        "steps (onebit's default is int4); warns if `V > var_update_scaler` (variance steps one "
+        "step apart)",
         (ZERO_ONE,),
         100000,
     ),
@@ -276,6 +278,7 @@ def translate_config(ds_config: Mapping[str, Any]) -> Translation:
         kwargs["freeze_step"] = max(values["freeze_step"] - 1, 1)
         kwargs["warmup_compression"] = "fp32"
     if ds_type == ZERO_ONE:
+        kwargs["warmup_compression"] = "fp32"  # DeepSpeed's variance steps: an fp32 allreduce
         _zero_one_notes(values, kwargs, notes)
     if ds_type == LAMB:
         if values["freeze_step"] <= 1:
@@ -322,7 +325,8 @@ def optimizer_from_config(
     becomes ``freeze_step=max(F - 1, 1)`` because DeepSpeed's first step only initialises,
     with ``warmup_compression="fp32"``, DeepSpeed's uncompressed warmup (onebit's defaults are
     ``"auto"`` and an int4 warmup);
-    ``var_freeze_step: V`` becomes ``max(V, 1)``; ``bias_correction`` is always ``False``,
+    ``var_freeze_step: V`` becomes ``max(V, 1)``, also with ``warmup_compression="fp32"``;
+    ``bias_correction`` is always ``False``,
     since DeepSpeed never bias-corrected; a top-level ``gradient_clipping: c > 0`` becomes
     ``max_grad_norm=c``; absent keys take DeepSpeed's defaults. For 1-bit LAMB, ``bucket_size``
     covers the whole model, as DeepSpeed compressed it as one buffer.

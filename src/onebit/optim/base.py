@@ -282,6 +282,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
             device=self.device,
             replace_problem=self._replace_problem,
         )
+        self.comm_stats.count_rounds()
         return self._step
 
     @property
@@ -293,6 +294,7 @@ class CompressedOptimizer(Checkpointed, Placement, torch.optim.Optimizer):
         """Close the step without applying it (it raised, or was abandoned)."""
         if self._step is not None:
             self._step.close()
+        self.comm_stats.stop_counting()
 
     def _push_next_sender(self) -> None:
         """Give the bucketer what the next step sends, if it can start during backward (at

@@ -26,13 +26,14 @@ from .base import CompressedOptimizer, closes_step_on_error
 from .checkpoint import NoState, StatePart
 from .options import (
     DEFAULT_BUCKET_SIZE,
+    DEFAULT_WARMUP_COMPRESSION,
     apply_masks_,
     check_step_count,
     shared_options,
     with_shared_docs,
 )
 from .stage import Stage, Taken
-from .zero_one_schedule import PAPER_SCHEDULE, Schedule, run_schedule
+from .zero_one_schedule import PAPER_SCHEDULE, Schedule, run_freeze_step, run_schedule
 
 
 class _PhaseA(Stage):
@@ -182,6 +183,7 @@ class _Local(Stage):
         opt.hyper.denominator(v, opt._var_updates, out=v)
         for comm in opt.comms:
             comm.reset()  # they tracked the gradient; from now on they track the local progress
+        opt.engine.end_warmup()
         anchor = opt.engine.grads
         torch._foreach_copy_(opt.layout.views(anchor), opt.layout.params)
         opt._lrs = [0.0] * len(opt.param_groups)
@@ -306,10 +308,11 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
     rank 0 at construction. Training runs in two phases.
 
     Phase A, steps ``1..var_freeze_step``: Adam's variance is updated only on steps ``t`` with
-    ``t % var_interval == 0``; those steps average the gradients with an fp32 allreduce. Every
-    other step averages them with the 1-bit compressed allreduce (error feedback included) and
-    updates only the momentum. ``var_interval`` starts at 1 and doubles after every
-    ``var_update_scaler`` variance updates, so full-precision steps become exponentially rare.
+    ``t % var_interval == 0``; those steps average the gradients at full precision, by default
+    in int4 with error feedback (``warmup_compression``). Every other step averages them with
+    the 1-bit compressed allreduce (error feedback included) and updates only the momentum.
+    ``var_interval`` starts at 1 and doubles after every ``var_update_scaler`` variance
+    updates, so full-precision steps become exponentially rare.
 
     Phase B, after ``var_freeze_step``: the variance is frozen and each rank takes *local* steps
     with its own gradient and momentum, sending nothing. Every ``local_step_interval`` steps a
@@ -332,7 +335,8 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         var_freeze_step: last step of phase A. Like 1-bit Adam's ``freeze_step`` but much less
             critical, since phase A already compresses most steps; the paper freezes after
-            10-20% of training (e.g. 23k of 118k steps for BERT-Base).
+            10-20% of training (e.g. 23k of 118k steps for BERT-Base). Default: a fifth of
+            ``total_steps`` (:func:`run_freeze_step`); one of the two must be given.
         var_update_scaler: variance updates between two doublings of ``var_interval``, and so
             the full-precision steps phase A starts with. Larger keeps ``v`` fresher at the cost
             of more fp32 allreduces. Default: scaled to ``total_steps`` by
@@ -345,11 +349,12 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
             communicates; larger intervals save more rounds but let replicas drift further
             apart. Default: scaled to ``total_steps`` by :func:`run_schedule`, or the
             paper's 16 without it.
-        total_steps: the run's length in optimizer steps, when known. It sizes the three
-            schedule knobs' defaults to the run (:func:`run_schedule`); knobs given explicitly
-            win. A ``local_step_scaler`` given without a ``local_step_clipper`` keeps the
-            paper's 16, so that the local steps it asks for happen; a ``local_step_clipper``
-            given sizes the default ``local_step_scaler`` to reach it.
+        total_steps: the run's length in optimizer steps, when known. It sizes phase A and the
+            three schedule knobs' defaults to the run (:func:`run_freeze_step`,
+            :func:`run_schedule`); knobs given explicitly win. A ``local_step_scaler`` given
+            without a ``local_step_clipper`` keeps the paper's 16, so that the local steps it
+            asks for happen; a ``local_step_clipper`` given sizes the default
+            ``local_step_scaler`` to reach it.
         bias_correction: Adam's bias correction. The variance's correction counts variance
             updates, not steps, so that with ``var_interval == 1`` throughout this is AdamW.
         {process_group}
@@ -361,6 +366,11 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         max_grad_norm: clip gradients to this norm (``None``: no clipping): the averaged
             gradient on variance steps, as DDP + ``clip_grad_norm_``; each rank's own gradient,
             before it is sent, on 1-bit and local steps (``docs/SPEC.md``).
+        warmup_compression: how phase A's variance steps average the gradients, as
+            :class:`~onebit.OnebitAdam`'s warmup: ``"int4"`` (default), ``"int8"`` or ``"bf16"``
+            through a quantized allreduce with error feedback of its own, freed at
+            ``var_freeze_step``, or ``"fp32"``, an fp32 allreduce (the paper's and DeepSpeed's,
+            and exactly AdamW + DDP while ``var_interval`` is 1).
         error_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the dtype of the 1-bit
             steps' error buffers, as :class:`~onebit.OnebitAdam`'s (0.5 + 0.5/n model sizes
             fewer).
@@ -386,12 +396,15 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
 
     Memory: four model-sized fp32 buffers (momentum, variance or frozen denominator, a scratch
     buffer that holds the averaged gradient in phase A and the last synced parameters in phase
-    B, and the worker error) plus the server error, ``1/world_size`` of the model.
+    B, and the worker error) plus the server error, ``1/world_size`` of the model; in phase A a
+    quantized ``warmup_compression`` adds its own worker and server errors (``1 + 1/n`` model
+    sizes), freed at the freeze.
 
     State per parameter: ``exp_avg`` and ``exp_avg_sq``; in phase B ``exp_avg`` is the rank's
     local momentum, ``exp_avg_sq`` is replaced by ``frozen_denom`` (``sqrt(v̂) + eps``), and
     ``sync_params`` holds the parameters of the last sync. ``comm_stats`` counts bytes per stage
-    (``"variance"``, ``"compression"``, ``"sync"``, ``"local"``) and ``rounds_skipped``.
+    (``"variance"``, ``"compression"``, ``"sync"``, ``"local"``), the rounds (collectives) each
+    waited on, and ``rounds_skipped``.
     ``freeze`` is a :class:`~onebit.freeze.FreezeSchedule` fixed at ``var_freeze_step``, which
     ``freeze_step`` and ``in_warmup`` (phase A) also give.
     """
@@ -415,7 +428,7 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        var_freeze_step: int,
+        var_freeze_step: int | None = None,
         var_update_scaler: int | None = None,
         local_step_scaler: int | None = None,
         local_step_clipper: int | None = None,
@@ -426,19 +439,29 @@ class ZeroOneAdam(AdamShaped, CompressedOptimizer):
         scale_per: str = "tensor",
         exp_avg_mask: Mapping[Tensor, Tensor] | None = None,
         max_grad_norm: float | None = None,
+        warmup_compression: str = DEFAULT_WARMUP_COMPRESSION,
         error_dtype: torch.dtype = torch.float32,
         allow_edited_grads: bool = False,
     ) -> None:
         def check() -> FreezeSchedule:
             check_adam_hyperparameters(lr, betas, eps, weight_decay, self.param_groups)
-            self.var_freeze_step = check_step_count("var_freeze_step", var_freeze_step)
+            if total_steps is not None:
+                check_step_count("total_steps", total_steps)
+            freeze_step = var_freeze_step
+            if freeze_step is None:
+                if total_steps is None:
+                    raise ValueError(
+                        "ZeroOneAdam needs var_freeze_step=N (the last step of phase A) or "
+                        "total_steps=N (the run's length, which sizes phase A)"
+                    )
+                freeze_step = run_freeze_step(total_steps)
+            self.var_freeze_step = check_step_count("var_freeze_step", freeze_step)
             given = Schedule(var_update_scaler, local_step_scaler, local_step_clipper)
             for name, value in zip(Schedule._fields, given):
                 if value is not None:
                     check_step_count(name, value)
             schedule = PAPER_SCHEDULE
             if total_steps is not None:
-                check_step_count("total_steps", total_steps)
                 clipper = given.local_step_clipper
                 if clipper is None and given.local_step_scaler is not None:
                     clipper = PAPER_SCHEDULE.local_step_clipper  # a scaler asks for local steps

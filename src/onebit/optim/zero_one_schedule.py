@@ -27,27 +27,43 @@ def run_schedule(
 
     The rules:
 
-    * phase A starts with ``var_update_scaler`` full-precision steps before its 1-bit ones: all
-      of phase A up to 128 steps, and 128 steps of a longer one (at least the paper's 16).
-      Short runs learn much of what they will in their first steps, and 1-bit gradients there
-      can send a run down a worse path: on runs of 600 steps, 30 such steps after 90
-      full-precision ones left one BERT seed in three 8.6% above AdamW, and a CNN 1.1%, where a
-      phase A all in full precision ends within 1% (``BENCHMARKS.md``). On the paper's 23k-step
-      phase A, 128 steps are negligible;
-    * over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval may
-      grow to the largest power of two at most ``P / 200`` (at least 1, at most the paper's 16),
-      doubling evenly through phase B and reaching that cap for the last of its
-      ``log2(cap) + 1`` equal parts. Long intervals let the replicas drift apart: on short runs
-      an interval of 16 cost several percent of loss.
+    * phase A starts with ``var_update_scaler`` variance steps in a row before its first
+      1-bit step: all of phase A up to 128 steps, and 128 steps of a longer one (at least the
+      paper's 16). Short runs learn much of what they will in their first steps, and 1-bit
+      gradients there send a run down a worse path: on 600-step runs, 1-bit steps from step 17
+      (the paper's 16) left GPT 3.4% and a CNN 3.0% above AdamW, and from step 65 the CNN 1.9%,
+      where a phase A of variance steps only ends 0.5% below and 1.2% above
+      (``BENCHMARKS.md``). On the paper's 23k-step phase A, 128 steps are negligible;
+    * over phase B, ``P = total_steps - var_freeze_step`` steps, the local-step interval grows
+      to ``local_step_clipper``: 2 for phase B of 32 to 999 steps, then the largest power of
+      two at most ``P / 250`` up to the paper's 16 (1, no local steps, below 32 steps). An
+      interval of 2 starts at once (``local_step_scaler`` 1): on 600-step runs it makes 41% fewer
+      rounds than 1-bit Adam for 1.0% of loss on a CNN, where longer intervals cost more and
+      erratically (an interval of 4 over phase B's last 240 steps ended GPT 5.1% above AdamW,
+      of 8 over its last 360 steps 24%). Longer intervals double every
+      ``local_step_scaler = P / (2 log2 clipper)`` steps, so that phase B runs its second half
+      at the longest.
 
-    A run of 600 steps that freezes at 120 gets ``(120, 240, 2)``: no 1-bit steps in phase A,
-    local intervals 1, then 2. The paper's BERT-Base run (118k steps, 23k of them phase A) gets
-    ``(128, 19000, 16)``. Given ``local_step_clipper``, the doubling is sized to reach it
-    instead.
+    A run of 600 steps that freezes at 120 gets ``(120, 1, 2)``: no 1-bit steps in phase A and
+    a sync every other step in phase B. The paper's BERT-Base run (118k steps, 23k of them
+    phase A) gets ``(128, 11875, 16)``. Given ``local_step_clipper``, the doubling is sized to
+    reach it instead.
     """
     phase_b = max(1, total_steps - var_freeze_step)
     clipper = local_step_clipper
     if clipper is None:
-        clipper = 1 << max(0, min(4, (phase_b // 200).bit_length() - 1))
+        clipper = 1 if phase_b < 32 else 1 << min(4, max(1, (phase_b // 250).bit_length() - 1))
     var_update_scaler = max(PAPER_SCHEDULE.var_update_scaler, min(var_freeze_step, 128))
-    return Schedule(var_update_scaler, max(1, phase_b // clipper.bit_length()), clipper)
+    doublings = clipper.bit_length() - 1
+    if doublings <= 1:  # no local steps, or an interval of 2 at once
+        local_step_scaler = 1 if doublings else phase_b
+    else:
+        local_step_scaler = max(1, phase_b // (2 * doublings))
+    return Schedule(var_update_scaler, local_step_scaler, clipper)
+
+
+def run_freeze_step(total_steps: int) -> int:
+    """0/1 Adam's ``var_freeze_step`` for a run of ``total_steps``, the default of
+    :class:`~onebit.ZeroOneAdam` told ``total_steps`` without ``var_freeze_step``: a fifth of
+    the run, as the paper (23k of 118k steps for BERT-Base; 10-20% in general)."""
+    return max(1, total_steps // 5)

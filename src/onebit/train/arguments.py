@@ -354,7 +354,8 @@ def build_main_parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class Variant:
     """One run of ``--compare``:
-    ``OPT[:no-ef][:warmup=BITS][:errors=DTYPE][:freeze=N|auto][:local=N][:varscale=N]``."""
+    ``OPT[:no-ef][:warmup=BITS][:errors=DTYPE][:freeze=N|auto][:local=N][:varscale=N]
+    [:clipper=N]``."""
 
     name: str
     error_feedback: bool = True
@@ -363,6 +364,7 @@ class Variant:
     freeze_step: int | str | None = None
     local_step_scaler: int | None = None
     var_update_scaler: int | None = None
+    local_step_clipper: int | None = None
 
     def label(self, error_feedback: bool, warmup: str, errors: str = "fp32") -> str:
         """The run's folder and row name: the optimizer, then what differs from its defaults."""
@@ -379,6 +381,8 @@ class Variant:
             parts.append(f"local-{self.local_step_scaler}")
         if self.var_update_scaler is not None:
             parts.append(f"varscale-{self.var_update_scaler}")
+        if self.local_step_clipper is not None:
+            parts.append(f"clipper-{self.local_step_clipper}")
         return "-".join(parts)
 
 
@@ -461,6 +465,14 @@ ROW_SETTINGS = (
         "var_update_scaler",
         _count,
         "var_update_scaler, the variance updates between doublings of phase A's interval",
+        ("zero-one-adam",),
+    ),
+    RowSetting(
+        "clipper",
+        "clipper=N",
+        "local_step_clipper",
+        _count,
+        "local_step_clipper, the longest interval between phase B's syncs",
         ("zero-one-adam",),
     ),
 )

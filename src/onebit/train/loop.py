@@ -59,6 +59,7 @@ class RunConfig:
     bucket_size: int = optim.DEFAULT_BUCKET_SIZE
     local_step_scaler: int | None = None
     var_update_scaler: int | None = None
+    local_step_clipper: int | None = None
     error_feedback: bool = True
     eval_every: int = 25
     eval_windows: int = 256
@@ -185,6 +186,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         mesh = optim.shard(model, config.shard, config.optimizer, device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     start_step, elapsed, sent = 0, 0.0, {}
+    rounds: dict[str, int] = {}
     trainer = optim.build(
         config.optimizer,
         model,
@@ -195,6 +197,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         bucket_size=config.bucket_size,
         local_step_scaler=config.local_step_scaler,
         var_update_scaler=config.var_update_scaler,
+        local_step_clipper=config.local_step_clipper,
         max_grad_norm=config.grad_clip,
         scaler=torch.amp.GradScaler(device.type) if config.amp == "fp16" else None,
         warmup_compression=config.warmup_compression,
@@ -214,6 +217,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         trainer.load_state_dict(state["trainer"])
         generator.set_state(state["generator"])
         start_step, elapsed, sent = state["step"], state["elapsed"], state["bytes_sent"]
+        rounds = state.get("rounds", {})  # a checkpoint from before rounds were counted: 0
         source = Path(resume).parent.parent
         if rank == 0 and (source / "metrics.jsonl").exists():
             kept = [r for r in report.read_metrics(source) if r["step"] <= start_step]
@@ -248,6 +252,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
             optim.drop_error_feedback(opt)
         stage, nbytes = trainer.stage(), trainer.last_step_bytes()
         sent[stage] = sent.get(stage, 0) + nbytes
+        rounds[stage] = rounds.get(stage, 0) + trainer.last_step_rounds()
         loss = loss.detach().float()
         dist.all_reduce(loss)
         record = {
@@ -261,11 +266,12 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
             "comm/bytes_total": sum(sent.values()),
         }
         if step % config.eval_every == 0 or step == config.steps:
-            synced = trainer.synchronize()
+            synced, synced_rounds = trainer.synchronize()
             if synced:
                 if not config.error_feedback:
                     optim.drop_error_feedback(opt)
                 sent["synchronize"] = sent.get("synchronize", 0) + synced
+                rounds["synchronize"] = rounds.get("synchronize", 0) + synced_rounds
                 record["comm/bytes"] += synced
                 record["comm/bytes_total"] += synced
             with autocast:
@@ -287,6 +293,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
                 "trainer": trainer.state_dict(),
                 "generator": generator.get_state(),
                 "bytes_sent": dict(sent),
+                "rounds": dict(rounds),
                 "elapsed": time.perf_counter() - t0,
             }
             checkpoint.save(out, step, state, config.keep)
@@ -300,7 +307,9 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         return {}
     logger.close()
     atomic_write(out / "model.pt", checkpoint.to_bytes(weights))
-    summary = _summary(config, trainer, numel, world_size, per_rank, sent, wall_time, device)
+    summary = _summary(
+        config, trainer, numel, world_size, per_rank, sent, rounds, wall_time, device
+    )
     atomic_write(out / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
     records = report.read_metrics(out)
     report.plot_runs({config.label: records}, out / "loss.png", summary["model"])
@@ -385,6 +394,7 @@ def _summary(
     world_size: int,
     per_rank: list[int],
     sent: dict[str, int],
+    rounds: dict[str, int],
     wall_time: float,
     device: torch.device,
 ) -> dict[str, Any]:
@@ -423,6 +433,8 @@ def _summary(
         "bytes_sent_per_rank": per_rank,
         "bytes_by_stage": sent,
         "fp32_allreduce_bytes": fp32,
+        "rounds": sum(rounds.values()),
+        "rounds_by_stage": rounds,
         "compression": fp32 / total if total else None,
         "wall_time_s": wall_time,
         "samples_per_s": records[-1]["throughput/samples_per_s"],

@@ -15,6 +15,7 @@ rank (``2(n-1)/n`` of the buffer for an allreduce); with ``--shard``, between no
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 import onebit
 from onebit.optim import registry
@@ -41,8 +43,9 @@ it."""
 WARMUP_COMPRESSION = onebit.optim.options.WARMUP_COMPRESSION
 """``--warmup-compression`` choices: how the 1-bit optimizers' warmup averages gradients."""
 
-WARMUP_COMPRESSED = tuple(name for name, entry in _ONEBIT.items() if entry.freezes)
-"""The optimizers with an fp32 warmup that ``warmup_compression`` can quantize."""
+WARMUP_COMPRESSED = tuple(_ONEBIT)
+"""The optimizers whose full-precision steps ``warmup_compression`` can quantize: 1-bit Adam's
+and 1-bit LAMB's warmup, 0/1 Adam's variance steps."""
 
 DEFAULT_WARMUP_COMPRESSION = onebit.optim.options.DEFAULT_WARMUP_COMPRESSION
 """``onebit train``'s warmup compression for :data:`WARMUP_COMPRESSED`: the library's default."""
@@ -77,8 +80,8 @@ def default_lr(name: str) -> float:
 
 
 def default_freeze_step(name: str, steps: int) -> int:
-    """A fixed warmup length: 20% of the run, as the papers do (15-25%). 0/1 Adam's
-    ``var_freeze_step``, and that of runs saved before ``"auto"`` became the default."""
+    """A fixed warmup length: 20% of the run, as the papers do (15-25%): that of runs saved
+    before ``"auto"`` became the default (0/1 Adam's included)."""
     return max(1, steps // 5)
 
 
@@ -91,6 +94,8 @@ class Trainer:
         optimizer: the optimizer; :meth:`step` runs it on every rank.
         stage: returns the stage the last step ran in (``"fp32"`` for uncompressed optimizers).
         last_step_bytes: returns the bytes this rank sent in the last step.
+        last_step_rounds: returns the collectives the last step launched (DDP: one
+            ``all_reduce`` per gradient bucket).
         scaler: the fp16 loss scaler, or ``None``.
         clip: the gradient norm to clip to outside the optimizer (``adamw``; the 1-bit
             optimizers clip inside, with ``max_grad_norm``), or ``None``.
@@ -101,6 +106,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     stage: Callable[[], str]
     last_step_bytes: Callable[[], int]
+    last_step_rounds: Callable[[], int]
     scaler: torch.amp.GradScaler | None = None
     clip: float | None = None
     scaler_skips: int = 0
@@ -139,18 +145,20 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.scaler_skips = state["scaler_skips"]
 
-    def synchronize(self) -> int:
-        """Make the replicas identical before evaluating; return the bytes that took.
+    def synchronize(self) -> tuple[int, int]:
+        """Make the replicas identical before evaluating; return the bytes and the rounds that
+        took.
 
         Only 0/1 Adam's local steps leave the ranks' parameters apart; it syncs them like a
         scheduled sync step would.
         """
         synchronize = getattr(self.optimizer, "synchronize", None)
         if synchronize is None:
-            return 0
-        before = self.optimizer.comm_stats.bytes_total
+            return 0, 0
+        stats = self.optimizer.comm_stats
+        before = stats.bytes_total, stats.rounds_total
         synchronize()
-        return self.optimizer.comm_stats.bytes_total - before
+        return stats.bytes_total - before[0], stats.rounds_total - before[1]
 
     def settle(self, x: Tensor, y: Tensor) -> None:
         """Run one forward and backward that changes nothing, so that a fresh and a resumed run
@@ -205,6 +213,7 @@ def build(
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     local_step_scaler: int | None = None,
     var_update_scaler: int | None = None,
+    local_step_clipper: int | None = None,
     max_grad_norm: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
     warmup_compression: str = "fp32",
@@ -214,11 +223,12 @@ def build(
     """Make optimizer ``name`` for ``model`` on the initialised default process group.
 
     ``freeze_step`` is the 1-bit optimizers' warmup (``var_freeze_step`` for 0/1 Adam): an int,
-    ``"auto"`` (the library's rule; 0/1 Adam, adaptive already, takes the default), or
-    ``None`` for :func:`default_freeze_step`. ``local_step_scaler`` and ``var_update_scaler`` are
-    0/1 Adam's (``None``: :func:`onebit.optim.zero_one_adam.run_schedule` of the run).
+    ``"auto"`` (the library's rule; for 0/1 Adam its default for the run's length,
+    :func:`onebit.zero_one_adam.run_freeze_step`), or ``None`` for :func:`default_freeze_step`.
+    ``local_step_scaler``, ``var_update_scaler`` and ``local_step_clipper`` are 0/1 Adam's
+    (``None``: :func:`onebit.zero_one_adam.run_schedule` of the run).
     ``max_grad_norm`` clips the averaged gradients (``None``: no clipping); ``scaler`` is the fp16
-    loss scaler. ``warmup_compression`` is that of 1-bit Adam and 1-bit LAMB; ``error_dtype`` (a key
+    loss scaler. ``warmup_compression`` is that of the 1-bit optimizers; ``error_dtype`` (a key
     of :data:`ERROR_DTYPES`) that of the 1-bit optimizers' error buffers. ``mesh`` is
     :func:`shard`'s if it sharded the model. Every rank must call this with the same arguments.
     """
@@ -230,13 +240,23 @@ def build(
     if name == "adamw":
         optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
         per_step = allreduce_bytes(4 * numel, world_size)
+        rounds: Callable[[], int] = _no_rounds
         if mesh is not None:  # HSDP: each rank's shard, averaged across nodes
             replicas, shards = mesh.size(0), mesh.size(1)
             per_step = allreduce_bytes(4 * math.ceil(numel / shards), replicas)
+            if replicas > 1:  # an all_reduce across nodes per FSDP unit
+                rounds = functools.partial(_count_of, FSDPModule, model)
         elif world_size > 1:
             model = nn.parallel.DistributedDataParallel(model)
+            rounds = functools.partial(_ddp_buckets, model)
         return Trainer(
-            model, optimizer, lambda: "fp32", lambda: per_step, scaler=scaler, clip=max_grad_norm
+            model,
+            optimizer,
+            lambda: "fp32",
+            lambda: per_step,
+            rounds,
+            scaler=scaler,
+            clip=max_grad_norm,
         )
     common = {"lr": lr, "bucket_size": bucket_size, "max_grad_norm": max_grad_norm}
     if mesh is not None:
@@ -244,21 +264,27 @@ def build(
     if name == "lamb":
         optimizer = cls(param_groups, freeze_step=NEVER, warmup_compression="fp32", **common)
         _attach(model, optimizer, mesh)
-        return Trainer(model, optimizer, lambda: "fp32", lambda: _last_bytes(optimizer), scaler)
+        return Trainer(
+            model,
+            optimizer,
+            lambda: "fp32",
+            lambda: _last_bytes(optimizer),
+            lambda: _last_rounds(optimizer),
+            scaler,
+        )
     common["error_dtype"] = ERROR_DTYPES[error_dtype]
+    common["warmup_compression"] = warmup_compression
     if name == "zero-one-adam":
-        if freeze_step == "auto":
-            freeze_step = default_freeze_step(name, steps)
         optimizer = cls(
             param_groups,
-            var_freeze_step=freeze_step,
+            var_freeze_step=None if freeze_step == "auto" else freeze_step,
             local_step_scaler=local_step_scaler,
             var_update_scaler=var_update_scaler,
+            local_step_clipper=local_step_clipper,
             total_steps=steps,
             **common,
         )
     else:
-        common["warmup_compression"] = warmup_compression
         optimizer = cls(param_groups, freeze_step=freeze_step, **common)
     _attach(model, optimizer, mesh)
     return Trainer(
@@ -266,6 +292,7 @@ def build(
         optimizer,
         lambda: optimizer.comm_stats.last_step_stage,
         lambda: _last_bytes(optimizer),
+        lambda: _last_rounds(optimizer),
         scaler,
     )
 
@@ -277,6 +304,26 @@ def _attach(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh
 
 def _last_bytes(optimizer: torch.optim.Optimizer) -> int:
     return optimizer.comm_stats.last_step_bytes
+
+
+def _last_rounds(optimizer: torch.optim.Optimizer) -> int:
+    return optimizer.comm_stats.last_step_rounds
+
+
+def _no_rounds() -> int:
+    return 0
+
+
+def _count_of(kind: type, model: nn.Module) -> int:
+    return sum(isinstance(m, kind) for m in model.modules())
+
+
+def _ddp_buckets(model: nn.parallel.DistributedDataParallel) -> int:
+    """DDP's collectives per step: one ``all_reduce`` per gradient bucket, as it regrouped them
+    after its first backward."""
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    return len(str(sizes).split(","))
 
 
 def drop_error_feedback(optimizer: torch.optim.Optimizer) -> None:

@@ -24,13 +24,14 @@ def human_bytes(n: float) -> str:
 
 
 def describe(summary: dict[str, Any]) -> str:
-    """One line for the end of a run: loss, bytes, time, where the files are."""
+    """One line for the end of a run: loss, bytes and rounds, time."""
     ratio = summary["compression"]
     fewer = f", {ratio:.1f}x fewer than an fp32 allreduce" if ratio and ratio > 1.05 else ""
     return (
         f"{summary['label']}: final val loss {summary['final_val_loss']:.4f} after "
         f"{summary['samples']} samples; sent {human_bytes(summary['bytes_sent'])} per rank"
-        f"{fewer}; {summary['wall_time_s']:.0f} s, {summary['samples_per_s']:.1f} samples/s"
+        f"{fewer}, in {summary.get('rounds', 0):,} rounds; {summary['wall_time_s']:.0f} s, "
+        f"{summary['samples_per_s']:.1f} samples/s"
     )
 
 
@@ -60,8 +61,8 @@ def write_comparison(
         f"worker ({first['samples']:,} samples), seed {first['seed']}.",
         "",
         "| run | final val loss | vs reference | bytes sent per rank | fewer bytes than fp32 "
-        "| wall time | samples/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| rounds | wall time | samples/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         vs = (
@@ -72,7 +73,8 @@ def write_comparison(
         ratio = f"{r['compression']:.1f}x" if r["compression"] else ""
         lines.append(
             f"| {r['label']} | {r['final_val_loss']:.4f} | {vs} | {human_bytes(r['bytes_sent'])} "
-            f"| {ratio} | {r['wall_time_s']:.0f} s | {r['samples_per_s']:.1f} |"
+            f"| {ratio} | {r.get('rounds', 0):,} | {r['wall_time_s']:.0f} s "
+            f"| {r['samples_per_s']:.1f} |"
         )
     table = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

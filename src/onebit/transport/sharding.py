@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import host
 from ..functional import layer_norms
+from ..stats import count_collective
 
 
 def local_tensor(tensor: Any) -> Any:
@@ -140,6 +141,7 @@ class Sharded(Replicated):
     def _reduce(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
         """All-reduce a small tensor across the shard group, on the device its backend needs."""
         here = host.moved(tensor, self.device or torch.device("cpu"))
+        count_collective()
         dist.all_reduce(here, op=op, group=self.group)
         return host.moved(here, tensor.device)
 
@@ -161,6 +163,7 @@ class Sharded(Replicated):
 
     def worst(self, code: int) -> int:
         here = host.upload([float(code)], self.device or torch.device("cpu"))
+        count_collective()
         dist.all_reduce(here, op=dist.ReduceOp.MAX, group=self.group)
         return int(host.read(here))
 

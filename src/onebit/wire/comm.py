@@ -27,6 +27,7 @@ from ..compress import (
     server_error_,
 )
 from ..kernels.errors import check_error_dtype, fp32
+from ..stats import count_collective
 from .exchange import Exchange
 from .protocol import TwoPhase, group_size_and_rank
 from .scales import ScaleGeometry, scale_rule
@@ -364,6 +365,7 @@ class CompressedAllreduce(TwoPhase):
         received = message
         if n > 1 and self.numel:
             received = torch.empty_like(message)
+            count_collective()
             work = dist.all_to_all_single(received, message, group=self.group, async_op=True)
         return Call(y, scales, received, work, signs=signs, commit=commit)
 
@@ -426,6 +428,7 @@ class CompressedAllreduce(TwoPhase):
             call.gathered = message.view(1, -1)
             return
         gathered = message.new_empty(self.world_size * message.numel())
+        count_collective()
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 

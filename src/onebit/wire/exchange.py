@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..stats import count_collective
+
 ALIGN = 16
 """Bytes each part's offset in a row is a multiple of: its scales can be read as fp32 in place."""
 
@@ -90,7 +92,9 @@ class Exchange:
             message.zero_()
         if n == 1:
             self._received = message
-        elif self.gather:
+            return
+        count_collective()
+        if self.gather:
             received = message.new_empty(n, message.shape[1])
             self._work = _all_gather_single(received, message, group=self.group, async_op=True)
             self._received = received

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import host
+from ..stats import count_collective
 from .exchange import Exchange
 from .protocol import allreduce_bytes, group_size_and_rank
 
@@ -95,6 +96,7 @@ class MeanAllreduce:
                 slots[self.rank] = header
         work = None
         if self.world_size > 1:
+            count_collective()
             work = dist.all_reduce(sent, group=self.group, async_op=True)
         return MeanCall(buffer[: self.numel], work, slots, verdict)
 

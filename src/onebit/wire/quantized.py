@@ -30,6 +30,7 @@ from torch import Tensor
 from .. import kernels
 from ..compress import padded_numel
 from ..kernels.reference import QuantizedBucket
+from ..stats import count_collective
 from .exchange import Exchange
 from .protocol import TwoPhase, finish_compressed_, group_size_and_rank
 from .quantize import (
@@ -324,6 +325,7 @@ class QuantizedAllreduce(TwoPhase):
         if n == 1 or not self.numel:
             return _Call(buffer, message, message, None)
         received = torch.empty_like(message)
+        count_collective()
         handle = dist.all_to_all_single(received, message, group=self.group, async_op=True)
         return _Call(buffer, message, received, handle)
 
@@ -512,6 +514,7 @@ class QuantizedAllreduce(TwoPhase):
             call.exchange = exchange
             return
         gathered = message.new_empty(self.world_size * message.numel())
+        count_collective()
         call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
         call.gathered = gathered.view(self.world_size, -1)
 
