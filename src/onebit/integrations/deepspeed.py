@@ -124,7 +124,7 @@ KEY_MAP: dict[str, KeyMapping] = {
     ),
     "var_freeze_step": KeyMapping(
         "var_freeze_step",
-        "`V` -> `max(V, 1)`, with `warmup_compression=\"fp32\"`: DeepSpeed's fp32 variance "
+        '`V` -> `max(V, 1)`, with `warmup_compression="fp32"`: DeepSpeed\'s fp32 variance '
         "steps (onebit's default is int4); warns if `V > var_update_scaler` (variance steps one "
         "step apart)",
         (ZERO_ONE,),
