@@ -14,8 +14,9 @@ RUNS/seed-S``; extra rows may sit in ``RUNS/seed-S-extra``) and writes
   seed's), and the step each seed froze at;
 * the whole run's time and speedup over AdamW + DDP at each link rate of the ``--network`` results
   (``benchmarks/network.py``): each stage's measured step time there, weighted by the number of
-  steps the row really ran in that stage, averaged over the seeds. 0/1 Adam's fp32 variance
-  steps count as fp32 steps, its local steps as compute alone and its syncs as 1-bit steps;
+  steps the row really ran in that stage, averaged over the seeds. 0/1 Adam's variance steps
+  count as 1-bit Adam's warmup steps of their compression, its local steps as compute alone
+  and its syncs as 1-bit steps;
 * the frozen denominators' drift: for ``--drift A,B`` (two row labels that saved a final
   checkpoint, ``--save-every``), the median and 99th percentile over all entries of
   ``|d_A - d_B| / d_B`` with ``d = sqrt(v̂_T) + eps``.
@@ -38,7 +39,7 @@ STAGE_METHODS = {
     "adamw": {"fp32": "adamw"},
     "onebit-adam": {"warmup": "onebit-warmup", "compression": "onebit"},
     "zero-one-adam": {
-        "variance": "onebit-warmup",  # an fp32 allreduce and Adam's moments
+        "variance": "onebit-warmup",  # a full-precision allreduce and Adam's moments
         "compression": "zero-one-a",
         "sync": "zero-one-a",  # a 1-bit allreduce of the same size
         "local": "compute",  # no communication
@@ -98,8 +99,10 @@ def whole_run_time(summary: dict[str, Any], stages: dict[str, int], times: dict[
     by the steps the run spent in it; ``None`` if a stage's method was not measured."""
     methods = dict(STAGE_METHODS[summary["optimizer"]])
     bits = summary.get("warmup_compression", "fp32")
-    if summary["optimizer"] in ("onebit-adam", "onebit-lamb") and bits != "fp32":
-        methods["warmup"] = f"{methods['warmup']}-{bits}"
+    full = {"onebit-adam": "warmup", "onebit-lamb": "warmup", "zero-one-adam": "variance"}
+    stage = full.get(summary["optimizer"])
+    if stage is not None and bits != "fp32":
+        methods[stage] = f"{methods[stage]}-{bits}"
     try:
         return sum(n * times[methods[stage]] for stage, n in stages.items())
     except KeyError:
