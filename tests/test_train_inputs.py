@@ -79,10 +79,6 @@ CONTRADICTIONS = {
         ["--compare", "onebit-lamb,lamb:warmup=int8"],
         "lamb has no variants",
     ),
-    "compare warmup of zero-one-adam": (
-        ["--compare", "zero-one-adam:warmup=int8"],
-        "zero-one-adam has no fp32 warmup to compress",
-    ),
     "compare errors of another dtype": (
         ["--compare", "onebit-adam:errors=fp16"],
         "unknown variant 'errors=fp16' of onebit-adam",
@@ -101,7 +97,7 @@ CONTRADICTIONS = {
     ),
     "warmup compression for adamw": (
         ["--optimizer", "adamw", "--warmup-compression", "int8"],
-        "--warmup-compression applies only to onebit-adam and onebit-lamb",
+        "--warmup-compression applies only to the 1-bit optimizers",
     ),
     "compare and resume": (
         ["--compare", "adamw,lamb", "--resume", "auto"],

@@ -418,9 +418,7 @@ class RowSetting:
         parse: the field's value for the text after ``=`` (``None`` when there is no ``=``), or
             ``None`` if the text is not one of its values.
         meaning: what it sets, for the help.
-        optimizers: the optimizers that take it.
-        refusal: the error for an optimizer that does not take it, with ``{name}`` and
-            ``{item}`` (``None``: it is an unknown variant of that optimizer).
+        optimizers: the optimizers that take it (for the others it is an unknown variant).
     """
 
     key: str
@@ -429,7 +427,6 @@ class RowSetting:
     parse: Callable[[str | None], Any]
     meaning: str
     optimizers: tuple[str, ...]
-    refusal: str | None = None
 
 
 ROW_SETTINGS = (
@@ -443,7 +440,6 @@ ROW_SETTINGS = (
         _choice(optim.WARMUP_COMPRESSION),
         "--warmup-compression",
         optim.WARMUP_COMPRESSED,
-        "{name} has no fp32 warmup to compress ({item})",
     ),
     RowSetting(
         "errors",
@@ -514,8 +510,6 @@ def parse_compare(text: str) -> list[Variant]:
             key, equals, value = variant.partition("=")
             setting = settings_by_key.get(key)
             parsed = None if setting is None else setting.parse(value if equals else None)
-            if parsed is not None and name not in setting.optimizers and setting.refusal:
-                raise UsageError(setting.refusal.format(name=name, item=item))
             if parsed is None or name not in setting.optimizers:
                 takes = ", ".join(s.syntax for s in ROW_SETTINGS if name in s.optimizers)
                 raise UsageError(

@@ -238,15 +238,10 @@ def _new_run(
             ("--no-error-feedback", not args.error_feedback),
             ("--freeze-step", args.freeze_step),
             ("--error-dtype", args.error_dtype not in (None, "fp32")),
+            ("--warmup-compression", args.warmup_compression not in (None, "fp32")),
         ):
             if value:
                 raise UsageError(f"{flag} applies only to the 1-bit optimizers")
-    if args.warmup_compression not in (None, "fp32") and not set(names) & set(
-        optim.WARMUP_COMPRESSED
-    ):
-        raise UsageError(
-            f"--warmup-compression applies only to {' and '.join(optim.WARMUP_COMPRESSED)}"
-        )
     if args.local_step_scaler and "zero-one-adam" not in names:
         raise UsageError("--local-step-scaler applies only to zero-one-adam")
     steps = args.steps or DEFAULT_STEPS
