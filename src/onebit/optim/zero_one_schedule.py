@@ -49,9 +49,9 @@ def run_schedule(
 
     A run of 600 steps that freezes at 120 gets ``(120, 1, 2)``: no 1-bit steps in phase A and
     a sync every other step in phase B; a run of 300 steps, ``(60, 240, 1)``: a sync every
-    step. The paper's BERT-Base run (118k steps, 23k of them
-    phase A) gets ``(128, 11875, 16)``. Given ``local_step_clipper``, the doubling is sized to
-    reach it instead.
+    step. The paper's BERT-Base run (118k steps, 23k of them phase A) gets
+    ``(128, 11875, 16)``. Given ``local_step_clipper``, the doubling is sized to reach it
+    instead.
     """
     phase_b = max(1, total_steps - var_freeze_step)
     clipper = local_step_clipper
