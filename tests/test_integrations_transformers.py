@@ -190,5 +190,7 @@ def test_create_optimizer_tells_the_optimizer_the_run_length(tmp_path):
     assert create_optimizer(model, args(), freeze_step="auto").freeze.auto_freeze.last_step is None
     assert create_optimizer(model, args(max_steps=400), freeze_step=FREEZE).freeze_step == FREEZE
     zero_one = create_optimizer(model, args(max_steps=600), onebit.ZeroOneAdam, var_freeze_step=120)
-    assert (zero_one.local_step_scaler, zero_one.local_step_clipper) == (240, 2)
+    assert (zero_one.local_step_scaler, zero_one.local_step_clipper) == (1, 2)
     assert zero_one.var_update_scaler == 120
+    told_zero_one = create_optimizer(model, args(max_steps=600), onebit.ZeroOneAdam)
+    assert told_zero_one.var_freeze_step == 120  # a fifth of max_steps
