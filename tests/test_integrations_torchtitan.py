@@ -9,6 +9,9 @@ torchtitan runs on the CPU with the shims of :mod:`torchtitan_cpu`."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -231,3 +234,48 @@ def test_only_onebit_optimizers_and_only_under_onebit_trainer(assets, tmp_path):
         OnebitTrainer(config)
     with pytest.raises(ValueError, match="runs under OnebitTrainer"):
         OnebitOptimizers(onebit_optimizer(), model_parts=[torch.nn.Linear(2, 2)])
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchtitan"
+
+
+def _train_the_example(rank, world_size, assets, dump: str, onebit: bool):
+    """The example's debug config (or torchtitan's, with AdamW) parsed from a command line as
+    ``torchtitan.train`` does, with gradient accumulation, bf16 parameters, ``torch.compile``
+    and full activation checkpointing."""
+    sys.path.insert(0, str(EXAMPLE))
+    torchtitan_cpu.patch_for_the_cpu()
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    module, name = ("onebit_llama3", "onebit_llama3.llama3_debugmodel_onebit")
+    if not onebit:
+        module, name = "torchtitan.models.llama3", "llama3_debugmodel"
+    args = ["--module", module, "--config", name.split(".")[-1], "--compile.enable"]
+    args += ["--training.mixed_precision_param", "bfloat16"]
+    if onebit:
+        args += ["--optimizer.optimizer-factory-kwargs-by-name.OnebitAdam.freeze-step", "2"]
+        args += ["--optimizer.optimizer-factory-kwargs-by-name.OnebitAdam.warmup-compression"]
+        args += ["fp32"]
+    base = ConfigManager().parse_args(args)
+    config = torchtitan_cpu.debug_config(assets, dump, replicas=2, shards=2, steps=3, base=base)
+    config.training.global_batch_size = 2 * 4 * torchtitan_cpu.LOCAL_BATCH
+    config.activation_checkpoint = FullAC.Config()
+
+    def observe(trainer):
+        return {**_observe(trainer), "accumulation": trainer.gradient_accumulation_steps}
+
+    return torchtitan_cpu.train(config, observe)
+
+
+def test_the_example_with_accumulation_bf16_compile_and_activation_checkpointing(assets, tmp_path):
+    adamw = run_ranks(_train_the_example, 4, assets, str(tmp_path / "a"), False, timeout=600)
+    onebit = run_ranks(_train_the_example, 4, assets, str(tmp_path / "b"), True, timeout=600)
+    assert onebit[0][0]["accumulation"] == 2
+    assert [s["stage"] for s in onebit[0]] == ["warmup", "warmup", "compression"]
+    for rank in range(4):  # the first step is AdamW's (later ones differ in bf16's rounding)
+        for x, y in zip(adamw[rank][0]["params"], onebit[rank][0]["params"]):
+            torch.testing.assert_close(x, y, rtol=0, atol=5e-7)
+    for step in range(3):
+        for rank in (0, 1):
+            assert _equal(onebit[rank][step]["params"], onebit[rank + 2][step]["params"])

@@ -114,17 +114,19 @@ def debug_config(
     steps: int,
     optimizer: Any = None,
     trainer: Any = None,
+    base: Any = None,
 ) -> Any:
     """torchtitan's ``llama3_debugmodel`` made small for the CPU: sequences of ``SEQ_LEN``, a
     local batch of ``LOCAL_BATCH``, HSDP ``replicas x shards``, no validation or activation
     checkpointing, checkpoints off (tests turn them on). ``trainer`` is the ``Trainer`` class
-    whose ``Config`` to return (torchtitan's own by default)."""
+    whose ``Config`` to return (torchtitan's own by default); ``base``, the config to start from
+    (``llama3_debugmodel()``'s by default)."""
     import dataclasses
 
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.trainer import Trainer
 
-    config = llama3_debugmodel()
+    config = llama3_debugmodel() if base is None else base
     config.hf_assets_path = str(assets / "tokenizer")
     config.dump_folder = dump
     config.dataloader.dataset_path = str(assets / "data")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import math
 from collections.abc import Callable, Iterator
@@ -57,6 +58,7 @@ import torch
 import torchtitan
 import tyro
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.config.configs import ParallelismConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -103,12 +105,36 @@ def onebit_optimizer(
     ``max_grad_norm`` is ``training.max_norm``, and ``total_steps`` ``training.steps``, unless
     given here.
     """
-    _optimizer_class(name)
+    defaults = _configurable_defaults(_optimizer_class(name))
     group = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     return OnebitOptimizers.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=name, optimizer_kwargs=group)],
-        optimizer_factory_kwargs_by_name={name: options},
+        optimizer_factory_kwargs_by_name={name: {**defaults, **options}},
     )
+
+
+_CONFIGURABLE = (
+    "freeze_step",
+    "var_freeze_step",
+    "warmup_compression",
+    "error_dtype",
+    "bucket_size",
+)
+"""The options :func:`onebit_optimizer` writes into the config with their defaults, so that the
+command line can set them (``--optimizer.optimizer-factory-kwargs-by-name.OnebitAdam.freeze-step
+2000``)."""
+
+
+def _configurable_defaults(cls: type[CompressedOptimizer]) -> dict[str, Any]:
+    parameters = inspect.signature(cls).parameters
+    defaults = {}
+    for name in _CONFIGURABLE:
+        default = parameters[name].default if name in parameters else None
+        if isinstance(default, torch.dtype):
+            default = str(default).removeprefix("torch.")
+        if default is not None:
+            defaults[name] = default
+    return defaults
 
 
 def _optimizer_class(name: str) -> type[CompressedOptimizer]:
@@ -259,6 +285,9 @@ def _build(
     name: str, param_groups: list[dict[str, Any]], options: dict[str, Any], mesh: Any
 ) -> CompressedOptimizer:
     cls = _optimizer_class(name)
+    for key, value in options.items():
+        if isinstance(value, str) and value.isdigit():  # "auto"'s replacement on the command line
+            options[key] = int(value)
     if isinstance(options.get("error_dtype"), str):
         options["error_dtype"] = getattr(torch, options["error_dtype"])
     if "process_group" in options:
@@ -290,6 +319,9 @@ class OnebitTrainer(Trainer):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         optimizer: OnebitOptimizers.Config = dataclasses.field(default_factory=onebit_optimizer)
+        parallelism: ParallelismConfig = dataclasses.field(
+            default_factory=lambda: ParallelismConfig(spmd_backend="partial_dtensor")
+        )
 
     def __init__(self, config: Config) -> None:
         _refuse(config)
@@ -442,6 +474,7 @@ def onebit_config(
     config: Trainer.Config, optimizer: OnebitOptimizers.Config
 ) -> OnebitTrainer.Config:
     """``config``, a ``Trainer.Config`` (a config function's, say), as :class:`OnebitTrainer`'s
-    config with ``optimizer``."""
+    config with ``optimizer``, on FSDP2's own sharding (``spmd_backend="partial_dtensor"``)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    fields["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
     return OnebitTrainer.Config(**{**fields, "optimizer": optimizer})
