@@ -5,8 +5,8 @@
 
 The reference covers what ``onebit.__all__`` exports, the methods and attributes users call on
 the optimizers, and the integrations' entry points. The integration modules import their
-framework (transformers, accelerate, lightning) when they are imported, so generating needs
-``pip install -e ".[integrations]"``; this file itself imports nothing of onebit until it runs.
+framework (transformers, accelerate, lightning, torchtitan) when they are imported, so generating
+needs ``pip install -e ".[integrations,torchtitan]"``; this file itself imports nothing of onebit until it runs.
 Docstrings are Google-style reST; they are converted modestly: ``x`` and :role:`x` become `x`,
 ``Args:``-style sections become lists, and ``::`` blocks become fenced code.
 """
@@ -69,6 +69,11 @@ MODULES: tuple[tuple[str, tuple[str, ...] | None, bool], ...] = (
     ("onebit.integrations.accelerate", None, True),
     ("onebit.integrations.lightning", None, True),
     ("onebit.integrations.deepspeed", None, True),
+    (
+        "onebit.integrations.torchtitan",
+        ("onebit_optimizer", "onebit_config", "OnebitTrainer", "OnebitOptimizers"),
+        True,
+    ),
 )
 """Each module: its names in order (``None``: its public names, :func:`public_names`), and
 whether its docstring introduces its section."""

@@ -4,7 +4,7 @@ translator imports none of them."""
 import subprocess
 import sys
 
-FRAMEWORKS = ["transformers", "accelerate", "lightning", "deepspeed"]
+FRAMEWORKS = ["transformers", "accelerate", "lightning", "deepspeed", "torchtitan"]
 
 
 def test_importing_onebit_imports_no_framework():

@@ -232,6 +232,9 @@ def test_only_onebit_optimizers_and_only_under_onebit_trainer(assets, tmp_path):
     )
     with pytest.raises(ValueError, match="same onebit optimizer"):
         OnebitTrainer(config)
+    config.optimizer = onebit_optimizer(max_grad_norm=0.5)
+    with pytest.raises(ValueError, match="set training.max_norm alone"):
+        OnebitTrainer(config)
     with pytest.raises(ValueError, match="runs under OnebitTrainer"):
         OnebitOptimizers(onebit_optimizer(), model_parts=[torch.nn.Linear(2, 2)])
 
@@ -262,8 +265,17 @@ def _train_the_example(rank, world_size, assets, dump: str, onebit: bool):
     config.training.global_batch_size = 2 * 4 * torchtitan_cpu.LOCAL_BATCH
     config.activation_checkpoint = FullAC.Config()
 
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+
     def observe(trainer):
-        return {**_observe(trainer), "accumulation": trainer.gradient_accumulation_steps}
+        onebit_lines = [line for line in lines if line.startswith("onebit ")]
+        seen = {**_observe(trainer), "accumulation": trainer.gradient_accumulation_steps}
+        return {**seen, "logged": onebit_lines[-1:]}
 
     return torchtitan_cpu.train(config, observe)
 
@@ -273,6 +285,8 @@ def test_the_example_with_accumulation_bf16_compile_and_activation_checkpointing
     onebit = run_ranks(_train_the_example, 4, assets, str(tmp_path / "b"), True, timeout=600)
     assert onebit[0][0]["accumulation"] == 2
     assert [s["stage"] for s in onebit[0]] == ["warmup", "warmup", "compression"]
+    assert "stage: compression" in onebit[0][-1]["logged"][0]  # the onebit metrics line
+    assert "x fewer than fp32" in onebit[0][-1]["logged"][0]
     for rank in range(4):  # the first step is AdamW's (later ones differ in bf16's rounding)
         for x, y in zip(adamw[rank][0]["params"], onebit[rank][0]["params"]):
             torch.testing.assert_close(x, y, rtol=0, atol=5e-7)

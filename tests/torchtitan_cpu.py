@@ -24,7 +24,8 @@ LOCAL_BATCH = 2
 
 
 def patch_for_the_cpu() -> None:
-    """Make torchtitan 0.3 run on the CPU. Call before importing anything of torchtitan."""
+    """Make torchtitan 0.3 run on the CPU, logging as ``torchtitan.train`` does. Call before
+    importing anything of torchtitan."""
     import torch._utils
 
     torch._utils._get_available_device_type = lambda: "cpu"
@@ -35,6 +36,9 @@ def patch_for_the_cpu() -> None:
     from torchtitan.components import metrics
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common import attention
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # as torchtitan.train does
 
     class _NoMemory:
         device_name = "cpu"
@@ -161,9 +165,6 @@ def debug_config(
 
 def train(config: Any, after_step: Callable[[Any], Any] | None = None) -> list[Any]:
     """Build ``config``'s trainer and train it; returns ``after_step(trainer)`` of every step."""
-    from torchtitan.tools.logging import init_logger
-
-    init_logger()
     seen: list[Any] = []
     trainer = config.build()
     if after_step is not None:

@@ -3,17 +3,18 @@
 A torchtitan config function returns :class:`OnebitTrainer`'s config in place of ``Trainer``'s,
 with a onebit optimizer in place of AdamW; nothing else changes::
 
-    from onebit.integrations.torchtitan import OnebitTrainer, onebit_optimizer
+    from torchtitan.models.llama3.config_registry import llama3_8b
+    from onebit.integrations.torchtitan import onebit_config, onebit_optimizer
 
-    def llama3_8b_onebit() -> OnebitTrainer.Config:
-        return OnebitTrainer.Config(
-            ...,  # what the Trainer.Config had
-            optimizer=onebit_optimizer("OnebitAdam", lr=3e-4, freeze_step=2000),
-        )
+    def llama3_8b_onebit():
+        optimizer = onebit_optimizer("OnebitAdam", lr=3e-4, freeze_step=200)
+        return onebit_config(llama3_8b(), optimizer)
 
-and is launched as torchtitan's own (``--module my_configs --config llama3_8b_onebit``), with
-``--parallelism.data_parallel_replicate_degree`` the nodes and ``data_parallel_shard_degree`` the
-GPUs of a node. :func:`onebit_config` turns an existing ``Trainer.Config`` into one.
+(a config function that builds ``Trainer.Config(...)`` itself builds ``OnebitTrainer.Config(...,
+optimizer=onebit_optimizer(...))`` instead). It is launched as torchtitan's own configs are
+(``-m torchtitan.train --module my_configs --config llama3_8b_onebit``), with
+``--parallelism.data_parallel_replicate_degree`` the nodes and ``data_parallel_shard_degree``
+the GPUs of a node.
 
 What :class:`OnebitTrainer` changes in torchtitan's run:
 
@@ -350,13 +351,17 @@ class OnebitTrainer(Trainer):
 
     @staticmethod
     def _move_clipping(config: Config) -> None:
-        """``training.max_norm`` becomes every onebit optimizer's ``max_grad_norm``, and
-        ``training.steps`` its ``total_steps``, unless the optimizer's options set them."""
+        """``training.max_norm`` becomes the onebit optimizer's ``max_grad_norm`` (``None`` for
+        0 or inf), and ``training.steps`` its ``total_steps`` unless its options set it."""
         max_norm = config.training.max_norm
         clip = max_norm if 0 < max_norm < math.inf else None
         for name in {group.optimizer_name for group in config.optimizer.param_groups}:
             options = config.optimizer.optimizer_factory_kwargs_by_name.setdefault(name, {})
-            options.setdefault("max_grad_norm", clip)
+            if options.setdefault("max_grad_norm", clip) != clip:
+                raise ValueError(
+                    f"max_grad_norm={options['max_grad_norm']} but training.max_norm={max_norm}: "
+                    "set training.max_norm alone, which onebit's max_grad_norm takes over"
+                )
             options.setdefault("total_steps", config.training.steps)
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
