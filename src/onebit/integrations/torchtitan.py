@@ -239,7 +239,11 @@ class OnebitOptimizers(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         optimizer = self.onebit
         rest = torch.load(io.BytesIO(state_dict[_rank_key()]), weights_only=True)
-        check_mesh(optimizer, rest["mesh"], "start a new run from the model")
+        check_mesh(
+            optimizer,
+            rest["mesh"],
+            "start a new warmup from the model with --checkpoint.exclude_from_loading optimizer",
+        )
         names = _param_names(optimizer)
         state = {
             i: {
