@@ -20,7 +20,11 @@ not stop the rest; the summary gives each part's status, time and the end of its
 * ``frameworks``: the FSDP2 hybrid-sharding examples of Lightning, HF Trainer and (with two
   GPUs or more) Accelerate, through each framework's CUDA code path, a rank per GPU (one GPU
   holds one NCCL rank), each saving a checkpoint;
-* ``train``: ``onebit train --device cuda`` for 60 steps.
+* ``train``: ``onebit train --device cuda`` for 60 steps;
+* ``torchtitan``: torchtitan's own trainer on its debug Llama, HSDP + AdamW against
+  ``OnebitTrainer`` with 1-bit Adam, 2 replicas sharing the GPU over gloo
+  (``benchmarks/torchtitan_hsdp.py --local --device cuda``); where torchtitan is not installed
+  (``pip install -e ".[torchtitan]"``, Python 3.11+), it says so and is skipped.
 """
 
 from __future__ import annotations

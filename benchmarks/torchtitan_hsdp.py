@@ -3,6 +3,7 @@ slow network: step times before and after the freeze, and bytes across the repli
 
     sudo python benchmarks/torchtitan_hsdp.py                      # 4 hosts, 1 Gbit/s, 2 x 2
     sudo python benchmarks/torchtitan_hsdp.py --ranks-per-host 2 --hosts 2   # nodes of 2 ranks
+    python benchmarks/torchtitan_hsdp.py --local --device cuda --ranks-per-host 2 --shards 1
 
 Each rank runs torchtitan's own ``Trainer`` (AdamW, HSDP on the 2-D mesh) or onebit's
 ``OnebitTrainer`` (FSDP2 on the shard mesh, 1-bit Adam across replicas) on torchtitan's debug
@@ -16,7 +17,9 @@ It reports each run's mean step time over the warmup's steps and over the compre
 (the first two steps of each left out), with AdamW's over the same steps; the bytes one rank sent
 across replicas (onebit's own count; AdamW's is its fp32 shard per step); and the bytes host 0's
 link sent. torchtitan runs on the CPU with the tests' shims (``tests/torchtitan_cpu.py``). Needs
-root (namespaces, ``tc``).
+root (namespaces, ``tc``), except with ``--local``: every rank on this machine's loopback, with no
+emulated network, on ``--device cuda`` ranks sharing the one GPU over gloo (what
+``benchmarks/gpu_check.py``'s ``torchtitan`` part runs).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torchtitan_cpu
 
     dist.init_process_group("gloo")
-    torchtitan_cpu.patch_for_the_cpu()
+    torchtitan_cpu.patch_for_the_cpu(cpu=args.device == "cpu")
     world = dist.get_world_size()
     replicas = world // args.shards
     options: dict[str, Any] = {"replicas": replicas, "shards": args.shards, "steps": args.steps}
@@ -79,15 +82,16 @@ def _wire_bytes(network: Network, k: int) -> int:
     return tx_bytes(INTERFACE, dev)
 
 
-def run_one(network: Network, args: argparse.Namespace, optimizer: str, out: Path) -> dict:
-    """One run of every rank; rank 0's steps and host 0's wire bytes."""
-    world = network.hosts * args.ranks_per_host
+def run_one(network: Network | None, args: argparse.Namespace, optimizer: str, out: Path) -> dict:
+    """One run of every rank (on ``network``'s hosts, or all here); rank 0's steps and host 0's
+    wire bytes."""
+    world = args.hosts * args.ranks_per_host
     result = out / f"{optimizer}.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--optimizer", optimizer]
     argv += ["--assets", str(out / "assets"), "--dump", str(out / optimizer), "--result"]
     argv += [str(result), "--steps", str(args.steps), "--freeze", str(args.freeze)]
-    argv += ["--shards", str(args.shards)]
-    sent_before = _wire_bytes(network, 0)
+    argv += ["--shards", str(args.shards), "--device", args.device]
+    sent_before = _wire_bytes(network, 0) if network else 0
     procs = []
     for rank in range(world):
         host = rank // args.ranks_per_host
@@ -96,15 +100,16 @@ def run_one(network: Network, args: argparse.Namespace, optimizer: str, out: Pat
             RANK=str(rank),
             LOCAL_RANK=str(rank % args.ranks_per_host),
             WORLD_SIZE=str(world),
-            MASTER_ADDR=Network.address(0),
+            MASTER_ADDR=Network.address(0) if network else "127.0.0.1",
             MASTER_PORT=str(PORT),
-            GLOO_SOCKET_IFNAME=INTERFACE,
             OMP_NUM_THREADS="1",
         )
+        if network:
+            env["GLOO_SOCKET_IFNAME"] = INTERFACE
         log = open(out / f"{optimizer}.rank{rank}.log", "w")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
-                network.command(host, argv),
+                network.command(host, argv) if network else argv,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -126,7 +131,7 @@ def run_one(network: Network, args: argparse.Namespace, optimizer: str, out: Pat
         tail = (out / f"{optimizer}.rank0.log").read_text()[-3000:]
         raise RuntimeError(f"{optimizer}: a rank failed or hung (exit {codes}):\n{tail}")
     run = json.loads(result.read_text())
-    run["wire_bytes_host0"] = _wire_bytes(network, 0) - sent_before
+    run["wire_bytes_host0"] = _wire_bytes(network, 0) - sent_before if network else 0
     return run
 
 
@@ -152,33 +157,38 @@ def main() -> None:
     parser.add_argument("--freeze", type=int, default=16, help="1-bit Adam's freeze_step")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--out", default="runs/torchtitan-hsdp")
+    parser.add_argument("--local", action="store_true", help="no emulated network")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     available, why = namespaces_available()
-    if not available:
-        sys.exit(f"torchtitan_hsdp.py needs the emulated network: {why}")
+    if not available and not args.local:
+        sys.exit(f"torchtitan_hsdp.py needs the emulated network (or --local): {why}")
     sys.path.insert(0, str(ROOT / "tests"))
     import torchtitan_cpu
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     torchtitan_cpu.write_assets(out / "assets")
-    network = Network(args.hosts)
+    network = None if args.local else Network(args.hosts)
     try:
-        network.setup()
-        network.set_rate(parse_rate(args.rate))
+        if network:
+            network.setup()
+            network.set_rate(parse_rate(args.rate))
         runs = {name: run_one(network, args, name, out) for name in ("adamw", "onebit-adam")}
     finally:
-        Network.cleanup()
+        if network:
+            Network.cleanup()
     world = args.hosts * args.ranks_per_host
     layout = f"{world // args.shards} replicas x {args.shards} shards"
     warm, frozen = (2, args.freeze), (args.freeze + 2, args.steps)
     adamw, ours = runs["adamw"], runs["onebit-adam"]
     sent = {"adamw": ours["steps"][-1]["fp32_bytes"], "onebit-adam": ours["steps"][-1]["bytes"]}
     lines = [
-        f"{rate_name(parse_rate(args.rate))}, {args.hosts} hosts x {args.ranks_per_host} "
+        f"{'loopback' if args.local else rate_name(parse_rate(args.rate))}, {args.device}, "
+        f"{args.hosts} hosts x {args.ranks_per_host} "
         f"ranks, {layout}, {args.steps} steps, 1-bit Adam frozen at {args.freeze}",
         "",
         "| run | step, warmup | step, compression | sent across replicas, one rank "

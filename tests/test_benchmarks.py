@@ -157,3 +157,17 @@ def test_call_path_traces_a_compression_step_across_files():
     out = _run("call_path.py", "--edges", backend=kernels.available()[0])
     assert out.startswith("OnebitAdam, compression step")
     assert "-> optim/adam.py:_Compression.step" in out and " -> " in out
+
+
+@pytest.mark.slow
+def test_torchtitan_benchmark_compares_hsdp_adamw_with_onebit_locally(tmp_path):
+    """What ``gpu_check.py``'s ``torchtitan`` part runs, on the CPU: both runs and the table."""
+    pytest.importorskip("torchtitan")
+    args = ["--local", "--hosts", "1", "--ranks-per-host", "2", "--shards", "1", "--steps", "6"]
+    done = subprocess.run([sys.executable, "torchtitan_hsdp.py", *args, "--freeze", "3", "--out",
+                           str(tmp_path)], cwd=BENCHMARKS, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| adamw", "| onebit-adam"))]
+    assert len(rows) == 2 and "x fewer bytes across replicas" in out

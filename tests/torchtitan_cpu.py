@@ -23,12 +23,14 @@ SEQ_LEN = 64
 LOCAL_BATCH = 2
 
 
-def patch_for_the_cpu() -> None:
+def patch_for_the_cpu(cpu: bool = True) -> None:
     """Make torchtitan 0.3 run on the CPU, logging as ``torchtitan.train`` does. Call before
-    importing anything of torchtitan."""
+    importing anything of torchtitan. With ``cpu=False`` (ranks sharing one GPU over gloo) it
+    changes only the logging, the local rank and the process-group timeouts."""
     import torch._utils
 
-    torch._utils._get_available_device_type = lambda: "cpu"
+    if cpu:
+        torch._utils._get_available_device_type = lambda: "cpu"
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["LOCAL_RANK"] = "0"
@@ -39,6 +41,9 @@ def patch_for_the_cpu() -> None:
     from torchtitan.tools.logging import init_logger
 
     init_logger()  # as torchtitan.train does
+    dist_utils.set_pg_timeouts = lambda *args, **kwargs: None
+    if not cpu:
+        return
 
     class _NoMemory:
         device_name = "cpu"
@@ -51,7 +56,6 @@ def patch_for_the_cpu() -> None:
             pass
 
     metrics.build_device_memory_monitor = _NoMemory
-    dist_utils.set_pg_timeouts = lambda *args, **kwargs: None
     attention.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex_attention)
 
 
