@@ -106,20 +106,28 @@ def test_warmup_is_torchtitans_hsdp_adamw_and_1_bit_crosses_replicas_only(assets
         assert logged == pytest.approx([s["grad_norm"] for s in adamw[rank][:FREEZE]], rel=1e-5)
 
 
-def _train_with_checkpoints(rank, world_size, assets, dump: str, load_step: int, options: dict):
+def _train_with_checkpoints(
+    rank, world_size, assets, dump: str, load_step: int, options: dict, replicas: int = 2
+):
     """5 steps of 1-bit Adam, saving every 2 steps through torchtitan's checkpointer, or
-    resuming from ``load_step`` (0: from the start)."""
+    resuming from ``load_step`` (0: from the start); a refusal's message."""
     torchtitan_cpu.patch_for_the_cpu()
     config = _config(assets, dump, "OnebitAdam", steps=5, **options)
+    config.parallelism.data_parallel_replicate_degree = replicas
+    config.parallelism.data_parallel_shard_degree = 4 // replicas
     config.checkpoint.enable = True
     config.checkpoint.interval = 2
     config.checkpoint.load_step = load_step or -1
-    return torchtitan_cpu.train(config, _observe)
+    try:
+        return torchtitan_cpu.train(config, _observe)
+    except ValueError as error:
+        return str(error)
 
 
 def test_resume_from_torchtitans_checkpoints_is_bitwise_through_the_freeze(assets, tmp_path):
     """Saved at step 2 (the warmup: freeze_step=3) and 4 (the compression stage), each resume
-    ends where the uninterrupted run did: parameters, error buffers and counters restored."""
+    ends where the uninterrupted run did: parameters, error buffers and counters restored. On
+    another layout the resume is refused."""
     import shutil
 
     options = {"freeze_step": 3, "warmup_compression": "int4"}
@@ -137,6 +145,9 @@ def test_resume_from_torchtitans_checkpoints_is_bitwise_through_the_freeze(asset
             for mine, theirs in zip(resumed[rank], whole[rank][saved_at:]):
                 assert _equal(mine["params"], theirs["params"])
                 assert mine["bytes"] == theirs["bytes"]
+    # on 4 replicas x 1 shard the error buffers cannot follow: every rank refuses
+    refused = run_ranks(_train_with_checkpoints, 4, assets, str(dump), 4, options, 4, timeout=600)
+    assert all("2 replicas x 2 shards" in message for message in refused)
 
 
 def _start_from_adamw(rank, world_size, assets, dump: str, name: str | None, exclude: list):

@@ -261,8 +261,9 @@ class OnebitOptimizers(OptimizersContainer):
         )
 
 
-def _rank_key() -> str:
-    return f"onebit_rank_{torch.distributed.get_rank()}"
+def _rank_key(rank: int | None = None) -> str:
+    """The key of ``rank``'s own state (this rank's by default)."""
+    return f"onebit_rank_{torch.distributed.get_rank() if rank is None else rank}"
 
 
 def _param_names(optimizer: CompressedOptimizer) -> list[str]:
@@ -392,8 +393,9 @@ class OnebitTrainer(Trainer):
 
 
 def _loading_onebit_state(dcp_load: Callable[..., None]) -> Callable[..., None]:
-    """torchtitan's ``CheckpointManager.dcp_load``, refusing with a clear error, on every rank, a
-    checkpoint whose optimizer state onebit did not write."""
+    """torchtitan's ``CheckpointManager.dcp_load``, refusing with a clear error, on every rank
+    alike, a checkpoint that lacks onebit's state of any rank (another optimizer's, or one saved
+    on fewer ranks)."""
 
     def checked(
         state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
@@ -402,12 +404,21 @@ def _loading_onebit_state(dcp_load: Callable[..., None]) -> Callable[..., None]:
 
         if "optimizer" in state_dict and not from_hf:
             saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-            if f"optimizer.{_rank_key()}" not in saved:
+            ranks = range(torch.distributed.get_world_size())
+            if any(f"optimizer.{_rank_key(rank)}" not in saved for rank in ranks):
+                by_onebit = any(key.startswith("optimizer.onebit_rank_") for key in saved)
                 raise ValueError(
-                    f"the checkpoint {checkpoint_id} has no onebit optimizer state (another "
-                    "optimizer, AdamW say, saved it), and onebit cannot take over another "
-                    "optimizer's moments. To start a onebit run from that run's model, data and "
-                    "schedule, add --checkpoint.exclude_from_loading optimizer"
+                    f"the checkpoint {checkpoint_id} lacks onebit's state of some of these "
+                    "ranks: "
+                    + (
+                        "it was saved on fewer, and each rank's error buffers belong to its "
+                        "shard. Resume on the layout it was saved on, or"
+                        if by_onebit
+                        else "another optimizer (AdamW, say) saved it, and onebit cannot take "
+                        "over another optimizer's moments. To start a onebit run from that "
+                        "run's model, data and schedule,"
+                    )
+                    + " add --checkpoint.exclude_from_loading optimizer"
                 )
         dcp_load(state_dict, checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
 
