@@ -200,6 +200,7 @@ REFUSED = {
     "parallelism.spmd_backend": ("spmd_types", "partial_dtensor"),
     "training.enable_cpu_offload": (True, "cpu_offload"),
     "checkpoint.async_mode": ("async", "async_mode must be 'disabled'"),
+    "optimizer.implementation": ("fused_opt_states_bf16", "AdamW's"),
 }
 
 

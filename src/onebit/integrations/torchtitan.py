@@ -37,11 +37,11 @@ What :class:`OnebitTrainer` changes in torchtitan's run:
 * **Metrics.** Each logged step adds a ``onebit`` line: the stage, the bytes sent across nodes
   and how many times fewer that is than an fp32 all-reduce.
 
-It refuses, with an error that says so, what it cannot do: tensor, context, pipeline or expert
-parallelism, CPU offload, async checkpointing, any ``spmd_backend`` but ``"partial_dtensor"``, a
-non-onebit optimizer, and a checkpoint written by another optimizer (torchtitan's
-``--checkpoint.exclude_from_loading optimizer`` starts the warmup from such a run's model, data
-and schedule). torchtitan is imported only when this module is; it was written for torchtitan
+It refuses, on every rank and with an error that says so, what it cannot do: tensor, context,
+pipeline or expert parallelism, a single replica, CPU offload, async checkpointing, any
+``spmd_backend`` but ``"partial_dtensor"``, a non-onebit optimizer, and a checkpoint written by
+another optimizer or on another layout (torchtitan's ``--checkpoint.exclude_from_loading
+optimizer`` starts the warmup from such a run's model, data and schedule). torchtitan is imported only when this module is; it was written for torchtitan
 0.3.0 and refuses another version.
 """
 
@@ -178,20 +178,16 @@ class OnebitOptimizers(OptimizersContainer):
                 "return OnebitTrainer.Config from the config function (onebit_config converts a "
                 "Trainer.Config)"
             )
-        if config.implementation == "fused_opt_states_bf16":
-            raise ValueError(
-                "implementation='fused_opt_states_bf16' is AdamW's; a onebit optimizer keeps "
-                "its moments in fp32 (error_dtype=torch.bfloat16 halves its error buffers)"
-            )
-        if len(model_parts) != 1:
-            raise ValueError("onebit's torchtitan integration has one model part (no pipelining)")
-        model = model_parts[0]
+        (model,) = model_parts  # one: OnebitTrainer refuses pipelining
         groups, patterns = self._build_param_groups(model, config.param_groups, {})
         ((name, param_groups),) = groups.items()  # one name: OnebitTrainer checked
-        options = {
-            **_group_options(param_groups),
-            **config.optimizer_factory_kwargs_by_name.get(name, {}),
-        }
+        options = dict(config.optimizer_factory_kwargs_by_name.get(name, {}))
+        for key, value in _group_options(param_groups).items():
+            if options.setdefault(key, value) != value:
+                raise ValueError(
+                    f"{key} is {value!r} in optimizer_kwargs and {options[key]!r} in "
+                    "optimizer_factory_kwargs_by_name: set it once"
+                )
         optimizer = _build(name, param_groups, options, config.replicate_mesh)
         attach(model, optimizer)
         self.optimizers = [optimizer]
@@ -217,6 +213,10 @@ class OnebitOptimizers(OptimizersContainer):
         return result
 
     def state_dict(self) -> dict[str, Any]:
+        """torchtitan's flat state dict: ``state.<name>.exp_avg`` and ``.exp_avg_sq`` (the
+        frozen denominator after the freeze) as DTensors, zeros before the first step, and this
+        rank's own object (``onebit_rank_<rank>``: what else each parameter's state holds, the
+        error buffers, counters, schedule, param groups and the layout)."""
         optimizer = self.onebit
         state = optimizer.state_dict()
         names = _param_names(optimizer)
@@ -237,6 +237,8 @@ class OnebitOptimizers(OptimizersContainer):
         return flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved; ``ValueError`` if it was saved on another
+        layout (``[replicas, shards]``)."""
         optimizer = self.onebit
         rest = torch.load(io.BytesIO(state_dict[_rank_key()]), weights_only=True)
         check_mesh(
@@ -481,6 +483,11 @@ def _refuse(config: Trainer.Config) -> None:
         )
     if not isinstance(config.optimizer, OnebitOptimizers.Config):
         raise ValueError("OnebitTrainer needs a onebit optimizer: optimizer=onebit_optimizer(...)")
+    if config.optimizer.implementation == "fused_opt_states_bf16":
+        raise ValueError(
+            "optimizer.implementation 'fused_opt_states_bf16' is AdamW's; a onebit optimizer "
+            "keeps its moments in fp32 (error_dtype='bfloat16' halves its error buffers)"
+        )
     names = sorted({group.optimizer_name for group in config.optimizer.param_groups})
     if len(names) != 1:
         raise ValueError(
