@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RANKS = 2
 TIMEOUT_S = 120
+DONE = "runnable block: done"
+GLOO_TEARDOWN = "terminate called without an active exception"
 
 
 def runnable_blocks() -> list[tuple[str, str]]:
@@ -50,9 +52,14 @@ def _free_port() -> int:
 @pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
     """As ``torchrun --nproc-per-node 2`` would start it: each rank its own process, in one
-    working directory, with the environment torchrun sets."""
+    working directory, with the environment torchrun sets.
+
+    A rank that ran the whole block may still abort as the interpreter exits, with "terminate
+    called without an active exception": a gloo worker thread dropping a finished collective
+    (pytorch/pytorch#179291, see ``onebit.train.launch.close_process_group``). That, and only
+    after the block's last line ran, is tolerated."""
     script = tmp_path / "block.py"
-    script.write_text(code)
+    script.write_text(code + f"\nprint({DONE!r}, flush=True)\n")
     port = _free_port()
     procs = []
     for rank in range(RANKS):
@@ -85,7 +92,9 @@ def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
         for proc in procs:
             proc.kill()
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"{where}, rank {rank}:\n{out}"
+        torn_down = DONE in out and out.rstrip().endswith(GLOO_TEARDOWN)
+        assert proc.returncode == 0 or torn_down, f"{where}, rank {rank}:\n{out}"
+        assert DONE in out, f"{where}, rank {rank}:\n{out}"
 
 
 def markdown_table(text: str, header: str) -> list[list[str]]:
