@@ -41,8 +41,9 @@ It refuses, on every rank and with an error that says so, what it cannot do: ten
 pipeline or expert parallelism, a single replica, CPU offload, async checkpointing, any
 ``spmd_backend`` but ``"partial_dtensor"``, a non-onebit optimizer, and a checkpoint written by
 another optimizer or on another layout (torchtitan's ``--checkpoint.exclude_from_loading
-optimizer`` starts the warmup from such a run's model, data and schedule). torchtitan is imported only when this module is; it was written for torchtitan
-0.3.0 and refuses another version.
+optimizer`` starts the warmup from such a run's model, data and schedule). torchtitan is
+imported only when this module is; it was written for torchtitan 0.3.0 and refuses another
+version.
 """
 
 from __future__ import annotations
@@ -342,7 +343,11 @@ class OnebitTrainer(Trainer):
         if self.checkpointer.enable:
             self.checkpointer.dcp_load = _loading_onebit_state(self.checkpointer.dcp_load)
 
-    def _shard_only(self, parallelize: Callable[..., Any], config: Config) -> Callable[..., Any]:
+    @staticmethod
+    def _shard_only(parallelize: Callable[..., Any], config: Config) -> Callable[..., Any]:
+        """The model's ``parallelize_fn``, sharding over ``fsdp`` only, with FSDP2 scaling each
+        node's gradient sum by the replicas; it hands the optimizer the replicas' mesh."""
+
         def parallelize_fn(model: torch.nn.Module, *, parallel_dims: Any, **kwargs: Any) -> Any:
             from torch.distributed.fsdp import FSDPModule
 
