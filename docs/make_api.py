@@ -5,8 +5,9 @@
 
 The reference covers what ``onebit.__all__`` exports, the methods and attributes users call on
 the optimizers, and the integrations' entry points. The integration modules import their
-framework (transformers, accelerate, lightning, torchtitan) when they are imported, so generating
-needs ``pip install -e ".[integrations,torchtitan]"``; this file itself imports nothing of onebit until it runs.
+framework (transformers, accelerate, lightning, torchtitan) when they are imported, so
+generating needs ``pip install -e ".[integrations,torchtitan]"``; this file itself imports
+nothing of onebit until it runs.
 Docstrings are Google-style reST; they are converted modestly: ``x`` and :role:`x` become `x`,
 ``Args:``-style sections become lists, and ``::`` blocks become fenced code.
 """

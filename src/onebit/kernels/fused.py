@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from torch import Tensor
 
 from .. import host
 from .errors import fp32, written
+
+if TYPE_CHECKING:
+    from .interface import Kernels
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter dtypes the passes update in place and read the gradients of, in that dtype:
@@ -165,7 +169,7 @@ class ModelGeometry:
     header_numel: int
 
 
-def _backend(out: Tensor):
+def _backend(out: Tensor) -> Kernels:
     from . import for_tensors  # the package imports this module: import it when called
 
     backend = for_tensors(out)

@@ -21,10 +21,13 @@ reference (``op = TorchKernels.op``), so that none is taken by omission:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .fused import BucketRuns, PackedMomentum
 
 __all__ = ["FUSED_MOMENTUM", "OPERATIONS", "OPTIONAL", "FusedMomentum", "Kernels"]
 
@@ -121,12 +124,19 @@ class FusedMomentum(Protocol):
     ``update`` in :mod:`onebit.kernels.fused`, which calls them."""
 
     def momentum_signs(
-        self, runs, grads, inv_scale, momentum, weight, error, out, scale, post, dtype
-    ) -> Tensor: ...
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, out: Tensor,
+        scale: str, post: Tensor | None, dtype: torch.dtype = torch.float32,
+    ) -> Tensor: ...  # fmt: skip
     def momentum_commit(
-        self, runs, grads, inv_scale, momentum, weight, error, scales, out, post, dtype
-    ) -> None: ...
-    def momentum_update(self, runs, params, momentum, denominator, decay, value, dtype) -> None: ...
+        self, runs: BucketRuns, grads: Tensor, inv_scale: float | None,
+        momentum: Tensor | PackedMomentum, weight: float, error: Tensor | None, scales: Tensor,
+        out: Tensor, post: Tensor | None, dtype: torch.dtype = torch.float32,
+    ) -> None: ...  # fmt: skip
+    def momentum_update(
+        self, runs: BucketRuns, params: Tensor, momentum: PackedMomentum, denominator: Tensor,
+        decay: Tensor, value: Tensor, dtype: torch.dtype = torch.float32,
+    ) -> None: ...  # fmt: skip
 
 
 def _operations(protocol: type) -> tuple[str, ...]:

@@ -162,7 +162,7 @@ def _fp32(*tensors: Tensor) -> bool:
     return suits(*tensors) and all(t.dtype == torch.float32 for t in tensors)
 
 
-def _np(t: Tensor):
+def _np(t: Tensor) -> np.ndarray:
     """Zero-copy numpy view of a CPU tensor (autograd detached)."""
     return t.detach().numpy()
 
@@ -172,7 +172,7 @@ def _f32_bits(s: float) -> int:
     return int(np.array(s, dtype=np.float32).view(np.int32))
 
 
-def _sign_table():
+def _sign_table() -> np.ndarray:
     global _SIGN_TABLE
     if _SIGN_TABLE is None:
         bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
@@ -180,7 +180,7 @@ def _sign_table():
     return _SIGN_TABLE
 
 
-def _partial_scale(y, scale: str) -> float:
+def _partial_scale(y: np.ndarray, scale: str) -> float:
     """Sum of squares (rms) or of absolute values (mean_abs) of one chunk, fp32 accumulation."""
     if scale == "rms":
         t = torch.from_numpy(y)
@@ -188,13 +188,13 @@ def _partial_scale(y, scale: str) -> float:
     return float(np.abs(y).sum())
 
 
-def _pack_chunk(y, out, mask) -> None:
+def _pack_chunk(y: np.ndarray, out: np.ndarray, mask: np.ndarray) -> None:
     m = mask[: y.size]
     np.greater_equal(y, 0, out=m)
     out[:] = np.packbits(m, bitorder="little")
 
 
-def _error_chunk(y, s_bits: int, out, scratch) -> None:
+def _error_chunk(y: np.ndarray, s_bits: int, out: np.ndarray, scratch: np.ndarray) -> None:
     """``out = y - (±s)``, the sign of ``s`` taken from ``y + 0.0`` (so ``-0.0`` counts as
     positive). Integer ops on the sign bit: about 3x cheaper than ``copysign`` or ``where``."""
     t = scratch[: y.size]
@@ -205,13 +205,13 @@ def _error_chunk(y, s_bits: int, out, scratch) -> None:
     np.subtract(y, t, out=out)
 
 
-def _signed_table(s: float):
+def _signed_table(s: float) -> np.ndarray:
     """fp32 ``[256, 8]``: row ``b`` is ``±s`` by the bits of byte ``b`` (``s * -1`` where clear,
     which has the same bits as ``-1.0 * s``, as the torch formulation computes it)."""
     return (_sign_table() | np.int32(_f32_bits(s))).view(np.float32)
 
 
-def _take_signed(table, packed, out) -> None:
+def _take_signed(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
     """``out = table[packed]`` flattened, for fp32 ``out`` of at most ``8 * len(packed)``."""
     whole = out.size // 8
     if whole:

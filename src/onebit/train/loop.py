@@ -362,7 +362,7 @@ def evaluate(
     return (total[0] / total[1]).item()
 
 
-def _progress(config: RunConfig, start_step: int):
+def _progress(config: RunConfig, start_step: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(
