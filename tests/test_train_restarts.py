@@ -100,12 +100,13 @@ def test_torchrun_restarts_a_killed_rank_with_resume_auto(
     assert_same_run(out, uninterrupted)
 
 
-def test_twenty_runs_in_a_row_exit_0(tmp_path: Path, data_cache: Path) -> None:
-    """The teardown once aborted about 1 run in 5 after the results were written. The runs go
-    through every optimizer, with and without AMP and clipping."""
+def test_ten_runs_in_a_row_exit_0(tmp_path: Path, data_cache: Path) -> None:
+    """The teardown once aborted about 1 run in 5 after the results were written; 10 runs catch
+    that with 89% odds (20 did with 99%, at twice the time). The runs still go through every
+    optimizer with and without clipping, and every AMP mode."""
     i = TINY.index("--freeze-step")
     base = [*TINY[:i], *TINY[i + 2 :], "--steps", "3", "--cache-dir", str(data_cache)]
-    for i in range(20):
+    for i in range(10):
         name = optim.OPTIMIZERS[i % len(optim.OPTIMIZERS)]
         amp = [None, "bf16", "fp16"][i % 3]
         options = ["--optimizer", name, *(["--amp", amp] if amp else [])]
