@@ -28,7 +28,7 @@ def _generator():
 
 def _frameworks() -> None:
     """The integration modules import their frameworks: without them the page cannot be made."""
-    for framework in ("transformers", "accelerate", "lightning"):
+    for framework in ("transformers", "accelerate", "lightning", "torchtitan"):
         pytest.importorskip(framework)
 
 
