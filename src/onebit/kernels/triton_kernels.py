@@ -42,6 +42,7 @@ from .triton_common import (
     lerp_coefficient,
     segments_to_scales,
 )
+from .triton_interpreter import skip_repatching
 from .triton_model import ModelPasses
 from .triton_passes import (
     decompress_kernel,
@@ -56,6 +57,8 @@ from .triton_quantized import BlockQuantizer
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether ``TRITON_INTERPRET=1`` was set when this module was imported (as ``triton.jit``
 reads it): the kernels then run on CPU tensors, in numpy."""
+if INTERPRETED:
+    skip_repatching()
 
 
 class _RunTables:
