@@ -14,7 +14,7 @@ Two passes, the second in a fresh process:
 2. Without the interpreter, each launch goes through Triton's own binder for a
    ``GPUTarget("cuda", 90, 32)``, as a launch on an H100 would: launches with the same compile
    key are one variant. Each variant is compiled (the wheel ships ``ptxas``; no GPU is needed)
-   and ``ptxas -v`` gives its registers and spills.
+   and the ``ptxas -v`` of Triton's build gives its registers and spills.
 
 It also prints the number of variants the first steps of each stage compile and how long that
 takes on this CPU (a GPU machine compiles them on its CPU too).
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import json
 import multiprocessing
 import os
@@ -187,9 +188,11 @@ def _bind(launch: dict, backend):
     return fn, key, (kwargs, bound, specialization, options)
 
 
-def compile_all(recorded: list[dict], build: bool = True) -> dict:
+def compile_all(recorded: list[dict], build: bool = True, sass: bool = True) -> dict:
     """Pass 2, without the interpreter: each launch's variant (its compile key for sm_90), and
-    (``build``) per variant its registers, spill bytes and compile time."""
+    (``build``) per variant its registers, spill bytes and compile time, from the log of the
+    ``ptxas -v`` that Triton's own build runs (``TRITON_DUMP_PTXAS_LOG``), and (``sass``) its
+    global loads, from ``nvdisasm`` (a third of a second a variant)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -210,38 +213,53 @@ def compile_all(recorded: list[dict], build: bool = True) -> dict:
         )
         start = time.perf_counter()
         source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-        compiled = triton.compile(source, target=target, options=options.__dict__)
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):  # where TRITON_DUMP_PTXAS_LOG prints
+            compiled = triton.compile(source, target=target, options=options.__dict__)
         seconds = time.perf_counter() - start
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx = Path(tmp) / "kernel.ptx"
-            ptx.write_text(compiled.asm["ptx"])
-            out = subprocess.run(
-                [str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                capture_output=True, text=True, check=True,
-            ).stderr  # fmt: skip
-            cubin = Path(tmp) / "kernel.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            sass = subprocess.run([str(ptxas.parent / "nvdisasm"), str(cubin)],
-                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
-        registers = int(re.search(r"Used (\d+) registers", out).group(1))
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
-        loads = re.findall(r"\bLDG\.E(\S*)", sass)
-        variants[key] = {"kernel": launch["kernel"], "registers": registers,
-                         "spill_stores": spills[0], "spill_loads": spills[1],
-                         "warps": options.num_warps, "seconds": seconds,
-                         "wide_loads": sum(".128" in m or ".64" in m for m in loads),
-                         "loads": len(loads)}  # fmt: skip
+        variants[key] = {"kernel": launch["kernel"], "warps": options.num_warps,
+                         "seconds": seconds, **_ptxas(log.getvalue(), compiled, ptxas)}  # fmt: skip
+        if sass:
+            variants[key].update(_global_loads(compiled, ptxas))
     return {"triton": triton.__version__, "variants": variants, "keys": keys}
 
 
-def _in_fresh_process(launches: list[dict], python: str, build: bool) -> dict:
+def _ptxas(log: str, compiled, ptxas: Path) -> dict:
+    """Registers and spill bytes from Triton's ``ptxas -v`` ``log``, or where this Triton
+    printed none, from a ``ptxas -v`` of the variant's PTX."""
+    if "Used" not in log:
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "kernel.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            log = subprocess.run(
+                [str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                capture_output=True, text=True, check=True,
+            ).stderr  # fmt: skip
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_stores": spills[0], "spill_loads": spills[1]}  # fmt: skip
+
+
+def _global_loads(compiled, ptxas: Path) -> dict:
+    """A variant's global loads in its SASS, and how many of them load 64 or 128 bits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(ptxas.parent / "nvdisasm"), str(cubin)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    loads = re.findall(r"\bLDG\.E(\S*)", sass)
+    return {"loads": len(loads), "wide_loads": sum(".128" in m or ".64" in m for m in loads)}
+
+
+def _in_fresh_process(launches: list[dict], python: str, mode: str) -> dict:
     """:func:`compile_all` of ``launches`` in a fresh process of ``python``, without the
-    interpreter or Triton's cache."""
+    interpreter or Triton's cache: ``mode`` is ``"--keys"`` (nothing built), ``"--compile"``
+    or ``"--registers"`` (built, without the SASS)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.json"
         path.write_text(json.dumps(launches))
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "c")}
-        mode = "--compile" if build else "--keys"
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "c"),
+               "TRITON_DUMP_PTXAS_LOG": "1"}  # fmt: skip
         out = subprocess.run(
             [python, __file__, mode, str(path)], env=env, capture_output=True, text=True
         )
@@ -254,16 +272,16 @@ def variant_keys(launches: list[dict], python: str = sys.executable) -> list[str
     """The variant each of ``launches`` (:func:`recording`'s) compiles on an H100: its key
     from Triton's binder for sm_90, as a launch there would bind it. Equal keys are one
     compiled variant."""
-    return _in_fresh_process(launches, python, build=False)["keys"]
+    return _in_fresh_process(launches, python, "--keys")["keys"]
 
 
-def compile_recorded(results: list[dict], python: str) -> tuple[dict, str]:
+def compile_recorded(results: list[dict], python: str, sass: bool = True) -> tuple[dict, str]:
     """Compile every launch of :func:`record`'s ``results`` in a fresh process of ``python``
-    (:func:`compile_all`); name each launch's variant in its ``"key"``. Returns the variants
-    and that Triton's version."""
+    (:func:`compile_all`, with the SASS's loads if ``sass``); name each launch's variant in its
+    ``"key"``. Returns the variants and that Triton's version."""
     launches = [launch for r in results for row in r["rows"] for launch in row["first"]]
     launches += [launch for r in results for row in r["rows"] for launch in row["measured"]]
-    compiled = _in_fresh_process(launches, python, build=True)
+    compiled = _in_fresh_process(launches, python, "--compile" if sass else "--registers")
     keys = iter(compiled["keys"])
     for part in ("first", "measured"):
         for r in results:
@@ -277,11 +295,13 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the Python that compiles")
     parser.add_argument("--json", metavar="FILE", help="also write every launch and variant")
     parser.add_argument("--compile", metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--registers", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--keys", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.compile or args.keys:  # pass 2, in its own process
-        recorded = json.loads(Path(args.compile or args.keys).read_text())
-        print(json.dumps(compile_all(recorded, build=bool(args.compile))))
+    if given := args.compile or args.registers or args.keys:  # pass 2, in its own process
+        recorded = json.loads(Path(given).read_text())
+        built = compile_all(recorded, build=not args.keys, sass=bool(args.compile))
+        print(json.dumps(built))
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.execve(sys.executable, [sys.executable, *sys.argv],
