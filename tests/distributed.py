@@ -8,17 +8,14 @@ once, instead of spawned: a rank starts in a fraction of a second, not six.
 
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any
 
 from onebit.train import launch
-
-PRELOAD = ["torch", "torch._dynamo", "onebit"]
-multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 __all__ = ["run_ranks"]
 
 
 def run_ranks(fn: Any, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """:func:`onebit.train.launch.run_ranks` with ``start_method="forkserver"``."""
-    return launch.run_ranks(fn, world_size, *args, start_method="forkserver", **kwargs)
+    """:func:`onebit.train.launch.run_ranks`, started by ``launch.fast_start_method()``."""
+    start_method = launch.fast_start_method()
+    return launch.run_ranks(fn, world_size, *args, start_method=start_method, **kwargs)

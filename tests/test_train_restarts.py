@@ -74,8 +74,9 @@ def test_local_launcher_restarts_a_killed_worker(
     command = [sys.executable, "-m", "onebit.train", *RUN, "--max-restarts", "1"]
     command += ["--out", str(out), "--cache-dir", str(data_cache)]
 
-    def is_worker(pid: int) -> bool:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    def is_worker(pid: int) -> bool:  # forked by the forkserver, not the server itself
+        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        return b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
 
     process, err = kill_a_worker(command, out, is_worker)
     assert process.returncode == 0, err

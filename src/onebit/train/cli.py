@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from . import checkpoint, loggers, optim
+from . import checkpoint, launch, loggers, optim
 from .arguments import (
     AUTO,
     DEFAULT_STEPS,
@@ -112,7 +112,7 @@ def _launch(plan: Plan, max_restarts: int, prog: str, warn: Callable[[str], None
                     spawn_worker,
                     args=(plan.workers, f"{tmp}/store{attempt}", configs, resume, plan.device),
                     nprocs=plan.workers,
-                    start_method="spawn",
+                    start_method=launch.fast_start_method(),
                 )
                 return 0
             except KeyboardInterrupt:
