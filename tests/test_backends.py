@@ -20,6 +20,7 @@ import torch
 from backends import BACKENDS, use_backend
 from distributed import run_ranks
 from harness import CASES, run
+from heavy import slow
 
 from onebit import kernels
 
@@ -59,7 +60,7 @@ def _trajectories(rank: int, world_size: int, backend: str) -> dict[str, list[to
     return {"backend": chosen, **results}
 
 
-@pytest.mark.parametrize("world", [1, 3])  # 3: padding, and more than a pair
+@pytest.mark.parametrize("world", [1, slow(3)])  # 3: padding, and more than a pair
 def test_every_backend_follows_the_reference_through_optimizer_steps(world):
     reference = run_ranks(_trajectories, world, "torch", timeout=300)
     for name in ("adam", "lamb"):  # the clipped cases clip

@@ -72,6 +72,7 @@ def test_step_benchmark_layouts_run_forward():
             assert model(torch.empty(2, model[0].in_features, device=meta)).shape[0] == 2, kind
 
 
+@pytest.mark.slow
 def test_gpu_check_reports_a_failed_part_and_writes_its_summary(tmp_path):
     """Each part runs in its own process: one that fails (here, without a GPU, the versions
     part) is reported in the summary, not raised."""
@@ -90,6 +91,7 @@ def test_gpu_check_reports_a_failed_part_and_writes_its_summary(tmp_path):
     assert refused.returncode == 2 and "unknown part(s) nope" in refused.stderr
 
 
+@pytest.mark.slow
 def test_every_kernel_variant_of_a_step_fits_an_h100_and_buckets_add_none(monkeypatch):
     """Each Triton kernel variant the steps of ``step.py`` launch, compiled for sm_90 (Triton's
     wheel ships ``ptxas``: no GPU is needed), uses at most 128 registers a thread and spills

@@ -13,6 +13,7 @@ import pytest
 import torch
 from backends import BACKENDS, use_backend
 from distributed import run_ranks
+from heavy import slow
 
 import onebit
 from onebit import _native
@@ -185,9 +186,12 @@ SOLO_CASES = [
 
 
 def test_world_size_one_matches_the_stored_buffer_formulation(backend):
+    """Every case on every backend, but the 70,007 elements (numpy's chunk) on Triton: under its
+    interpreter each of their 69 blocks runs the same program as the 4 of ``3 * BLOCK + 45``."""
     calls, bad_call = 5, 3
-    results = [_calls_on_rank(0, 1, backend, SOLO_CASES, calls, bad_call)]
-    _check(results, 1, backend, SOLO_CASES, calls, bad_call)
+    cases = [c for c in SOLO_CASES if backend != "triton" or c[0] < 70007]
+    results = [_calls_on_rank(0, 1, backend, cases, calls, bad_call)]
+    _check(results, 1, backend, cases, calls, bad_call)
 
 
 GROUP_CASES = [
@@ -198,7 +202,7 @@ GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, slow(3), slow(4)])
 @pytest.mark.parametrize("kernels", BACKENDS)
 def test_gloo_ranks_match_the_stored_buffer_formulation(world, kernels, monkeypatch):
     use_backend(kernels, monkeypatch)

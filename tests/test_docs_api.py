@@ -36,6 +36,7 @@ def _headings() -> set[str]:
     return set(re.findall(r"^#{2,4} `([^`]+)`$", API.read_text(encoding="utf-8"), flags=re.M))
 
 
+@pytest.mark.slow
 def test_api_md_is_what_the_generator_writes():
     """In a fresh interpreter, as a user runs it: other tests in this process may have imported
     or patched modules in ways that change what the generator sees."""

@@ -49,6 +49,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # each block is a script on 2 ranks, as a user runs it
 @pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
     """As ``torchrun --nproc-per-node 2`` would start it: each rank its own process, in one

@@ -11,6 +11,7 @@ import torch
 from backends import use_backend
 from distributed import run_ranks
 from harness import CASES, _non_finite
+from heavy import slow
 
 from onebit import kernels
 
@@ -76,7 +77,7 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "lamb"])  # packed: per bucket
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", [1, slow(3)])
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
     whole = run_ranks(_run, world_size, name, True, timeout=600)
     per_bucket = run_ranks(_run, world_size, name, False, timeout=600)

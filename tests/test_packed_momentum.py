@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from distributed import run_ranks
+from heavy import slow
 
 import onebit
 from onebit import _native
@@ -160,7 +161,7 @@ CASES = [(name, loop) for name in STATE for loop in LOOPS]
 
 
 @pytest.mark.parametrize("name,loop", CASES)
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", [1, slow(3)])
 def test_fused_steps_give_the_unfused_bits_and_resume_exactly(world_size, name, loop):
     """Through AMP, a missing gradient, a skipped step and a resume, in each of :data:`LOOPS`."""
     fused = run_ranks(_run, world_size, name, True, False, LOOPS[loop])
@@ -365,12 +366,10 @@ def _run_triton(
 
 @pytest.mark.parametrize(
     "name,world_size,loop",
-    [(name, world_size, "plain") for name in STATE for world_size in (1, 3)]
-    + [(name, 3, "max_grad_norm") for name in STATE]
-    + [(name, 1, "channels_last") for name in STATE]
-    + [("OnebitAdam", 3, "fp16")]
-    + [(name, 1, "bf16") for name in STATE]
-    + [(name, 3, "exp_avg_mask") for name in STATE],
+    [(name, 1, "plain") for name in STATE]
+    + [slow(name, 3, loop) for name in STATE for loop in ("plain", "max_grad_norm", "exp_avg_mask")]
+    + [slow(name, 1, loop) for name in STATE for loop in ("channels_last", "bf16")]
+    + [slow("OnebitAdam", 3, "fp16")],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
@@ -399,7 +398,9 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
             assert torch.equal(a["server_error"], b["server_error"])
 
 
-@pytest.mark.parametrize("world_size,loop", [(3, "plain"), (1, "bf16"), (1, "exp_avg_mask")])
+@pytest.mark.parametrize(
+    "world_size,loop", [(1, "bf16"), slow(3, "plain"), slow(1, "exp_avg_mask")]
+)
 def test_lamb_after_its_allreduce_in_two_passes_follows_the_torch_formulation(world_size, loop):
     """On Triton, what 1-bit LAMB does after its allreduce (the fresh variance, each layer's
     largest ratio and norms, the update) is two passes over every bucket, each op rounded as

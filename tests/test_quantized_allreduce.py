@@ -6,6 +6,7 @@ import pytest
 import torch
 from backends import use_backend
 from distributed import run_ranks
+from heavy import slow
 
 from onebit import kernels
 from onebit.wire import quantize
@@ -212,7 +213,7 @@ def _check_scenario(results, world_size):
             assert torch.equal(headers.reshape(n, 2), expected)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, slow(3), slow(4)])
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_ranks_match_reference_bitwise_and_agree(world_size, backend):
     if backend != "auto" and backend not in kernels.available():
@@ -301,7 +302,7 @@ def test_small_tiles_match_reference_bitwise(monkeypatch):
     _check_tiled([_tiled_results(0)], 1)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_small_tiles_on_ranks_match_reference_bitwise(world_size, backend):
     if backend != "auto" and backend not in kernels.available():

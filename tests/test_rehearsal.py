@@ -15,6 +15,7 @@ import pytest
 import torch
 from backends import use_backend
 from distributed import run_ranks
+from heavy import slow
 
 import onebit
 from onebit import kernels
@@ -92,6 +93,7 @@ def _train(name: str, options: dict, steps: int, rank: int = 0):
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
+@pytest.mark.slow
 def test_the_rehearsal_launches_every_variant_the_later_steps_launch(monkeypatch):
     """Per case: the variants launched after the first step (through the freeze, compression,
     0/1 Adam's local steps, syncs and ``synchronize()``) are among those the first step and
@@ -149,7 +151,7 @@ def _run(rank: int, world_size: int, name: str, options: dict, rehearse: bool):
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
-@pytest.mark.parametrize("case", ["OnebitAdam, clip", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("case", ["OnebitAdam, clip", slow("OnebitLamb"), slow("ZeroOneAdam")])
 def test_the_rehearsal_leaves_the_run_as_it_was_on_two_ranks(case):
     """On 2 gloo ranks (its copy's collectives on the same group), a run with the rehearsal
     ends with the parameters, state, bytes sent and random number generator of one without

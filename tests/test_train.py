@@ -68,6 +68,7 @@ def resumed(compared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return outs
 
 
+@pytest.mark.slow  # onebit train runs
 def test_zero_one_adam_checkpoint_holds_diverged_replicas(compared: Path) -> None:
     checkpoint = compared / "zero-one-adam" / "checkpoints" / "step_000005"
     models = [torch.load(checkpoint / f"rank{r}.pt")["model"] for r in range(2)]
@@ -76,6 +77,7 @@ def test_zero_one_adam_checkpoint_holds_diverged_replicas(compared: Path) -> Non
     )
 
 
+@pytest.mark.slow  # onebit train runs
 def test_a_run_says_which_kernels_its_optimizer_runs(compared: Path) -> None:
     printed = (compared / "stdout.txt").read_text()
     cpu = onebit.kernels.for_device(torch.device("cpu")).name
@@ -89,6 +91,7 @@ def test_a_run_says_which_kernels_its_optimizer_runs(compared: Path) -> None:
     assert f"on cpu, {cpu} kernels" in printed
 
 
+@pytest.mark.slow  # onebit train runs
 def test_a_run_counts_its_rounds(compared: Path) -> None:
     """Each run's summary, log line and ``--compare`` table give the collectives its steps
     waited on: DDP's one per bucket, a 1-bit exchange's two, none for 0/1 Adam's local steps."""
@@ -109,6 +112,7 @@ def test_a_run_counts_its_rounds(compared: Path) -> None:
     assert "| rounds |" in table and f"| {zero_one['rounds']:,} |" in table
 
 
+@pytest.mark.slow  # onebit train runs
 def test_a_compare_row_takes_its_own_settings(compared: Path) -> None:
     row = compared / "onebit-adam-warmup-fp32-freeze-5"
     summary = json.loads((row / "summary.json").read_text())
@@ -146,6 +150,7 @@ def test_defaults_compress_the_warmup_and_freeze_by_the_variance(tmp_path: Path)
     assert row.errors == "bf16" and row.label(True, "int4", "bf16") == "onebit-adam-errors-bf16"
 
 
+@pytest.mark.slow  # onebit train runs
 @pytest.mark.parametrize("label", RESUMED)
 def test_resume_continues_exactly(compared: Path, resumed: dict[str, Path], label: str) -> None:
     straight, tmp_path = compared / label, resumed[label]
@@ -157,6 +162,7 @@ def test_resume_continues_exactly(compared: Path, resumed: dict[str, Path], labe
         assert torch.equal(resumed[name], tensor), name
 
 
+@pytest.mark.slow  # onebit train runs
 def test_resume_refuses_changed_options(compared: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--resume", str(compared / "adamw"), "--lr", "0.1"])
@@ -263,6 +269,7 @@ def wandb_offline(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # onebit train runs
 def test_fp16_clipping_and_every_log_backend_resume_exactly(
     tmp_path: Path, data_cache: Path
 ) -> None:

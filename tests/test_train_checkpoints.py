@@ -14,6 +14,8 @@ from train_cli import TINY, onebit_train, read_metrics, refused, without_timing
 
 from onebit.train import checkpoint
 
+pytestmark = pytest.mark.slow  # every test reads or resumes onebit train runs
+
 RUN = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "2", "--keep", "2"]
 
 

@@ -13,6 +13,7 @@ import torch
 from backends import use_backend
 from distributed import run_ranks
 from family import all_equal, loss_of, make_model, make_optimizer, params_of
+from heavy import slow
 
 import onebit
 from onebit.wire.quantized import QuantizedAllreduce
@@ -140,7 +141,9 @@ def _on_triton(rank, world_size, bits, at_once):
     return history, errors, opt.skipped_steps, took[0], len(opt.warmup_comms)
 
 
-@pytest.mark.parametrize("world_size, bits", [(1, "int4"), (3, "int8"), (3, "int4"), (2, "bf16")])
+@pytest.mark.parametrize(
+    "world_size, bits", [(1, "int4"), slow(3, "int8"), slow(3, "int4"), (2, "bf16")]
+)
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, bits):
     """On Triton, the quantized warmup of every bucket at once (a few launches and two
     collectives a step, whatever the buckets) against the same kernels a bucket at a time, bit
