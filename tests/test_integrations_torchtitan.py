@@ -64,7 +64,10 @@ def _observe(trainer) -> dict:
 
 
 def _train(rank: int, world_size: int, assets, dump: str, name: str | None, options: dict):
+    """:data:`STEPS` steps of optimizer ``name``, or of AdamW (``None``), which saves at step 2
+    through torchtitan's checkpointer (the start of the runs that load it)."""
     torchtitan_cpu.patch_for_the_cpu()
+    config = _config(assets, dump, name, **options)
     if name is None:
         from torchtitan.distributed import utils
 
@@ -75,15 +78,24 @@ def _train(rank: int, world_size: int, assets, dump: str, name: str | None, opti
             return _ADAMW_NORMS[-1]
 
         utils.clip_grad_norm_ = recorded
-    return torchtitan_cpu.train(_config(assets, dump, name, **options), _observe)
+        config.checkpoint.enable = True
+        config.checkpoint.interval = 2
+    return torchtitan_cpu.train(config, _observe)
+
+
+@pytest.fixture(scope="module")
+def adamw(assets, tmp_path_factory) -> tuple[list, str]:
+    """torchtitan's HSDP + AdamW: what each rank saw at each step, and where it saved."""
+    dump = str(tmp_path_factory.mktemp("adamw"))
+    return run_ranks(_train, 4, assets, dump, None, {}, timeout=600), dump
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_warmup_is_torchtitans_hsdp_adamw_and_1_bit_crosses_replicas_only(assets, tmp_path):
-    adamw = run_ranks(_train, 4, assets, str(tmp_path / "a"), None, {}, timeout=600)
+def test_warmup_is_torchtitans_hsdp_adamw_and_1_bit_crosses_replicas_only(assets, adamw, tmp_path):
+    adamw, _ = adamw
     options = {"freeze_step": FREEZE, "warmup_compression": "fp32"}
     onebit = run_ranks(_train, 4, assets, str(tmp_path / "b"), "OnebitAdam", options, timeout=600)
     for rank in range(4):
@@ -150,14 +162,14 @@ def test_resume_from_torchtitans_checkpoints_is_bitwise_through_the_freeze(asset
     assert all("2 replicas x 2 shards" in message for message in refused)
 
 
-def _start_from_adamw(rank, world_size, assets, dump: str, name: str | None, exclude: list):
-    """AdamW saves at step 2 of 4; a onebit run loads step 2, its optimizer state excluded or
-    not."""
+def _start_from_adamw(rank, world_size, assets, dump: str, exclude: list):
+    """1-bit Adam (freeze_step=1) loads AdamW's step 2 and runs to step 4, its optimizer state
+    excluded or not."""
     torchtitan_cpu.patch_for_the_cpu()
-    config = _config(assets, dump, name, steps=4, **({} if name is None else {"freeze_step": 1}))
+    config = _config(assets, dump, "OnebitAdam", steps=4, freeze_step=1)
     config.checkpoint.enable = True
     config.checkpoint.interval = 2
-    config.checkpoint.load_step = -1 if name is None else 2
+    config.checkpoint.load_step = 2
     config.checkpoint.exclude_from_loading = exclude
     try:
         return torchtitan_cpu.train(config, _observe)
@@ -165,13 +177,11 @@ def _start_from_adamw(rank, world_size, assets, dump: str, name: str | None, exc
         return str(error)
 
 
-def test_an_adamw_checkpoint_is_refused_unless_its_optimizer_state_is_left_out(assets, tmp_path):
-    dump = str(tmp_path / "run")
-    run_ranks(_start_from_adamw, 4, assets, dump, None, [], timeout=600)
-    refused = run_ranks(_start_from_adamw, 4, assets, dump, "OnebitAdam", [], timeout=600)
+def test_an_adamw_checkpoint_is_refused_unless_its_optimizer_state_is_left_out(assets, adamw):
+    _, dump = adamw  # the runs save their step 4 beside AdamW's
+    refused = run_ranks(_start_from_adamw, 4, assets, dump, [], timeout=600)
     assert all("exclude_from_loading optimizer" in message for message in refused)
-    started = run_ranks(_start_from_adamw, 4, assets, dump, "OnebitAdam", ["optimizer"],
-                        timeout=600)  # fmt: skip
+    started = run_ranks(_start_from_adamw, 4, assets, dump, ["optimizer"], timeout=600)
     for rank in range(4):
         assert [s["stage"] for s in started[rank]] == ["warmup", "compression"]  # steps 3 and 4
     assert _equal(started[0][-1]["params"], started[2][-1]["params"])
