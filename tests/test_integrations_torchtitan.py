@@ -19,10 +19,15 @@ pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 import torchtitan_cpu  # noqa: E402
-from distributed import run_ranks  # noqa: E402
+from distributed import run_ranks as _run_ranks  # noqa: E402
 
 STEPS, FREEZE = 4, 2
 _ADAMW_NORMS: list[torch.Tensor] = []  # torchtitan's clip_grad_norm_'s, in an AdamW rank
+
+
+def run_ranks(fn, *args) -> list:
+    """``fn`` on 4 ranks, forked from a server that imported what torchtitan imports."""
+    return _run_ranks(fn, 4, *args, timeout=600, frameworks=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,7 @@ def _train(rank: int, world_size: int, assets, dump: str, name: str | None, opti
 def adamw(assets, tmp_path_factory) -> tuple[list, str]:
     """torchtitan's HSDP + AdamW: what each rank saw at each step, and where it saved."""
     dump = str(tmp_path_factory.mktemp("adamw"))
-    return run_ranks(_train, 4, assets, dump, None, {}, timeout=600), dump
+    return run_ranks(_train, assets, dump, None, {}), dump
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -97,7 +102,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def test_warmup_is_torchtitans_hsdp_adamw_and_1_bit_crosses_replicas_only(assets, adamw, tmp_path):
     adamw, _ = adamw
     options = {"freeze_step": FREEZE, "warmup_compression": "fp32"}
-    onebit = run_ranks(_train, 4, assets, str(tmp_path / "b"), "OnebitAdam", options, timeout=600)
+    onebit = run_ranks(_train, assets, str(tmp_path / "b"), "OnebitAdam", options)
     for rank in range(4):
         assert onebit[rank][0]["meshes"] == [1]  # FSDP2 shards on the 1-D fsdp mesh
         assert onebit[rank][0]["group"] == [rank % 2, rank % 2 + 2]  # dp_replicate
@@ -143,22 +148,19 @@ def test_resume_from_torchtitans_checkpoints_is_bitwise_through_the_freeze(asset
     import shutil
 
     options = {"freeze_step": 3, "warmup_compression": "int4"}
-    whole = run_ranks(_train_with_checkpoints, 4, assets, str(tmp_path / "run"), 0, options,
-                      timeout=600)  # fmt: skip
+    whole = run_ranks(_train_with_checkpoints, assets, str(tmp_path / "run"), 0, options)
     assert [s["stage"] for s in whole[0]] == ["warmup"] * 3 + ["compression"] * 2
     for saved_at in (2, 4):
         dump = tmp_path / f"resumed_{saved_at}"
         shutil.copytree(tmp_path / "run" / "checkpoint", dump / "checkpoint")
-        resumed = run_ranks(
-            _train_with_checkpoints, 4, assets, str(dump), saved_at, options, timeout=600
-        )
+        resumed = run_ranks(_train_with_checkpoints, assets, str(dump), saved_at, options)
         for rank in range(4):
             assert len(resumed[rank]) == 5 - saved_at
             for mine, theirs in zip(resumed[rank], whole[rank][saved_at:]):
                 assert _equal(mine["params"], theirs["params"])
                 assert mine["bytes"] == theirs["bytes"]
     # on 4 replicas x 1 shard the error buffers cannot follow: every rank refuses
-    refused = run_ranks(_train_with_checkpoints, 4, assets, str(dump), 4, options, 4, timeout=600)
+    refused = run_ranks(_train_with_checkpoints, assets, str(dump), 4, options, 4)
     assert all("2 replicas x 2 shards" in message for message in refused)
 
 
@@ -179,9 +181,9 @@ def _start_from_adamw(rank, world_size, assets, dump: str, exclude: list):
 
 def test_an_adamw_checkpoint_is_refused_unless_its_optimizer_state_is_left_out(assets, adamw):
     _, dump = adamw  # the runs save their step 4 beside AdamW's
-    refused = run_ranks(_start_from_adamw, 4, assets, dump, [], timeout=600)
+    refused = run_ranks(_start_from_adamw, assets, dump, [])
     assert all("exclude_from_loading optimizer" in message for message in refused)
-    started = run_ranks(_start_from_adamw, 4, assets, dump, ["optimizer"], timeout=600)
+    started = run_ranks(_start_from_adamw, assets, dump, ["optimizer"])
     for rank in range(4):
         assert [s["stage"] for s in started[rank]] == ["warmup", "compression"]  # steps 3 and 4
     assert _equal(started[0][-1]["params"], started[2][-1]["params"])
@@ -190,7 +192,7 @@ def test_an_adamw_checkpoint_is_refused_unless_its_optimizer_state_is_left_out(a
 @pytest.mark.parametrize("name", ["ZeroOneAdam", "OnebitLamb"])
 def test_zero_one_adam_and_onebit_lamb_train_through_their_freeze(assets, tmp_path, name):
     options = {"var_freeze_step": FREEZE} if name == "ZeroOneAdam" else {"freeze_step": FREEZE}
-    runs = run_ranks(_train, 4, assets, str(tmp_path), name, options, timeout=600)
+    runs = run_ranks(_train, assets, str(tmp_path), name, options)
     for rank in range(4):
         stages = [s["stage"] for s in runs[rank]]
         last = runs[rank][-1]
@@ -303,8 +305,8 @@ def _train_the_example(rank, world_size, assets, dump: str, onebit: bool):
 
 
 def test_the_example_with_accumulation_bf16_compile_and_activation_checkpointing(assets, tmp_path):
-    adamw = run_ranks(_train_the_example, 4, assets, str(tmp_path / "a"), False, timeout=600)
-    onebit = run_ranks(_train_the_example, 4, assets, str(tmp_path / "b"), True, timeout=600)
+    adamw = run_ranks(_train_the_example, assets, str(tmp_path / "a"), False)
+    onebit = run_ranks(_train_the_example, assets, str(tmp_path / "b"), True)
     assert onebit[0][0]["accumulation"] == 2
     assert [s["stage"] for s in onebit[0]] == ["warmup", "warmup", "compression"]
     assert "stage: compression" in onebit[0][-1]["logged"][0]  # the onebit metrics line

@@ -3,7 +3,8 @@
 
 torchtitan 0.3 targets GPUs; on the CPU it needs what :func:`patch_for_the_cpu` changes (none of
 it touches what onebit does): the device type (it falls back to ``"cuda"``), the CUDA memory
-monitor, FlexAttention (no CPU backward: a dense masked softmax with the same mask instead), the
+monitor, FlexAttention (no CPU backward: a dense masked softmax with the same mask instead, whose
+block mask is built eagerly, not compiled: seconds a rank), the
 process-group timeouts (a function torch 2.13 lacks), and FSDP2's ``PREMUL_SUM`` reduce-scatter,
 which gloo refuses (:func:`sum_reductions`: FSDP2's own sum-then-scale path). The package ships no
 dataset or tokenizer: :func:`write_assets` makes both from text that ships with Python.
@@ -35,6 +36,7 @@ def patch_for_the_cpu(cpu: bool = True) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["LOCAL_RANK"] = "0"
 
+    from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.components import metrics
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common import attention
@@ -57,6 +59,7 @@ def patch_for_the_cpu(cpu: bool = True) -> None:
 
     metrics.build_device_memory_monitor = _NoMemory
     attention.FlexAttention.compiled_flex_attn = staticmethod(_dense_flex_attention)
+    attention._compiled_create_block_mask = create_block_mask
 
 
 def _dense_flex_attention(
