@@ -124,15 +124,15 @@ def assert_skipped_on_every_rank(params: list[list[torch.Tensor]], skipped: list
 def check_plain_loop_and_exact_resume(train: Callable, resume: Callable, out: str) -> None:
     """Run the rank functions ``train`` then ``resume`` on 2 ranks: the framework must train as
     the plain loop does, sending 1 bit, and resume exactly."""
-    results = run_ranks(train, 2, out, timeout=240)
+    results = run_ranks(train, 2, out, timeout=240, frameworks=True)
     assert_trained_as_a_plain_loop(results)
-    assert_resumed_exactly(results, run_ranks(resume, 2, out, timeout=240))
+    assert_resumed_exactly(results, run_ranks(resume, 2, out, timeout=240, frameworks=True))
 
 
 def check_an_inf_on_one_rank_skips_everywhere(run: Callable, out: str) -> None:
     """``run(rank, world_size, out, inf_at)`` puts an inf on one rank after the freeze; every
     rank must skip that step."""
-    results = run_ranks(run, 2, out, FREEZE + 2, timeout=240)
+    results = run_ranks(run, 2, out, FREEZE + 2, timeout=240, frameworks=True)
     assert_skipped_on_every_rank(*zip(*results))
 
 

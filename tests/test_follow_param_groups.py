@@ -272,6 +272,6 @@ def test_accelerate_fsdp2_prepare_after_the_optimizer_is_an_error_on_every_rank(
     mesh where FSDP2 would average across replicas itself), every rank raises, naming the fix,
     and the model is unchanged: never a step that trains nothing."""
     pytest.importorskip("accelerate")
-    for error, unchanged in run_ranks(_accelerate_fsdp2, 4, hsdp, timeout=300):
+    for error, unchanged in run_ranks(_accelerate_fsdp2, 4, hsdp, timeout=300, frameworks=True):
         assert error is not None and "ranks 0, 1, 2, 3 have parameters in param_groups" in error
         assert why in error and unchanged

@@ -99,7 +99,7 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
     """Saved after the freeze, by Accelerate's ``save_state`` (either state dict type) or
     ``onebit.fsdp.save``, the run resumes bit for bit."""
     out = str(tmp_path / "checkpoint")
-    runs = run_ranks(_train, 4, out, how, False, timeout=300)
+    runs = run_ranks(_train, 4, out, how, False, timeout=300, frameworks=True)
     for run in runs:
         assert run["frozen"] and not all_equal(run["first"], run["params"])
         assert run["stats"].steps["compression"] == STEPS - FREEZE
@@ -112,7 +112,7 @@ def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(
         assert sorted(path.name for path in (Path(out) / "onebit").iterdir()) == [
             f"rank_{rank}.pt" for rank in range(4)
         ]
-    resumed = run_ranks(_train, 4, out, how, True, timeout=300)
+    resumed = run_ranks(_train, 4, out, how, True, timeout=300, frameworks=True)
     assert_resumed_from(runs, resumed, SAVE_AT)
 
 
@@ -151,7 +151,7 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
 
 
 def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
-    results = run_ranks(_refusals, 4, str(tmp_path / "state"), timeout=300)
+    results = run_ranks(_refusals, 4, str(tmp_path / "state"), timeout=300, frameworks=True)
     for rank, errors in enumerate(results):
         assert "build the optimizer with max_grad_norm=1.0" in errors["clip"]
         assert f"onebit/rank_{rank}.pt is missing" in errors["load_state"]
@@ -188,7 +188,7 @@ def _accelerate_own_prepare(rank: int, world_size: int) -> tuple[int, str | None
 
 def test_accelerate_own_prepare_of_empty_shards_raises_on_every_rank_instead_of_hanging():
     """The ranks with the empty shards name the fix; the others point to them."""
-    for shard, error in run_ranks(_accelerate_own_prepare, 4, timeout=300):
+    for shard, error in run_ranks(_accelerate_own_prepare, 4, timeout=300, frameworks=True):
         assert error is not None
         if shard == 1:
             assert "a parameter twice" in error

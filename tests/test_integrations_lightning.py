@@ -96,5 +96,7 @@ def _local_clipping(rank, world_size, out):
 
 
 def test_lightning_clipping_the_optimizer_does_not_do_is_a_clear_error_on_every_rank(tmp_path):
-    errors = run_ranks(_local_clipping, 2, str(tmp_path / "checkpoints"), timeout=240)
+    errors = run_ranks(
+        _local_clipping, 2, str(tmp_path / "checkpoints"), timeout=240, frameworks=True
+    )
     assert all("gradient_clip_val=1.0) would clip each rank" in e for e in errors)

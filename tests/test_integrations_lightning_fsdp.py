@@ -93,7 +93,7 @@ def _fit_and_resume(rank: int, world_size: int, out: str) -> tuple[dict, dict]:
 
 def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(tmp_path):
     out = str(tmp_path / "checkpoints")
-    runs, resumed = zip(*run_ranks(_fit_and_resume, 4, out, timeout=400))
+    runs, resumed = zip(*run_ranks(_fit_and_resume, 4, out, timeout=400, frameworks=True))
     steps = EPOCHS * STEPS_PER_EPOCH
     for run in runs:
         assert run["frozen"] and len(run["batches"]) == steps
@@ -124,7 +124,7 @@ def _refusals(rank: int, world_size: int, out: str) -> dict[str, str]:
 def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
     out = tmp_path / "not-a-checkpoint"
     out.mkdir()
-    for rank, errors in enumerate(run_ranks(_refusals, 4, str(out), timeout=400)):
+    for rank, errors in enumerate(run_ranks(_refusals, 4, str(out), timeout=400, frameworks=True)):
         assert "build the optimizer with max_grad_norm=1.0" in errors["clip"]
         assert "keep the default, True" in errors["gathered"]
         assert f"onebit/rank_{rank}.pt is missing" in errors["resume"]

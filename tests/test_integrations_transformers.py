@@ -102,10 +102,10 @@ def _resume(rank, world_size, out, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_is_a_plain_loop_sends_one_bit_and_resumes_exactly(tmp_path, name):
     out = str(tmp_path / "run")
-    results = run_ranks(_train_then_replay, 2, out, name, timeout=240)
+    results = run_ranks(_train_then_replay, 2, out, name, timeout=240, frameworks=True)
     assert_trained_as_a_plain_loop(results)
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
-    resumed = run_ranks(_resume, 2, out, name, timeout=240)
+    resumed = run_ranks(_resume, 2, out, name, timeout=240, frameworks=True)
     assert [num_steps for _, num_steps in resumed] == [STEPS, STEPS]
     assert_resumed_exactly(results, [params for params, _ in resumed])
 
@@ -117,7 +117,9 @@ def _bf16_with_inf(rank, world_size, out, inf_at):
 
 
 def test_bf16_and_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    results = run_ranks(_bf16_with_inf, 2, str(tmp_path / "run"), FREEZE + 2, timeout=240)
+    results = run_ranks(
+        _bf16_with_inf, 2, str(tmp_path / "run"), FREEZE + 2, timeout=240, frameworks=True
+    )
     assert_skipped_on_every_rank(*zip(*results))
 
 
@@ -144,7 +146,7 @@ def _unrouted_clipping(rank, world_size, out):
 
 
 def test_trainer_clipping_the_optimizer_does_not_do_is_a_clear_error_on_every_rank(tmp_path):
-    errors = run_ranks(_unrouted_clipping, 2, str(tmp_path / "run"), timeout=240)
+    errors = run_ranks(_unrouted_clipping, 2, str(tmp_path / "run"), timeout=240, frameworks=True)
     assert all("TrainingArguments(max_grad_norm=1.0) would clip each rank" in e for e in errors)
 
 

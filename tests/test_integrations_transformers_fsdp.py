@@ -77,7 +77,7 @@ def _train_and_resume(rank: int, world_size: int, out: str) -> tuple[dict, dict]
 
 def test_the_recipe_trains_with_one_bit_reads_distinct_data_and_resumes_exactly(tmp_path):
     out = str(tmp_path / "run")
-    runs, resumed = zip(*run_ranks(_train_and_resume, 4, out, timeout=400))
+    runs, resumed = zip(*run_ranks(_train_and_resume, 4, out, timeout=400, frameworks=True))
     for run in runs:
         assert run["frozen"] and len(run["batches"]) == STEPS
         assert run["stats"].steps["compression"] == STEPS - FREEZE
@@ -113,7 +113,7 @@ def _refusals(rank: int, world_size: int, out: str) -> dict[str, str]:
 def test_what_would_go_wrong_raises_on_every_rank_with_the_fix(tmp_path):
     out = tmp_path / "not-a-checkpoint"
     out.mkdir()
-    for errors in run_ranks(_refusals, 4, str(out), timeout=400):
+    for errors in run_ranks(_refusals, 4, str(out), timeout=400, frameworks=True):
         assert "pass max_grad_norm=1.0 to it" in errors["clip"]
         assert "load_best_model_at_end=True is not supported" in errors["best"]
         assert "leave fsdp out, shard_hsdp shards the model" in errors["fsdp"]
