@@ -47,3 +47,32 @@ def skip_repatching() -> None:
 
     patch_once.once_per_launch = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_once
+
+
+def cache_numpy_dtypes() -> None:
+    """Look up the numpy dtype of a Triton dtype in a table built once (idempotent).
+
+    The interpreter's ``_get_np_dtype``, called for every value an op makes, builds a table of
+    every Triton dtype (19 hashes) at each call. A block's numpy dtype is its element's (the
+    interpreter holds a block as an array of its elements), so the cache holds the plain dtypes;
+    pointers (unhashable) take the interpreter's own function. Where this Triton's interpreter
+    has no ``_get_np_dtype``, nothing changes."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    lookup = getattr(interpreter, "_get_np_dtype", None)
+    if lookup is None or getattr(lookup, "cached", False):
+        return
+    table: dict[Any, Any] = {}
+
+    def cached(tt_dtype: Any) -> Any:
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if type(element) is not tl.dtype:
+            return lookup(tt_dtype)
+        found = table.get(element)
+        if found is None:
+            found = table[element] = lookup(tt_dtype)
+        return found
+
+    cached.cached = True  # type: ignore[attr-defined]
+    interpreter._get_np_dtype = cached

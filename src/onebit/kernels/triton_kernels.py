@@ -42,7 +42,7 @@ from .triton_common import (
     lerp_coefficient,
     segments_to_scales,
 )
-from .triton_interpreter import skip_repatching
+from .triton_interpreter import cache_numpy_dtypes, skip_repatching
 from .triton_model import ModelPasses
 from .triton_passes import (
     decompress_kernel,
@@ -59,6 +59,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 reads it): the kernels then run on CPU tensors, in numpy."""
 if INTERPRETED:
     skip_repatching()
+    cache_numpy_dtypes()
 
 
 class _RunTables:
