@@ -7,7 +7,8 @@ call of a ``@triton.jit`` helper inside the kernel (``tl.sum`` among them), alth
 patched already: a walk over the whole language that took about a third of an interpreted
 optimizer step. :func:`skip_repatching` patches both language modules once per launch, and
 makes the helpers' calls patch nothing. What each op computes is unchanged: every builtin it
-calls is the interpreted one either way.
+calls is the interpreted one either way. :func:`cache_numpy_dtypes` stops the interpreter from
+rebuilding its table of dtypes for every value an op makes.
 """
 
 from __future__ import annotations
