@@ -367,9 +367,10 @@ def _run_triton(
 @pytest.mark.parametrize(
     "name,world_size,loop",
     [(name, 1, "plain") for name in STATE]
-    + [slow(name, 3, loop) for name in STATE for loop in ("plain", "max_grad_norm", "exp_avg_mask")]
+    + [slow(name, 3, "plain") for name in STATE]
+    + [slow(name, 2, loop) for name in STATE for loop in ("max_grad_norm", "exp_avg_mask")]
     + [slow(name, 1, loop) for name in STATE for loop in ("channels_last", "bf16")]
-    + [slow("OnebitAdam", 3, "fp16")],
+    + [slow("OnebitAdam", 2, "fp16")],
 )
 def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size, name, loop):
     """The Triton allreduce in a few launches whatever the buckets (:mod:`onebit.kernels.
@@ -379,7 +380,9 @@ def test_passes_over_every_bucket_give_the_bits_of_a_bucket_at_a_time(world_size
     coefficient the passes load from the device; with ``channels_last``, parameters addressed in
     memory order, with ``exp_avg_mask`` the masks the passes read, and in bf16 and fp16 the
     gradients and parameters read and rounded in their dtype (the C kernels' test above checks
-    those against the unfused path)."""
+    those against the unfused path). 3 ranks split the buckets' chunks unevenly; clipping,
+    masks and fp16 act on each rank's own gradient, which 2 ranks show at two thirds of the
+    cost."""
     args = (world_size, name, "signs")
     whole = run_ranks(_run_triton, *args, None, LOOPS[loop], timeout=600)
     per_bucket = run_ranks(_run_triton, *args, "stage", LOOPS[loop], timeout=600)
