@@ -202,9 +202,15 @@ GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, slow(3), slow(4)])
-@pytest.mark.parametrize("kernels", BACKENDS)
+@pytest.mark.parametrize(
+    "kernels,world",
+    [(k, 2) for k in BACKENDS]
+    + [slow(k, 3) for k in BACKENDS]
+    + [slow(k, 4) for k in BACKENDS if k != "triton"],
+)
 def test_gloo_ranks_match_the_stored_buffer_formulation(world, kernels, monkeypatch):
+    """Every backend on 2 and 3 ranks (chunks split evenly and not), and on 4 all but Triton,
+    whose interpreted ranks would run the programs of its 2 on chunks of other sizes."""
     use_backend(kernels, monkeypatch)
     calls, bad_call = 4, 2
     results = run_ranks(_calls_on_rank, world, kernels, GROUP_CASES, calls, bad_call, timeout=300)
