@@ -36,6 +36,9 @@ with or without clipping, as 0/1 Adam's compressed steps and syncs do. 1-bit LAM
 bucket at once where its momentum is not packed (here: clipping); packed, a bucket at a time."""
 
 
+AT_ONCE = [n for n in RUNS if n != "lamb"]  # packed: a bucket at a time
+
+
 def _count(cls: type, method: str, calls: list[int]) -> None:
     """Count the calls of ``cls.method`` in ``calls[0]`` (in a rank's own process)."""
     original = getattr(cls, method)
@@ -76,9 +79,16 @@ def _run(rank: int, world_size: int, name: str, whole: bool):
 
 
 @pytest.mark.skipif("triton" not in kernels.available(), reason="Triton cannot run here")
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "lamb"])  # packed: per bucket
-@pytest.mark.parametrize("world_size", [1, slow(3)])
+@pytest.mark.parametrize(
+    "world_size,name",
+    [(1, n) for n in AT_ONCE]
+    + [slow(3, n) for n in ("adam", "zero_one")]
+    + [slow(2, n) for n in AT_ONCE if n not in ("adam", "zero_one")],
+)
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, name):
+    """Every run on 1 rank; 1-bit and 0/1 Adam on 3 (chunks split unevenly); the runs with
+    clipping or a scale per bucket (1-bit LAMB's too), which change each rank's own gradient
+    or scales, on 2."""
     whole = run_ranks(_run, world_size, name, True, timeout=600)
     per_bucket = run_ranks(_run, world_size, name, False, timeout=600)
     for (calls, skipped, dropped, took, apart, fused), apart_run in zip(whole, per_bucket):

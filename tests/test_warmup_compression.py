@@ -142,13 +142,13 @@ def _on_triton(rank, world_size, bits, at_once):
 
 
 @pytest.mark.parametrize(
-    "world_size, bits", [(1, "int4"), slow(3, "int8"), slow(3, "int4"), (2, "bf16")]
+    "world_size, bits", [(1, "int4"), slow(2, "int8"), slow(3, "int4"), (2, "bf16")]
 )
 def test_every_bucket_at_once_gives_the_bits_of_a_bucket_at_a_time(world_size, bits):
     """On Triton, the quantized warmup of every bucket at once (a few launches and two
     collectives a step, whatever the buckets) against the same kernels a bucket at a time, bit
     for bit: parameters and both error buffers, through a missing gradient, a skipped step and
-    a resume."""
+    a resume. Chunks split unevenly on 3 ranks in int4; int8 differs in its width only."""
     at_once = run_ranks(_on_triton, world_size, bits, True, timeout=600)
     per_bucket = run_ranks(_on_triton, world_size, bits, False, timeout=600)
     for (history, errors, skipped, took, buckets), (want, want_errors, *rest) in zip(
