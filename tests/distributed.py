@@ -43,7 +43,8 @@ def run_ranks(
 
 def _preload_frameworks(wanted: bool) -> None:
     """Restart this process's forkserver, once, to import :data:`FRAMEWORKS` as well; keep them
-    from then on (a server that imported more serves every test)."""
+    from then on (a server that imported more serves every test). The restart is CPython's
+    ``ForkServer._stop`` (3.8 to 3.13); without it the ranks import the frameworks themselves."""
     global _frameworks_preloaded
     server = getattr(forkserver, "_forkserver", None)
     if wanted and not _frameworks_preloaded and hasattr(server, "_stop"):
