@@ -9,11 +9,13 @@ frameworks ask for :data:`FRAMEWORKS` too, which each of their ranks would impor
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
 import socket
 import sys
+import tempfile
 import time
 from multiprocessing import forkserver
 from pathlib import Path
@@ -63,16 +65,24 @@ def _preload_frameworks(wanted: bool) -> None:
         context.set_forkserver_preload([*launch.PRELOAD, *FRAMEWORKS])
 
 
-def run_script(script: Path, *args: str, ranks: int, log: Path, timeout: float) -> int:
+def run_script(
+    script: Path,
+    *args: str,
+    ranks: int,
+    timeout: float,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> list[tuple[int, str]]:
     """Run ``script`` as ``torchrun --standalone --nproc-per-node RANKS script *args`` does, with
     each rank forked from the server that imported :data:`FRAMEWORKS`: the same script, argument
-    list, ``sys.path`` (the script's folder first) and torchrun's environment variables, without
-    the seconds of CPU each torchrun rank spends importing torch and the frameworks.
+    list, ``sys.path`` (the script's folder first), working directory (``cwd``, else this
+    process's) and torchrun's environment variables (on top of this process's and ``env``),
+    without the seconds of CPU each torchrun rank spends importing torch and the frameworks.
 
-    Every rank's output goes to ``log``, rank 0's first; a rank's uncaught error is printed
-    there, as an interpreter prints it. Returns the exit code: 0, or that of a failed rank, as
-    torchrun does, after giving the other ranks :data:`_PEER_GRACE_S` seconds to fail too before
-    they are killed. Raises ``TimeoutError`` if the ranks run past ``timeout`` seconds.
+    Returns each rank's exit code and output (stdout and stderr, with a rank's uncaught error
+    printed as an interpreter prints it), rank 0's first. As under torchrun, once a rank has
+    failed the others are killed, after :data:`_PEER_GRACE_S` seconds to fail too. Raises
+    ``TimeoutError``, with the end of each rank's output, if they run past ``timeout`` seconds.
     """
     if launch.fast_start_method() != "forkserver":
         raise RuntimeError("run_script forks its ranks: it needs the forkserver (Linux, macOS)")
@@ -80,8 +90,9 @@ def run_script(script: Path, *args: str, ranks: int, log: Path, timeout: float) 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {
+    common = {
         **os.environ,
+        **(env or {}),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(ranks),
@@ -95,48 +106,58 @@ def run_script(script: Path, *args: str, ranks: int, log: Path, timeout: float) 
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-    logs = [log.with_name(f"{log.name}.rank{rank}") for rank in range(ranks)]
     context = multiprocessing.get_context("forkserver")
-    processes = [
-        context.Process(
-            target=_script_rank,
-            args=(
-                script,
-                args,
-                {**env, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                [str(script.parent), *sys.path],
-                logs[r],
-            ),
-        )
-        for r in range(ranks)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        deadline, failed_at = time.monotonic() + timeout, None
-        while any(p.exitcode is None for p in processes):
-            if failed_at is None and any(p.exitcode for p in processes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + _PEER_GRACE_S:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{script.name} on {ranks} ranks ran past {timeout}s")
-            time.sleep(0.2)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-        log.write_text("".join(path.read_text() for path in logs if path.exists()))
-    return next((p.exitcode for p in processes if p.exitcode), 0)
+    with tempfile.TemporaryDirectory() as logdir:
+        logs = [Path(logdir) / f"rank{rank}.txt" for rank in range(ranks)]
+        processes = []
+        for rank in range(ranks):
+            environ = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            where = (str(cwd or Path.cwd()), [str(script.parent), *sys.path])
+            target_args = (script, args, environ, *where, logs[rank])
+            processes.append(context.Process(target=_script_rank, args=target_args))
+            processes[-1].start()
+        try:
+            _wait(processes, timeout, f"{script.name} on {ranks} ranks")
+        except TimeoutError as hung:
+            tails = "".join(
+                f"\n-- rank {r}:\n{log.read_text()[-2000:]}" for r, log in enumerate(logs)
+            )
+            raise TimeoutError(f"{hung}{tails}") from None
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+        return [(p.exitcode, log.read_text()) for p, log in zip(processes, logs)]
+
+
+def _wait(processes: list[multiprocessing.process.BaseProcess], timeout: float, what: str) -> None:
+    """Until every process has exited, or one has failed and the rest had :data:`_PEER_GRACE_S`
+    seconds to; raise ``TimeoutError`` after ``timeout`` seconds."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.exitcode is None for p in processes):
+        if failed_at is None and any(p.exitcode for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + _PEER_GRACE_S:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} ran past {timeout}s")
+        time.sleep(0.2)
 
 
 def _script_rank(
-    script: Path, args: tuple[str, ...], environ: dict[str, str], path: list[str], log: Path
+    script: Path,
+    args: tuple[str, ...],
+    environ: dict[str, str],
+    cwd: str,
+    path: list[str],
+    log: Path,
 ) -> None:
-    """One rank of :func:`run_script`: run ``script`` as ``__main__`` with its output in ``log``."""
+    """One rank of :func:`run_script`: run ``script`` as ``__main__`` in ``cwd`` with its output
+    in ``log``, then the exit handlers it registered, as the interpreter would."""
     os.environ.clear()
     os.environ.update(environ)
+    os.chdir(cwd)
     sys.path[:] = path
     sys.argv = [str(script), *args]
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -144,4 +165,7 @@ def _script_rank(
     os.dup2(out, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    runpy.run_path(str(script), run_name="__main__")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()

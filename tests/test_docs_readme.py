@@ -4,15 +4,12 @@ and every default the README's tables state is the code's."""
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_script
 
 import onebit
 
@@ -43,58 +40,24 @@ def test_the_readme_has_runnable_blocks():
     assert len(readme) >= 3, readme
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # each block is a script on 2 ranks, as a user runs it
 @pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
 def test_a_runnable_block_runs_on_two_gloo_ranks(where, code, tmp_path):
-    """As ``torchrun --nproc-per-node 2`` would start it: each rank its own process, in one
-    working directory, with the environment torchrun sets.
+    """As ``torchrun --nproc-per-node 2`` would start it, in one working directory with the
+    environment torchrun sets, each rank forked from a server that imported torch and onebit
+    (:func:`distributed.run_script`).
 
-    A rank that ran the whole block may still abort as the interpreter exits, with "terminate
-    called without an active exception": a gloo worker thread dropping a finished collective
+    A rank that ran the whole block may still abort as it exits, with "terminate called without
+    an active exception": a gloo worker thread dropping a finished collective
     (pytorch/pytorch#179291, see ``onebit.train.launch.close_process_group``). That, and only
     after the block's last line ran, is tolerated."""
     script = tmp_path / "block.py"
     script.write_text(code + f"\nprint({DONE!r}, flush=True)\n")
-    port = _free_port()
-    procs = []
-    for rank in range(RANKS):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(RANKS),
-            "LOCAL_WORLD_SIZE": str(RANKS),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
-        )
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    ran = run_script(script, ranks=RANKS, timeout=TIMEOUT_S, cwd=tmp_path, env=env)
+    for rank, (returncode, out) in enumerate(ran):
         torn_down = DONE in out and out.rstrip().endswith(GLOO_TEARDOWN)
-        assert proc.returncode == 0 or torn_down, f"{where}, rank {rank}:\n{out}"
+        assert returncode == 0 or torn_down, f"{where}, rank {rank}:\n{out}"
         assert DONE in out, f"{where}, rank {rank}:\n{out}"
 
 
