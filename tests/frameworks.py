@@ -4,16 +4,27 @@ with Python, and the environment a launcher would give each rank."""
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from distributed import run_ranks
 from family import all_equal, params_of
 
 import onebit
+
+
+def needs(*modules: str) -> pytest.MarkDecorator:
+    """Skip a test module unless ``modules`` are installed, without importing them at
+    collection: Lightning's import alone costs each test process seconds of CPU, and the tests'
+    ranks import the frameworks from their forkserver anyway."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
+
 
 BLOCK = 32
 FREEZE = 3  # OnebitAdam freezes after 3 steps: every run here crosses it

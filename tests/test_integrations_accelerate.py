@@ -2,20 +2,19 @@
 plain loop, exact resume through save_state/load_state, bf16, and an inf on one rank."""
 
 import pytest
-
-pytest.importorskip("accelerate")
-pytestmark = pytest.mark.slow
-
-import torch  # noqa: E402
-from frameworks import (  # noqa: E402
+import torch
+from frameworks import (
     check_an_inf_on_one_rank_skips_everywhere,
     check_plain_loop_and_exact_resume,
     launched_as,
+    needs,
     onebit_adam,
     replay,
     text_windows,
     tiny_gpt2,
 )
+
+pytestmark = [pytest.mark.slow, needs("accelerate")]
 
 STEPS, SAVE_AT, BATCH = 8, 4, 4
 

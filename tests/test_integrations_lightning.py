@@ -3,21 +3,20 @@ ignores ``ddp_comm_hook``): 1-bit traffic, the same training as a plain loop, ex
 from Lightning's checkpoints, 16-mixed with its GradScaler, and an inf on one rank."""
 
 import pytest
-
-pytest.importorskip("lightning")
-pytestmark = pytest.mark.slow
-
-import torch  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from frameworks import (  # noqa: E402
+import torch
+from distributed import run_ranks
+from frameworks import (
     check_an_inf_on_one_rank_skips_everywhere,
     check_plain_loop_and_exact_resume,
     launched_as,
+    needs,
     onebit_adam,
     replay,
     text_windows,
     tiny_gpt2,
 )
+
+pytestmark = [pytest.mark.slow, needs("lightning")]
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 4  # 32 windows over 2 ranks
 

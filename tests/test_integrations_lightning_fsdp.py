@@ -9,21 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("lightning")
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
-
-import torch  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from frameworks import (  # noqa: E402
+import torch
+from distributed import run_ranks
+from frameworks import (
     FREEZE,
     Probe,
     assert_hybrid_shards_trained,
     assert_resumed_from,
     launched_as,
+    needs,
     text_windows,
 )
+
+pytestmark = [pytest.mark.slow, needs("lightning", "transformers")]
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 2, 4, 2  # 32 windows over 4 ranks
 

@@ -2,24 +2,23 @@
 plain loop, exact resume through Trainer's checkpoints, bf16, and an inf on one rank."""
 
 import pytest
-
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from family import NAMES, SETTINGS  # noqa: E402
-from frameworks import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from family import NAMES, SETTINGS
+from frameworks import (
     FREEZE,
     assert_resumed_exactly,
     assert_skipped_on_every_rank,
     assert_trained_as_a_plain_loop,
     fp32_bytes,
     launched_as,
+    needs,
     text_windows,
     tiny_gpt2,
 )
+
+pytestmark = [pytest.mark.slow, needs("transformers")]
 
 STEPS, SAVE_AT, BATCH = 8, 4, 4
 

@@ -9,21 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
-
-import torch  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from family import all_equal  # noqa: E402
-from frameworks import (  # noqa: E402
+import torch
+from distributed import run_ranks
+from family import all_equal
+from frameworks import (
     FREEZE,
     assert_hybrid_shards_trained,
     assert_resumed_from,
     launched_as,
+    needs,
     text_windows,
     tiny_gpt2,
 )
+
+pytestmark = [pytest.mark.slow, needs("transformers")]
 
 STEPS, SAVE_AT, BATCH = 8, 5, 2  # 64 windows over 4 ranks: one epoch
 
