@@ -11,13 +11,17 @@ if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, in n
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked ``cuda`` where there is no GPU."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Mark ``slow`` the tests marked ``slow_on_triton`` whose ``backend`` is Triton; skip the
+    tests marked ``cuda`` where there is no GPU."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
+        callspec = getattr(item, "callspec", None)
+        on_triton = callspec is not None and callspec.params.get("backend") == "triton"
+        if on_triton and "slow_on_triton" in item.keywords:
+            item.add_marker(pytest.mark.slow)
+        if skip and "cuda" in item.keywords:
             item.add_marker(skip)
 
 

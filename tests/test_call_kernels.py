@@ -185,6 +185,7 @@ SOLO_CASES = [
 ]
 
 
+@pytest.mark.slow_on_triton  # the inner loop runs Triton's calls on 2 ranks, below
 def test_world_size_one_matches_the_stored_buffer_formulation(backend):
     """Every case on every backend, but the 70,007 elements (numpy's chunk) on Triton: under its
     interpreter each of their 69 blocks runs the same program as the 4 of ``3 * BLOCK + 45``."""

@@ -10,6 +10,7 @@ import torch
 from backends import use_backend
 from distributed import run_ranks
 from family import SETTINGS, all_equal, batch, loss_of, make_model, make_optimizer, params_of
+from heavy import slow
 from optimizer_state import roundtrip, storage_bytes
 from torch.nn.parallel import DistributedDataParallel
 
@@ -80,7 +81,7 @@ def _pair(rank: int, world_size: int, name: str, loop: str, backend: str):
 CASES = [(name, 3, loop, "c") for name in SETTINGS for loop in list(LOOPS)[:3]]
 CASES += [("adam", 3, loop, "c") for loop in ("overlap_backward", "ddp_comm_hook")]
 CASES += [(name, 1, "plain", "torch") for name in SETTINGS]
-CASES += [("adam", 3, "plain", "triton")] + [
+CASES += [slow("adam", 3, "plain", "triton")] + [
     (name, 1, "plain", "triton") for name in ("lamb", "zero_one")
 ]
 

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from heavy import slow_on_triton
 
 from onebit import compress, kernels
 from onebit.compress import (
@@ -81,7 +82,8 @@ def values(numel, seed=0, special=True, non_finite=False, huge=True):
     return x
 
 
-SIZES = [8, 16, 24, 1000, 8 * 1001, CHUNK, CHUNK + 8, 2 * CHUNK + 40]
+PAST_CHUNK = [slow_on_triton(n) for n in (CHUNK, CHUNK + 8, 2 * CHUNK + 40)]
+SIZES = [8, 16, 24, 1000, 8 * 1001, *PAST_CHUNK]
 
 
 @pytest.mark.parametrize("numel", SIZES)
@@ -100,7 +102,7 @@ def test_sign_conventions(backend):
     assert unpack_signs(pack_signs(x)).tolist() == [1, 1, -1, -1, 1, -1, 1, -1]
 
 
-@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
+@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, slow_on_triton(CHUNK + 5)])
 @pytest.mark.parametrize("kind", ["rms", "mean_abs"])
 def test_scale(backend, numel, kind):
     x = values(numel, numel, huge=False)
@@ -121,7 +123,7 @@ def test_scale_overflows_like_torch(backend):
     assert torch.isinf(torch.linalg.vector_norm(x))
 
 
-@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, CHUNK + 5])
+@pytest.mark.parametrize("numel", [1, 7, 13, *SIZES, slow_on_triton(CHUNK + 5)])
 @pytest.mark.parametrize("scale_value", [0.0, 0.37, 3.0e38, float("inf"), float("nan")])
 def test_error_update(backend, numel, scale_value):
     y = values(numel, numel + 1, non_finite=True)
@@ -185,7 +187,7 @@ def _message(k, m, seed):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
-@pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
+@pytest.mark.parametrize("m", [1, 5, 130, slow_on_triton(CHUNK // 8 + 3)])
 def test_decompress(backend, k, m):
     packed, scales = _message(k, m, k * m)
     expected = (ref_unpack(packed) * scales[:, None]).view(-1)
@@ -213,7 +215,7 @@ def test_decompress_rejects_short_input():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
+@pytest.mark.parametrize("m", [1, 6, 130, slow_on_triton(CHUNK // 8 + 3)])
 def test_average_signs(backend, k, m):
     packed, scales = _message(k, m, 100 * k + m)
     out = torch.full((8 * m,), 5.0)
@@ -241,7 +243,7 @@ def _per_element(scales, bounds):
     return torch.repeat_interleave(scales, bounds.diff())
 
 
-@pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
+@pytest.mark.parametrize("numel", [8, 1000, slow_on_triton(CHUNK + 13)])
 @pytest.mark.parametrize("kind", ["rms", "mean_abs"])
 def test_segment_scales(backend, numel, kind):
     y, bounds = values(numel, numel, special=False), _bounds(numel, 1)
@@ -253,7 +255,7 @@ def test_segment_scales(backend, numel, kind):
         torch.testing.assert_close(scales[q], expected, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("numel", [8, 1000, CHUNK + 13])
+@pytest.mark.parametrize("numel", [8, 1000, slow_on_triton(CHUNK + 13)])
 def test_error_update_segments(backend, numel):
     y, bounds = values(numel, numel + 1), _bounds(numel, 2)
     scales = torch.rand(len(bounds) - 1) * 2
@@ -263,7 +265,7 @@ def test_error_update_segments(backend, numel):
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
-@pytest.mark.parametrize("m", [1, 6, CHUNK // 8 + 3])
+@pytest.mark.parametrize("m", [1, 6, 130, slow_on_triton(CHUNK // 8 + 3)])
 def test_average_signs_pieces(backend, k, m):
     packed, _ = _message(k, m, 7 * k + m)
     bounds = _bounds(8 * m, m)
@@ -279,7 +281,7 @@ def test_average_signs_pieces(backend, k, m):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("m", [1, 5, CHUNK // 8 + 3])
+@pytest.mark.parametrize("m", [1, 5, 130, slow_on_triton(CHUNK // 8 + 3)])
 def test_decompress_pieces(backend, k, m):
     packed, _ = _message(k, m, 11 * k + m)
     rows, expected_rows = [], []
