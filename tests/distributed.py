@@ -109,12 +109,12 @@ def run_script(
     context = multiprocessing.get_context("forkserver")
     with tempfile.TemporaryDirectory() as logdir:
         logs = [Path(logdir) / f"rank{rank}.txt" for rank in range(ranks)]
+        workdir, path = str(cwd or Path.cwd()), [str(script.parent), *sys.path]
         processes = []
         for rank in range(ranks):
             environ = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            where = (str(cwd or Path.cwd()), [str(script.parent), *sys.path])
-            target_args = (script, args, environ, *where, logs[rank])
-            processes.append(context.Process(target=_script_rank, args=target_args))
+            rank_args = (script, args, environ, workdir, path, logs[rank])
+            processes.append(context.Process(target=_script_rank, args=rank_args))
             processes[-1].start()
         try:
             _wait(processes, timeout, f"{script.name} on {ranks} ranks")
@@ -163,6 +163,7 @@ def _script_rank(
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    os.close(out)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     try:
