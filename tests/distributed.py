@@ -1,4 +1,5 @@
-"""Run a function on several gloo ranks in fresh processes, and collect what each returns.
+"""Run a function on several gloo ranks in fresh processes, and collect what each returns; or run
+a script as ``torchrun`` would start it (:func:`run_script`).
 
 The launcher is the library's own (:func:`onebit.train.launch.run_ranks`, which ``onebit train``,
 the benchmarks and the examples share); here each rank is forked from a server that imported
