@@ -363,3 +363,43 @@ def test_shard_trains_hsdp_and_onebit_side_by_side(tmp_path: Path, data_cache: P
     row = tmp_path / "onebit-adam-warmup-fp32"
     summary = json.loads((row / "summary.json").read_text())
     assert summary["workers"] == 4 and (row / "model.pt").exists()
+
+
+def _loop_collectives(rank: int, world_size: int, config: dict, out: str) -> tuple[list, dict]:
+    """Run ``config`` on this rank, counting the ``all_reduce`` calls the loop itself makes."""
+    import torch.distributed as dist
+
+    from onebit.train import loop
+
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == loop.__file__:
+            calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        summary = loop.train(loop.RunConfig.from_dict({**config, "out": out, "save_every": 0}),
+                             torch.device("cpu"))  # fmt: skip
+    finally:
+        dist.all_reduce = real
+    return calls, summary
+
+
+def test_the_loop_averages_training_losses_at_validations_not_every_step(
+    compared: Path, tmp_path: Path
+) -> None:
+    """A collective a step would cost a round trip a step on a long link, where 0/1 Adam's
+    local steps wait on none: the loop averages the training losses over the ranks in one
+    ``all_reduce`` at each validation (here steps 3 and 6, beside the validation's own)."""
+    from distributed import run_ranks
+
+    config = json.loads((compared / "adamw" / "config.json").read_text())
+    results = run_ranks(_loop_collectives, 2, config, str(tmp_path), timeout=120)
+    for calls, _ in results:
+        assert calls == [2, 3, 2, 3]  # validation (loss, count), then 3 steps' losses
+    expected = json.loads((compared / "adamw" / "summary.json").read_text())
+    assert results[0][1]["final_train_loss"] == expected["final_train_loss"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 7))

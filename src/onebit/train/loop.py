@@ -240,6 +240,7 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
     autocast = _autocast(config.amp, device)
     dist.barrier()
     t0 = time.perf_counter() - elapsed
+    pending: list[tuple[dict[str, Any], Tensor]] = []
     for step in range(start_step + 1, config.steps + 1):
         lr = lr_at(step, config)
         for group in opt.param_groups:
@@ -253,19 +254,19 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         stage, nbytes = trainer.stage(), trainer.last_step_bytes()
         sent[stage] = sent.get(stage, 0) + nbytes
         rounds[stage] = rounds.get(stage, 0) + trainer.last_step_rounds()
-        loss = loss.detach().float()
-        dist.all_reduce(loss)
         record = {
             "step": step,
             "samples": step * samples_per_step,
-            "loss/train": loss.item() / world_size,
+            "loss/train": math.nan,  # averaged over the ranks when logged
             "optim/lr": lr,
             "optim/skipped_steps": trainer.skipped_steps(),
             "comm/stage": stage,
             "comm/bytes": nbytes,
             "comm/bytes_total": sum(sent.values()),
         }
-        if step % config.eval_every == 0 or step == config.steps:
+        pending.append((record, loss.detach()))
+        evaluating = step % config.eval_every == 0 or step == config.steps
+        if evaluating:
             synced, synced_rounds = trainer.synchronize()
             if synced:
                 if not config.error_feedback:
@@ -280,12 +281,13 @@ def train(config: RunConfig, device: torch.device, resume: str | None = None) ->
         record["throughput/samples_per_s"] = (
             (step - start_step) * samples_per_step / (record["time/elapsed_s"] - elapsed)
         )
-        if logger is not None:
-            logger.log(record)
         if bar is not None:
-            bar.set_postfix(_postfix(record), refresh=False)
             bar.update()
-        if config.save_every and (step % config.save_every == 0 or step == config.steps):
+        saving = config.save_every and (step % config.save_every == 0 or step == config.steps)
+        if evaluating or saving:
+            _log(pending, logger, bar)
+            pending = []
+        if saving:
             state = {
                 "step": step,
                 "model": model.state_dict(),
@@ -374,6 +376,19 @@ def _progress(config: RunConfig, start_step: int) -> Any:
         dynamic_ncols=True,
         disable=not config.progress,
     )
+
+
+def _log(pending: list[tuple[dict[str, Any], Tensor]], logger: Any, bar: Any) -> None:
+    """Log the records of ``pending`` with their training losses averaged over the ranks, all
+    in one collective: one each step would cost the run a round trip a step on a long link."""
+    losses = torch.stack([loss.double() for _, loss in pending])
+    dist.all_reduce(losses)  # fp64: exact sums of fp32 losses, whatever the order
+    for (record, _), total in zip(pending, losses.tolist()):
+        record["loss/train"] = total / dist.get_world_size()
+        if logger is not None:
+            logger.log(record)
+    if bar is not None:
+        bar.set_postfix(_postfix(pending[-1][0]), refresh=False)
 
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:
