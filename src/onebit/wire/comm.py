@@ -28,12 +28,11 @@ from ..compress import (
 )
 from ..kernels.errors import check_error_dtype, fp32
 from ..stats import count_collective
-from .exchange import Exchange
+from .exchange import Exchange, start_gather
 from .protocol import TwoPhase, group_size_and_rank
 from .scales import ScaleGeometry, scale_rule
 
 _SCALE_BYTES = 4
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -427,10 +426,10 @@ class CompressedAllreduce(TwoPhase):
         if self.world_size == 1:
             call.gathered = message.view(1, -1)
             return
-        gathered = message.new_empty(self.world_size * message.numel())
+        gathered = message.new_empty(self.world_size, message.numel())
         count_collective()
-        call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
-        call.gathered = gathered.view(self.world_size, -1)
+        call.work = start_gather(gathered, message, self.group)
+        call.gathered = gathered
 
     def finish(self, call: Call, out: Tensor | None) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out`` (``None``:

@@ -2,12 +2,13 @@
 
 A compressed allreduce has two phases, each one collective: phase 1 sends row ``j`` of each
 rank's message to rank ``j`` (an all-to-all), phase 2 sends each rank's row to every rank (an
-all-gather). Started one bucket at a time, a step makes two collectives per bucket, and on many
-nodes their latency, not their bytes, sets the step's time. When a step starts every bucket at
-once (without ``overlap_backward``), an :class:`Exchange` holds the messages of all of them in
-one buffer, each bucket writing its own part, and sends it in one collective: two per step,
-whatever the number of buckets. The bytes each rank receives are the same, in the same places
-of each bucket's rows, so the results are bit for bit those of one collective per bucket.
+all-gather; :func:`start_gather`). Started one bucket at a time, a step makes two collectives
+per bucket, and on many nodes their latency, not their bytes, sets the step's time. When a step
+starts every bucket at once (without ``overlap_backward``), an :class:`Exchange` holds the
+messages of all of them in one buffer, each bucket writing its own part, and sends it in one
+collective: two per step, whatever the number of buckets. The bytes each rank receives are the
+same, in the same places of each bucket's rows, so the results are bit for bit those of one
+collective per bucket.
 
 The communicators take an exchange and a part where they would otherwise allocate and send
 their own message (:class:`~onebit.wire.comm.CompressedAllreduce`,
@@ -30,6 +31,30 @@ ALIGN = 16
 """Bytes each part's offset in a row is a multiple of: its scales can be read as fp32 in place."""
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def start_gather(out: Tensor, message: Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+    """Start phase 2: every rank's ``message`` into row ``r`` of ``out`` (``[n, bytes]``) on
+    every rank, asynchronously.
+
+    On gloo it is an all-to-all of the message to every rank: gloo's all-gather passes the rows
+    round a ring, ``n - 1`` one-way delays of the link, where its all-to-all sends them all at
+    once, in one. Each rank sends the same ``n - 1`` rows either way, so a compressed exchange on
+    gloo waits two delays, not ``n``: what decides a step on a long link. Other backends keep
+    their all-gather.
+    """
+    if _backend(group, message.device) != "gloo":
+        return _all_gather_single(out, message, group=group, async_op=True)
+    copies = message.reshape(1, -1).expand(out.shape[0], -1).contiguous()
+    return dist.all_to_all_single(out.view(out.shape[0], -1), copies, group=group, async_op=True)
+
+
+def _backend(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that runs ``group``'s collectives on ``device``'s tensors."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return dict(part.split(":") for part in backend.split(",")).get(device.type, "")
+    return backend
 
 
 def part_offsets(widths: Sequence[int]) -> tuple[list[int], int]:
@@ -96,7 +121,7 @@ class Exchange:
         count_collective()
         if self.gather:
             received = message.new_empty(n, message.shape[1])
-            self._work = _all_gather_single(received, message, group=self.group, async_op=True)
+            self._work = start_gather(received, message, self.group)
             self._received = received
         else:
             received = torch.empty_like(message)

@@ -31,7 +31,7 @@ from .. import kernels
 from ..compress import padded_numel
 from ..kernels.reference import QuantizedBucket
 from ..stats import count_collective
-from .exchange import Exchange
+from .exchange import Exchange, start_gather
 from .protocol import TwoPhase, finish_compressed_, group_size_and_rank
 from .quantize import (
     FLOAT_BYTES,
@@ -48,8 +48,6 @@ from .quantize import (
     tiles,
     unpack_int4_into,
 )
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -513,10 +511,10 @@ class QuantizedAllreduce(TwoPhase):
         if exchange is not None:
             call.exchange = exchange
             return
-        gathered = message.new_empty(self.world_size * message.numel())
+        gathered = message.new_empty(self.world_size, message.numel())
         count_collective()
-        call.work = _all_gather_single(gathered, message, group=self.group, async_op=True)
-        call.gathered = gathered.view(self.world_size, -1)
+        call.work = start_gather(gathered, message, self.group)
+        call.gathered = gathered
 
     def finish(self, call: _Call, out: Tensor) -> None:
         """Wait for phase 2 and write the result, ``numel`` elements, into ``out``."""
