@@ -4,10 +4,12 @@ on emulated hosts.
     sudo python benchmarks/link_latency.py                   # 4 hosts, 1 Gbit/s, 50 ms each way
 
 A compressed exchange is an ``all_to_all_single`` and an all-gather, DDP's bucket an
-``all_reduce``. On a link of one-way delay ``d``, gloo's all-to-all posts every message at once
-(about ``d``), its all-gather passes messages round a ring (``(n - 1) d``), and its all-reduce
-reduces and gathers round it (``2 (n - 1) d``). This prints the median of ``--repeats`` calls of
-each, with a 4 KiB message per rank, beside those multiples of the delay.
+``all_reduce``. gloo sends a message only once its receiver has said it is ready for it, so
+each message it waits on costs a round trip ``r`` of the link, however small: its all-to-all
+sends every message at once (``r``), its all-gather passes them round a ring (``(n - 1) r``),
+and its all-reduce reduces and then gathers round it (``2 (n - 1) r``). This prints the median
+of ``--repeats`` calls of each, with a 4 KiB message per rank, beside those multiples of the
+round trip.
 """
 
 from __future__ import annotations
@@ -93,14 +95,14 @@ def main() -> None:
     n = args.hosts
     hops = {"all_to_all_single": 1, "all_gather_into_tensor": n - 1, "all_reduce": 2 * (n - 1)}
     print(f"{n} hosts, {link_name(bits, delay)}, gloo, 4 KiB a rank, median of {args.repeats}\n")
-    print("| collective | measured | one-way delays | their time |")
+    print("| collective | measured | round trips | their time |")
     print("| --- | ---: | ---: | ---: |")
     for line in out.split("\n"):
         if not line.strip():
             continue
         name, seconds = line.split()
         k = hops.get(name)
-        expected = f"| {k} | {1e3 * k * delay:.0f} ms |" if k else "| | |"
+        expected = f"| {k} | {2e3 * k * delay:.0f} ms |" if k else "| | |"
         print(f"| `{name}` | {1e3 * float(seconds):.0f} ms {expected}")
 
 

@@ -133,8 +133,8 @@ def _gathered(rank, world_size):
 
 
 def test_phase_two_on_gloo_sends_every_row_in_one_all_to_all():
-    """gloo's all-gather is a ring, ``n - 1`` one-way delays; its all-to-all sends every row at
-    once. Every rank gets every rank's message in rank order, from one all-to-all."""
+    """gloo's all-gather is a ring, ``n - 1`` round trips of the link; its all-to-all sends every
+    row at once. Every rank gets every rank's message in rank order, from one all-to-all."""
     expected = torch.arange(5, dtype=torch.uint8) + 10 * torch.arange(3, dtype=torch.uint8)[:, None]
     for out, counts in run_ranks(_gathered, 3):
         assert torch.equal(out, expected)

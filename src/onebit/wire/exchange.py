@@ -37,11 +37,11 @@ def start_gather(out: Tensor, message: Tensor, group: dist.ProcessGroup | None) 
     """Start phase 2: every rank's ``message`` into row ``r`` of ``out`` (``[n, bytes]``) on
     every rank, asynchronously.
 
-    On gloo it is an all-to-all of the message to every rank: gloo's all-gather passes the rows
-    round a ring, ``n - 1`` one-way delays of the link, where its all-to-all sends them all at
-    once, in one. Each rank sends the same ``n - 1`` rows either way, so a compressed exchange on
-    gloo waits two delays, not ``n``: what decides a step on a long link. Other backends keep
-    their all-gather.
+    On gloo it is an all-to-all of the message to every rank. gloo sends a message once its
+    receiver is ready for it, a round trip of the link each; its all-gather passes the rows round
+    a ring, ``n - 1`` round trips, where its all-to-all sends them all at once, in one. Each rank
+    sends the same ``n - 1`` rows either way, so a compressed exchange on gloo waits two round
+    trips, not ``n``: what decides a step on a long link. Other backends keep their all-gather.
     """
     if _backend(group, message.device) != "gloo":
         return _all_gather_single(out, message, group=group, async_op=True)
