@@ -125,27 +125,23 @@ class Network:
         _run("ip", "-n", self.bridge, "link", "set", "lo", "up")
         _run("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.bridge, "link", "set", "br0", "up")
-        for k, ns in enumerate(self.namespaces):
-            _run("ip", "netns", "add", ns)
-            _run(
-                "ip",
-                "link",
-                "add",
-                f"{self.device}h{k}",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"{self.device}p{k}",
-            )
-            _run("ip", "link", "set", f"{self.device}h{k}", "netns", ns)
-            _run("ip", "link", "set", f"{self.device}p{k}", "netns", self.bridge)
-            _run("ip", "-n", ns, "link", "set", f"{self.device}h{k}", "name", INTERFACE)
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", INTERFACE)
-            _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", self.bridge, "link", "set", f"{self.device}p{k}", "master", "br0")
-            _run("ip", "-n", self.bridge, "link", "set", f"{self.device}p{k}", "up")
+        for k in range(self.hosts):
+            host, port = f"{self.device}h{k}", f"{self.device}p{k}"
+            _run("ip", "link", "add", host, "type", "veth", "peer", "name", port)
+            self._add_host(k, host)
+            _run("ip", "link", "set", port, "netns", self.bridge)
+            _run("ip", "-n", self.bridge, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.bridge, "link", "set", port, "up")
+
+    def _add_host(self, k: int, device: str) -> None:
+        """Host ``k``'s namespace, with ``device`` (now in this one) as its ``eth0``, up."""
+        ns = self.namespaces[k]
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "set", device, "netns", ns)
+        _run("ip", "-n", ns, "link", "set", device, "name", INTERFACE)
+        _run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", INTERFACE)
+        _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
 
     def relay_cpu_s(self) -> float:
         """CPU seconds the relay has used so far (0 without one): what the emulation took from
@@ -168,26 +164,14 @@ class Network:
             self.close()
             raise RuntimeError(f"netem_relay.py did not start: {line!r}")
         for k, ns in enumerate(self.namespaces):
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "set", f"{self.device}t{k}", "netns", ns)
-            _run("ip", "-n", ns, "link", "set", f"{self.device}t{k}", "name", INTERFACE)
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", INTERFACE)
-            _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            self._add_host(k, f"{self.device}t{k}")
             for name in ("tcp_rmem", "tcp_wmem"):
-                _run(
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "sysctl",
-                    "-q",
-                    "-w",
-                    f"net.ipv4.{name}={LONG_LINK_BUFFERS}",
-                )
+                sysctl = ["sysctl", "-q", "-w", f"net.ipv4.{name}={LONG_LINK_BUFFERS}"]
+                _run("ip", "netns", "exec", ns, *sysctl)
 
     def set_rate(self, bits: float) -> None:
-        """Limit every link to ``bits``/s each way: tbf on both ends of each veth."""
+        """Limit every link to ``bits``/s each way: tbf on both ends of each veth, or on the
+        host's end of each TUN device and the relay's pacing of what it delivers."""
         rate_bytes = bits / 8
         # The bucket must hold a GSO super-packet (64 KiB) and a few ms at the rate.
         burst = max(128 * 1024, int(rate_bytes * 0.004))
@@ -195,9 +179,8 @@ class Network:
         for k, ns in enumerate(self.namespaces):
             _run("tc", "-n", ns, "qdisc", "replace", "dev", INTERFACE, *args)
             if self.relay is None:
-                _run(
-                    "tc", "-n", self.bridge, "qdisc", "replace", "dev", f"{self.device}p{k}", *args
-                )
+                port = f"{self.device}p{k}"
+                _run("tc", "-n", self.bridge, "qdisc", "replace", "dev", port, *args)
         if self.relay is not None:
             self.relay.stdin.write(f"rate {bits}\n")
             self.relay.stdin.flush()
