@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from netem import INTERFACE, Network, link_name, namespaces_available, parse_delay, parse_rate
+from netem import Network, link_name, namespaces_available, parse_delay, parse_rate
 
 PORT = 29612
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "barrier")
@@ -80,16 +80,23 @@ def main() -> None:
             "--repeats",
             str(args.repeats),
         ]
-        procs = []
-        for rank in range(args.hosts):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.hosts),
-                       MASTER_ADDR=Network.address(0), MASTER_PORT=str(PORT),
-                       GLOO_SOCKET_IFNAME=INTERFACE, OMP_NUM_THREADS="1")  # fmt: skip
-            procs.append(subprocess.Popen(network.command(rank, argv), env=env,
-                                          stdout=subprocess.PIPE, text=True))  # fmt: skip
-        out = procs[0].communicate(timeout=600)[0]
-        for p in procs[1:]:
-            p.wait(timeout=60)
+        procs = [
+            subprocess.Popen(
+                network.command(rank, argv),
+                env=network.worker_env(rank, PORT),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(args.hosts)
+        ]
+        try:
+            out = procs[0].communicate(timeout=600)[0]
+            codes = [p.wait(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        if any(codes):
+            sys.exit(f"link_latency.py: a worker failed (exit {codes})")
     finally:
         network.close()
     n = args.hosts

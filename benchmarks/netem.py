@@ -185,6 +185,21 @@ class Network:
             self.relay.stdin.write(f"rate {bits}\n")
             self.relay.stdin.flush()
 
+    def worker_env(self, rank: int, port: int) -> dict[str, str]:
+        """This environment, plus what ``torchrun`` would give the one worker on host ``rank``,
+        its gloo bound to the host's link and one torch thread."""
+        return dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(self.hosts),
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=self.address(0),
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=INTERFACE,
+            OMP_NUM_THREADS="1",
+        )
+
     def command(self, k: int, argv: list[str]) -> list[str]:
         """``argv`` run inside host ``k``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[k], *argv]

@@ -71,22 +71,11 @@ def run_one(
     procs = []
     start = time.perf_counter()
     for rank in range(hosts):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(hosts),
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR=Network.address(0),
-            MASTER_PORT=str(PORT),
-            GLOO_SOCKET_IFNAME=INTERFACE,
-            OMP_NUM_THREADS="1",
-        )
         log = open(out.parent / f"{out.name}.rank{rank}.log", "w")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
                 network.command(rank, argv),
-                env=env,
+                env=network.worker_env(rank, PORT),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
